@@ -1,0 +1,277 @@
+"""Where raw records come from: local files, a directory of them, a Hugging Face hub dataset, or the generator.
+
+`open_source(spec, ...)` decides what `spec` names and returns a `Source` whose `records()` yields `Record`s,
+each with its location for error messages:
+
+- `path/to/file.jsonl:17` for JSON lines (`.jsonl`, or `.json` holding one object per line; a `.json` file that
+  starts with `[` is read as one JSON array and located as `file.json row 17`),
+- `path/to/file.parquet row 17`, `path/to/file.csv row 17` (row 1 is the first data row, after a CSV header),
+- `hub:openai/gsm8k[train] row 17`, `synthetic:addition row 17`.
+Every number counts from 1.
+
+How a spec is read, in this order:
+1. `synthetic`, `synthetic:addition`, `synthetic:countdown`: `data.synthetic.generate(rows, seed, kind)`.
+2. `hub:<id>`: a hub dataset, whatever is on disk.
+3. An existing path, or one that looks like a path (starts with `/`, `.` or `~`, has a data-file suffix, or has
+   more than one `/`): a local file or directory; if it does not exist, "source not found", never a hub lookup.
+4. Anything else (`name` or `owner/name`) is a hub dataset id, loaded with `datasets.load_dataset(id, config,
+   split=split)`.
+
+A directory is read non-recursively (a hub snapshot keeps configs in subdirectories, and mixing `main/` with
+`socratic/` would duplicate every problem). If some of its files are named for a split (`train.jsonl`,
+`test.parquet`, `train-00000-of-00002.parquet`), only the files of the requested split are read; otherwise all
+data files are read, in name order. `split` is ignored for a single file: naming the file chose the split.
+
+The hub is probed with a plain TCP connection before `load_dataset`: unreachable, `huggingface_hub` retries five
+times with backoff (about 25 s here) before it gives up, and we want one clear error at once.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import socket
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+from data.errors import DataError
+from data.manifest import MANIFEST, sha256_file
+
+# Read by huggingface_hub when it is first imported; only defaults, a user's own setting wins.
+os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "5")
+os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "10")
+
+SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+SYNTHETIC = "synthetic"
+# Names a directory's files are recognised by as splits, so that `--split` can pick one of them.
+SPLIT_NAMES = ("train", "test", "validation", "valid", "val", "dev", "heldout", "eval")
+
+
+@dataclass(frozen=True)
+class Record:
+    """One raw record. `data` is None when the record could not be parsed; `error` says why."""
+
+    where: str
+    data: dict | None
+    base_dir: Path | None = None  # relative paths inside the record (images) resolve against this
+    error: str | None = None
+    reason: str | None = None  # drop-count key when `data` is None
+
+
+@dataclass
+class Source:
+    """A resolved source: what to record in the manifest and how to read its records."""
+
+    kind: str  # "file" | "directory" | "hub" | "synthetic"
+    spec: str
+    read: Callable[[], Iterator[Record]]
+    files: list[Path] = field(default_factory=list)
+    info: dict = field(default_factory=dict)
+
+    def records(self) -> Iterator[Record]:
+        return self.read()
+
+    def describe(self) -> dict:
+        """The manifest's `source` entry: the spec, and a sha256 for each local file read."""
+        out = {"kind": self.kind, "spec": self.spec, **self.info}
+        if self.files:
+            out["files"] = [{"path": str(p.resolve()), "sha256": sha256_file(p)} for p in self.files]
+        return out
+
+
+def open_source(spec: str, *, split: str = "train", hub_config: str | None = None, seed: int = 0,
+                synthetic_rows: int = 2000) -> Source:
+    spec = str(spec)
+    if spec == SYNTHETIC or spec.startswith(SYNTHETIC + ":"):
+        return _synthetic(spec, synthetic_rows, seed)
+    if spec.startswith("hub:"):
+        return _hub(spec.removeprefix("hub:"), hub_config, split)
+    path = Path(spec).expanduser()
+    if path.exists():
+        return _directory(spec, path, split) if path.is_dir() else _file(spec, path)
+    if _looks_like_path(spec):
+        raise DataError(f"source not found: {spec}")
+    return _hub(spec, hub_config, split)
+
+
+def _looks_like_path(spec: str) -> bool:
+    return (spec.startswith(("/", ".", "~")) or Path(spec).suffix.lower() in SUFFIXES
+            or spec.count("/") > 1 or "\\" in spec)
+
+
+# --- local files ---
+
+def _file(spec: str, path: Path) -> Source:
+    if path.suffix.lower() not in SUFFIXES:
+        raise DataError(f"{spec}: unsupported file type '{path.suffix}'; expected one of {', '.join(SUFFIXES)}")
+    return Source("file", spec, lambda: read_file(path), files=[path], info={"path": str(path.resolve())})
+
+
+def _directory(spec: str, path: Path, split: str) -> Source:
+    files = split_files(path, split)
+    return Source("directory", spec, lambda: (r for f in files for r in read_file(f)), files=files,
+                  info={"path": str(path.resolve()), "split": split})
+
+
+def split_files(directory: Path, split: str) -> list[Path]:
+    """The data files of `directory` to read for `split` (see the module docstring)."""
+    files = sorted(p for p in directory.iterdir()
+                   if p.is_file() and p.suffix.lower() in SUFFIXES
+                   and not p.name.startswith(".") and p.name != MANIFEST)
+    if not files:
+        subdirs = sorted(p.name for p in directory.iterdir() if p.is_dir() and not p.name.startswith("."))
+        hint = f"; it has subdirectories {', '.join(subdirs)}: pass one of them" if subdirs else ""
+        raise DataError(f"{directory}: no data files ({', '.join(SUFFIXES)}) directly inside{hint}")
+    by_split = {name: [p for p in files if _split_of(p) == name] for name in SPLIT_NAMES}
+    if not any(by_split.values()):
+        return files
+    if by_split.get(split):
+        return by_split[split]
+    found = sorted({_split_of(p) for p in files} - {None})
+    raise DataError(f"{directory}: no files for split '{split}' (found splits: {', '.join(found)}); "
+                    f"pass --split with one of them, or name a file as the source")
+
+
+def _split_of(path: Path) -> str | None:
+    stem = path.name[: -len(path.suffix)].lower()
+    for name in SPLIT_NAMES:
+        if stem == name or stem.startswith((name + "-", name + "_", name + ".")):
+            return name
+    return None
+
+
+def read_file(path: Path) -> Iterator[Record]:
+    """Records of one local data file, in file order."""
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        return _read_parquet(path)
+    if suffix == ".csv":
+        return _read_csv(path)
+    return _read_json(path)
+
+
+def _read_json(path: Path) -> Iterator[Record]:
+    base = path.resolve().parent
+    with open(path, "rb") as f:
+        if path.suffix.lower() == ".json" and f.read(4096).lstrip().startswith(b"["):
+            f.seek(0)
+            try:
+                items = json.load(f)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+            for i, item in enumerate(items, 1):
+                yield _as_record(f"{path} row {i}", item, base)
+            return
+        f.seek(0)
+        # Bytes, decoded line by line, so that one bad line is one bad record with its line number.
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                item = json.loads(line.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                yield Record(where, None, base, f"not UTF-8 text ({e.reason})", "invalid JSON")
+                continue
+            except json.JSONDecodeError as e:
+                yield Record(where, None, base, f"not valid JSON ({e.msg} at column {e.colno})", "invalid JSON")
+                continue
+            yield _as_record(where, item, base)
+
+
+def _as_record(where: str, item: object, base: Path | None) -> Record:
+    if isinstance(item, dict):
+        return Record(where, item, base)
+    return Record(where, None, base, f"expected a JSON object, got {type(item).__name__}", "not an object")
+
+
+def _read_csv(path: Path) -> Iterator[Record]:
+    base = path.resolve().parent
+    with open(path, encoding="utf-8", newline="") as f:
+        for i, row in enumerate(csv.DictReader(f), 1):
+            yield Record(f"{path} row {i}", dict(row), base)
+
+
+def _read_parquet(path: Path) -> Iterator[Record]:
+    import pyarrow.parquet as pq  # a dependency of `datasets`; imported late to keep `data` light
+
+    base = path.resolve().parent
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises several types for a corrupt file
+        raise DataError(f"{path}: not a readable Parquet file ({e})") from None
+    i = 0
+    for batch in parquet.iter_batches(batch_size=1024):
+        for row in batch.to_pylist():
+            i += 1
+            yield Record(f"{path} row {i}", row, base)
+
+
+# --- the hub ---
+
+def _hub(dataset_id: str, config: str | None, split: str) -> Source:
+    label = f"hub:{dataset_id}[{split}]"
+    what = f"hub dataset '{dataset_id}'" + (f" (config '{config}')" if config else "")
+    local_hint = "pass a local --source (a .jsonl/.json/.parquet/.csv file or a directory of them)"
+    if not _offline() and (unreachable := _probe_hub()):
+        raise DataError(f"{what}: cannot reach the Hugging Face Hub ({unreachable}), and there is no local "
+                        f"file or directory named '{dataset_id}'; {local_hint}, or set HF_HUB_OFFLINE=1 to use "
+                        f"a copy in the local hub cache")
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(dataset_id, config, split=split)
+    except Exception as e:  # network, auth, missing config or split: all mean "cannot use this id"
+        raise DataError(f"{what}, split '{split}': {type(e).__name__}: {e}; {local_hint}") from None
+
+    def read() -> Iterator[Record]:
+        for i, row in enumerate(ds, 1):
+            yield Record(f"{label} row {i}", dict(row))
+
+    return Source("hub", dataset_id, read, info={"id": dataset_id, "config": config, "split": split,
+                                                  "fingerprint": getattr(ds, "_fingerprint", None)})
+
+
+def _offline() -> bool:
+    # What `load_dataset` will do, read where it reads it (fixed when `datasets` is first imported).
+    import datasets.config
+
+    return bool(datasets.config.HF_HUB_OFFLINE)
+
+
+def _probe_hub(timeout: float = 5.0) -> str | None:
+    """Why the hub endpoint cannot be reached, or None when it can (or when a proxy hides the answer)."""
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None  # a direct connection says nothing about the proxy route; let huggingface_hub try
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    url = urlparse(endpoint)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout).close()
+    except OSError as e:
+        return f"{endpoint}: {e.strerror or e}"
+    return None
+
+
+# --- the generator ---
+
+def _synthetic(spec: str, rows: int, seed: int) -> Source:
+    from data import synthetic
+
+    kind = spec.partition(":")[2] or "addition"
+    if kind not in synthetic.KINDS:
+        raise DataError(f"source '{spec}': unknown synthetic kind '{kind}'; "
+                        f"expected one of {', '.join(SYNTHETIC + ':' + k for k in synthetic.KINDS)}")
+    if rows < 1:
+        raise DataError(f"source '{spec}': synthetic_rows must be at least 1, got {rows}")
+
+    def read() -> Iterator[Record]:
+        for i, row in enumerate(synthetic.generate(rows, seed, kind), 1):
+            yield Record(f"{SYNTHETIC}:{kind} row {i}", row)
+
+    return Source("synthetic", spec, read, info={"generator": kind, "rows": rows, "seed": seed})

@@ -1,0 +1,97 @@
+"""Built-in synthetic tasks for the embedded default: seeded, solvable by construction, no network.
+
+Two kinds:
+- `addition`: "What is a + b?" with a, b in [0, 99]. Short enough that a ~1M-parameter model trained
+  for a few minutes on a CPU can partly solve it, which is what the embedded default needs: a base model
+  that is neither hopeless nor done, so that GRPO has something to improve. A fixed tenth of the 10,000
+  problems (chosen by hash) is the evaluation pool: its rows carry `split: heldout`, the others
+  `split: train`, and the tiny base model is warmed up on the train pool only, so held-out accuracy is
+  measured on problems no stage has trained on.
+- `countdown`: three numbers and a target reachable with + - * / using each number once (the target is
+  computed from a random expression over the numbers, so a solution exists).
+
+`worked_solution(row)` gives the reference completion in the `<think>…</think><answer>…</answer>`
+format; it is what the tiny base model is warmed up on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from fractions import Fraction
+
+KINDS = ("addition", "countdown")
+
+
+POOLS = ("all", "train", "eval")
+
+
+def in_eval_pool(a: int, b: int) -> bool:
+    return hashlib.sha256(f"{a}+{b}".encode()).digest()[0] % 10 == 0
+
+
+def _addition_row(a: int, b: int) -> dict:
+    return {"question": f"What is {a} + {b}?", "answer": str(a + b),
+            "split": "heldout" if in_eval_pool(a, b) else "train"}
+
+
+def _addition(n: int, rng: random.Random, pool: str) -> list[dict]:
+    pairs = [(a, b) for a in range(100) for b in range(100)
+             if pool == "all" or in_eval_pool(a, b) == (pool == "eval")]
+    rows = []
+    while len(rows) < n:  # distinct problems; cycle through reshuffles only when more are asked for
+        rng.shuffle(pairs)
+        rows += [_addition_row(a, b) for a, b in pairs[:n - len(rows)]]
+    return rows
+
+
+def _countdown(rng: random.Random) -> dict:
+    ops = "+-*/"
+    while True:
+        nums = [rng.randint(1, 30) for _ in range(3)]
+        x, y, z = rng.sample(nums, 3)
+        o1, o2 = rng.choice(ops), rng.choice(ops)
+        inner = _apply(Fraction(x), Fraction(y), o1)
+        if inner is None:
+            continue
+        value = _apply(inner, Fraction(z), o2)
+        if value is None or value.denominator != 1 or not 1 <= value <= 200:
+            continue
+        expr = f"({x} {o1} {y}) {o2} {z}"
+        return {"question": f"Using the numbers {nums}, create an equation that equals {int(value)}.",
+                "answer": str(int(value)), "nums": nums, "target": int(value), "solution": expr}
+
+
+def _apply(x: Fraction, y: Fraction, op: str) -> Fraction | None:
+    if op == "+":
+        return x + y
+    if op == "-":
+        return x - y
+    if op == "*":
+        return x * y
+    return None if y == 0 else x / y
+
+
+def generate(n: int, seed: int, kind: str = "addition", pool: str = "all") -> list[dict]:
+    """`n` rows of the given kind; the same (n, seed, kind, pool) always gives the same rows.
+
+    `pool` (addition only) restricts problems to the train pool, the evaluation pool, or neither.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown synthetic kind {kind!r}; expected one of {', '.join(KINDS)}")
+    if pool not in POOLS:
+        raise ValueError(f"unknown pool {pool!r}; expected one of {', '.join(POOLS)}")
+    rng = random.Random(f"{kind}:{seed}")
+    if kind == "addition":
+        return _addition(n, rng, pool)
+    return [_countdown(rng) for _ in range(n)]
+
+
+def worked_solution(row: dict) -> str:
+    """The reference completion for a synthetic row, in the think/answer format."""
+    if "nums" in row and "target" in row and "solution" in row:
+        return f"<think>{row['solution']} = {row['target']}</think><answer>{row['solution']}</answer>"
+    question = row["question"] if "question" in row else next(
+        m["content"] for m in row["prompt"] if m["role"] == "user")
+    a, b = (int(t) for t in question.removeprefix("What is ").removesuffix("?").split(" + "))
+    return f"<think>{a}+{b}={a + b}</think><answer>{a + b}</answer>"

@@ -1,0 +1,34 @@
+"""Shared fixtures: the real reference data in ../shared/data and one tiny base model per test session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def shared(*parts: str) -> Path:
+    path = SHARED_DATA.joinpath(*parts)
+    if not path.exists():
+        pytest.skip(f"reference data not found: {path} (tests read ../shared/data next to the repo)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_recipe():
+    from trainer.recipe import load_recipe
+    return load_recipe(REPO_ROOT / "configs" / "tiny-cpu.yaml")
+
+
+@pytest.fixture(scope="session")
+def tiny_base(tmp_path_factory, tiny_recipe) -> dict:
+    """The embedded default's base model, bootstrapped once per session (about 2 minutes on 2 cores)."""
+    from trainer.bootstrap import bootstrap
+    out = tmp_path_factory.mktemp("models") / "tiny-base"
+    return bootstrap(tiny_recipe.bootstrap, out=out, system_prompt=tiny_recipe.data.system_prompt, progress=False)

@@ -1,0 +1,67 @@
+"""The `grpoflow` command as a user runs it: subprocesses, `--json` as the last line, exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import REPO_ROOT, shared
+
+
+def grpoflow(*args: str, cwd=REPO_ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=600)
+
+
+def last_json(proc: subprocess.CompletedProcess) -> dict:
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_prep_json_on_real_gsm8k(tmp_path):
+    out = tmp_path / "X"
+    proc = grpoflow("prep", "--task", "gsm8k", "--source", str(shared("gsm8k", "train.jsonl")), "--out", str(out),
+                    "--json")
+    assert proc.returncode == 0, proc.stderr
+    summary = last_json(proc)
+    assert summary["rows"]["train"] + summary["rows"]["heldout"] == 7473
+    assert summary["out"] == str(out) and summary["manifest"] == str(out / "manifest.json")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["sha256"] == summary["sha256"] and manifest["task"] == "gsm8k"
+
+
+def test_prep_broken_line_fails_with_line_number_and_leaves_nothing(tmp_path):
+    lines = shared("countdown", "test.jsonl").read_text().splitlines()
+    lines[4] = '{"input": "1,2,3", "output": '
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "X"
+    proc = grpoflow("prep", "--task", "countdown", "--source", str(broken), "--out", str(out), "--json")
+    assert proc.returncode == 2
+    assert f"{broken}:5" in proc.stderr and "not valid JSON" in proc.stderr
+    assert last_json(proc)["exit_code"] == 2
+    assert not out.exists() and list(tmp_path.iterdir()) == [broken]
+
+    proc = grpoflow("prep", "--task", "countdown", "--source", str(broken), "--out", str(out), "--skip-invalid",
+                    "--json")
+    assert proc.returncode == 0, proc.stderr
+    summary = last_json(proc)
+    assert summary["rows"]["train"] + summary["rows"]["heldout"] == 255 and sum(summary["dropped"].values()) == 1
+
+
+def test_prep_recipe_flags_and_unknown_override(tmp_path):
+    proc = grpoflow("prep", "--task", "synthetic", "--source", "synthetic:countdown", "--out", str(tmp_path / "s"),
+                    "data.synthetic_rows=50", "--heldout", "10", "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = last_json(proc)["rows"]
+    assert rows["heldout"] == 10 and rows["train"] + rows["heldout"] <= 50
+    proc = grpoflow("prep", "--task", "gsm8k", "data.sourse=x", "--json")
+    assert proc.returncode == 2 and "did you mean 'source'" in proc.stderr
+
+
+def test_bootstrap_model_json_reports_cached_model(tiny_base):
+    proc = grpoflow("bootstrap-model", "--out", tiny_base["path"], "--json")
+    assert proc.returncode == 0, proc.stderr
+    summary = last_json(proc)
+    assert summary["cached"] is True and summary["path"] == tiny_base["path"]
+    assert 0.2 <= summary["heldout_accuracy"] <= 0.7

@@ -1,0 +1,415 @@
+"""Dataset preparation on the real reference data in ../shared/data and on small files written here.
+
+Expected answers were read off the source files by hand (e.g. gsm8k/train.jsonl line 1 ends in `#### 72`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from data.adapters import COUNTDOWN_PROMPT, last_boxed, numina
+from data.prepare import DataError, load_prepared, prepare
+from data.schema import SYSTEM_PROMPT, user_text
+from data.synthetic import in_eval_pool
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared" / "data"
+GSM8K = SHARED / "gsm8k" / "train.jsonl"
+MATH500 = SHARED / "math_500" / "test.jsonl"
+COUNTDOWN = SHARED / "countdown" / "test.jsonl"
+
+needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f"reference data not found at {SHARED}")
+
+
+def all_rows(out: Path) -> dict[str, dict]:
+    rows = load_prepared(out, "train") + load_prepared(out, "heldout")
+    by_id = {r["id"]: r for r in rows}
+    assert len(by_id) == len(rows), "ids must be unique"
+    return by_id
+
+
+def manifest(out: Path) -> dict:
+    return json.loads((out / "manifest.json").read_text())
+
+
+def copy_lines(src: Path, dst: Path, n: int, edit: dict[int, str] | None = None) -> Path:
+    """The first `n` lines of `src`, with 1-based line numbers in `edit` replaced."""
+    lines = src.read_text(encoding="utf-8").splitlines()[:n]
+    for lineno, text in (edit or {}).items():
+        lines[lineno - 1] = text
+    dst.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return dst
+
+
+# --- the real reference data ---
+
+@needs_shared
+def test_gsm8k_train_all_rows_with_final_answers(tmp_path):
+    result = prepare("gsm8k", str(GSM8K), tmp_path / "out")
+    assert result["rows"]["train"] + result["rows"]["heldout"] == 7473
+    assert result["rows"]["heldout"] == round(7473 * 0.1)
+    assert result["dropped"] == {}
+    rows = all_rows(tmp_path / "out")
+    first = rows["gsm8k-00000"]
+    assert first["answer"] == "72"  # line 1: "... #### 72"
+    assert first["task"] == "gsm8k"
+    assert first["prompt"][0] == {"role": "system", "content": SYSTEM_PROMPT}
+    assert user_text(first).startswith("Natalia sold clips to 48 of her friends in April")
+    assert rows["gsm8k-00001"]["answer"] == "10"
+    assert rows["gsm8k-00345"]["answer"] == "1080"  # line 346: "#### 1,080"
+    assert rows["gsm8k-00367"]["answer"] == "850000"  # line 368: "#### 850,000"
+
+
+@needs_shared
+def test_math500_answers_columns_and_own_ids(tmp_path):
+    result = prepare("math", str(MATH500), tmp_path / "out", heldout=0)
+    assert result["rows"] == {"train": 500, "heldout": 0}
+    first = all_rows(tmp_path / "out")["math-test/precalculus/807.json"]
+    assert first["answer"] == "\\left( 3, \\frac{\\pi}{2} \\right)"
+    assert (first["subject"], first["level"]) == ("Precalculus", 2)
+    assert first["unique_id"] == "test/precalculus/807.json"
+
+
+@needs_shared
+def test_math500_boxed_answer_used_when_answer_field_is_missing(tmp_path):
+    """Each MATH-500 `answer` is the last \\boxed{} of its solution: dropping the field changes nothing."""
+    stripped = tmp_path / "no_answer.jsonl"
+    with open(MATH500) as f, open(stripped, "w") as g:
+        for line in f:
+            row = json.loads(line)
+            del row["answer"]
+            g.write(json.dumps(row) + "\n")
+    prepare("math", str(MATH500), tmp_path / "with", heldout=0)
+    prepare("math", str(stripped), tmp_path / "without", heldout=0)
+    assert load_prepared(tmp_path / "with") == load_prepared(tmp_path / "without")
+
+
+@needs_shared
+def test_countdown_input_output_format(tmp_path):
+    result = prepare("countdown", str(COUNTDOWN), tmp_path / "out", heldout=0)
+    assert result["rows"]["train"] == 256
+    first = load_prepared(tmp_path / "out")[0]  # line 1: {"input": "30,100,93", "output": "23"}
+    assert (first["nums"], first["target"], first["answer"]) == ([30, 100, 93], 23, "23")
+    assert user_text(first) == (
+        "Using the numbers [30, 100, 93], create an equation that equals 23. You can use basic arithmetic "
+        "operations (+, -, *, /) and each number exactly once. Show your work in <think> </think> tags and "
+        "return the final equation in <answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>.")
+
+
+@needs_shared
+def test_manifest_records_source_hash_and_settings(tmp_path):
+    from data.manifest import sha256_dir, sha256_file
+
+    result = prepare("countdown", str(COUNTDOWN), tmp_path / "out", seed=3, heldout=16)
+    m = manifest(tmp_path / "out")
+    assert m["kind"] == "prepared-dataset"
+    assert m["sha256"] == result["sha256"] == sha256_dir(tmp_path / "out")
+    assert m["rows"] == result["rows"] == {"train": 240, "heldout": 16}
+    assert m["source"]["files"] == [{"path": str(COUNTDOWN), "sha256": sha256_file(COUNTDOWN)}]
+    assert (m["task"], m["seed"], m["heldout"], m["split"], m["split_by"]) == (
+        "countdown", 3, 16, "train", "seeded shuffle")
+    assert m["dropped"] == {} and m["dropped_examples"] == []
+    assert m["code_version"] and m["created_at"]
+    assert result["manifest"] == str((tmp_path / "out" / "manifest.json").resolve())
+
+
+# --- bad records ---
+
+BROKEN = {
+    "not JSON": ('{"question": "What is 1 + 1?", "answer": "#### 2"', "invalid JSON", "not valid JSON"),
+    "missing field": ('{"question": "What is 1 + 1?"}', "missing field 'answer'", "field 'answer'"),
+    "empty answer": ('{"question": "What is 1 + 1?", "answer": "1 + 1 = 2\\n#### "}', "empty field 'answer'",
+                     "field 'answer': expected a worked solution ending in '#### <number>'"),
+}
+
+
+@needs_shared
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_bad_line_fails_with_its_line_number_and_leaves_no_output(tmp_path, case):
+    line, _, message = BROKEN[case]
+    src = copy_lines(GSM8K, tmp_path / "gsm8k-copy.jsonl", 30, {17: line})
+    out = tmp_path / "out"
+    with pytest.raises(DataError) as err:
+        prepare("gsm8k", str(src), out)
+    assert f"gsm8k-copy.jsonl:17: {message}" in str(err.value)
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["gsm8k-copy.jsonl"]  # no temporary directory left either
+
+
+@needs_shared
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_skip_invalid_drops_the_line_and_counts_the_reason(tmp_path, case):
+    line, reason, _ = BROKEN[case]
+    src = copy_lines(GSM8K, tmp_path / "gsm8k-copy.jsonl", 30, {17: line})
+    result = prepare("gsm8k", str(src), tmp_path / "out", skip_invalid=True)
+    assert result["rows"]["train"] + result["rows"]["heldout"] == 29
+    assert result["dropped"] == {reason: 1}
+    m = manifest(tmp_path / "out")
+    assert m["dropped"] == {reason: 1}
+    assert [(e["where"], e["reason"]) for e in m["dropped_examples"]] == [(f"{src}:17", reason)]
+    assert "gsm8k-00016" not in all_rows(tmp_path / "out")  # ids keep source positions: line 17 is index 16
+    assert "gsm8k-00017" in all_rows(tmp_path / "out")
+
+
+@needs_shared
+def test_failed_run_leaves_an_existing_output_untouched(tmp_path):
+    out = tmp_path / "out"
+    good = prepare("gsm8k", str(copy_lines(GSM8K, tmp_path / "good.jsonl", 20)), out)
+    bad = copy_lines(GSM8K, tmp_path / "bad.jsonl", 20, {5: "oops"})
+    with pytest.raises(DataError, match="bad.jsonl:5"):
+        prepare("gsm8k", str(bad), out)
+    assert manifest(out)["sha256"] == good["sha256"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "good.jsonl", "out"]
+
+
+@needs_shared
+def test_duplicate_prompts_are_dropped_and_counted(tmp_path):
+    lines = GSM8K.read_text().splitlines()[:10]
+    src = copy_lines(GSM8K, tmp_path / "dup.jsonl", 11, {11: lines[2]})
+    result = prepare("gsm8k", str(src), tmp_path / "out")
+    assert result["rows"]["train"] + result["rows"]["heldout"] == 10
+    assert result["dropped"] == {"duplicate prompt": 1}
+    example = manifest(tmp_path / "out")["dropped_examples"][0]
+    assert example["where"] == f"{src}:11" and example["detail"] == f"same prompt as {src}:3"
+
+
+def test_gsm8k_answer_must_be_a_number(tmp_path):
+    src = tmp_path / "g.jsonl"
+    src.write_text(json.dumps({"question": "q", "answer": "so\n#### twelve"}) + "\n")
+    with pytest.raises(DataError, match=r"g.jsonl:1: field 'answer': expected .*got 'twelve'"):
+        prepare("gsm8k", str(src), tmp_path / "out", heldout=0)
+
+
+# --- split, seed, limit ---
+
+@needs_shared
+def test_same_seed_same_hash_other_seed_other_split(tmp_path):
+    a = prepare("countdown", str(COUNTDOWN), tmp_path / "a", seed=7)
+    b = prepare("countdown", str(COUNTDOWN), tmp_path / "b", seed=7)
+    c = prepare("countdown", str(COUNTDOWN), tmp_path / "c", seed=8)
+    assert a["sha256"] == b["sha256"] != c["sha256"]
+    assert a["rows"] == c["rows"]
+    held_a = {r["id"] for r in load_prepared(tmp_path / "a", "heldout")}
+    held_c = {r["id"] for r in load_prepared(tmp_path / "c", "heldout")}
+    assert held_a != held_c
+
+
+@needs_shared
+@pytest.mark.parametrize(("heldout", "expected"), [(0.25, 64), (10, 10), (0, 0), (1.0, 1), (0.001, 1)])
+def test_heldout_as_fraction_or_count(tmp_path, heldout, expected):
+    result = prepare("countdown", str(COUNTDOWN), tmp_path / "out", heldout=heldout)
+    assert result["rows"] == {"train": 256 - expected, "heldout": expected}
+    assert (tmp_path / "out" / "heldout.jsonl").read_text().count("\n") == expected
+
+
+@needs_shared
+@pytest.mark.parametrize("heldout", [1.5, -0.1, True, 256, "0.1"])
+def test_bad_heldout_is_refused(tmp_path, heldout):
+    with pytest.raises(DataError, match="heldout"):
+        prepare("countdown", str(COUNTDOWN), tmp_path / "out", heldout=heldout)
+    assert not (tmp_path / "out").exists()
+
+
+@needs_shared
+def test_limit_keeps_the_first_usable_rows(tmp_path):
+    src = copy_lines(GSM8K, tmp_path / "g.jsonl", 10, {2: "not json"})
+    result = prepare("gsm8k", str(src), tmp_path / "out", limit=5, heldout=0, skip_invalid=True)
+    assert [r["id"] for r in load_prepared(tmp_path / "out")] == [f"gsm8k-{i:05d}" for i in (0, 2, 3, 4, 5)]
+    assert result["dropped"] == {"invalid JSON": 1}
+
+
+# --- source kinds ---
+
+COUNTDOWN_ROWS = [{"nums": [30, 100, 93], "target": 23}, {"nums": [83, 18, 75], "target": 10},
+                  {"nums": [76, 41, 59], "target": 24}]
+
+
+def test_parquet_source(tmp_path):
+    import pandas as pd
+
+    src = tmp_path / "cd.parquet"
+    pd.DataFrame(COUNTDOWN_ROWS).to_parquet(src)
+    prepare("countdown", str(src), tmp_path / "out", heldout=0)
+    rows = load_prepared(tmp_path / "out")
+    assert [(r["nums"], r["target"], r["answer"]) for r in rows] == [
+        ([30, 100, 93], 23, "23"), ([83, 18, 75], 10, "10"), ([76, 41, 59], 24, "24")]
+    assert user_text(rows[0]) == COUNTDOWN_PROMPT.format(nums=[30, 100, 93], target=23)
+
+
+def test_parquet_written_by_datasets(tmp_path):
+    import datasets
+
+    src = tmp_path / "math.parquet"
+    datasets.Dataset.from_list([
+        {"problem": "What is $\\frac{1}{2}+\\frac{1}{2}$?", "solution": "It is $\\boxed{1}$.", "answer": ""},
+        {"problem": "Simplify $\\sqrt{4}$.", "solution": "So $\\boxed{\\sqrt{4}} = \\boxed{2}$.", "answer": ""},
+    ]).to_parquet(src)
+    prepare("math", str(src), tmp_path / "out", heldout=0)
+    assert [r["answer"] for r in load_prepared(tmp_path / "out")] == ["1", "2"]
+
+
+def test_csv_source_and_its_row_numbers(tmp_path):
+    src = tmp_path / "cd.csv"
+    src.write_text("input,output\n\"30,100,93\",23\n\"83,18,75\",ten\n")
+    with pytest.raises(DataError, match=r"cd.csv row 2: field 'output': expected an integer target, got 'ten'"):
+        prepare("countdown", str(src), tmp_path / "out")
+    result = prepare("countdown", str(src), tmp_path / "out", heldout=0, skip_invalid=True)
+    assert result["dropped"] == {"invalid field 'output'": 1}
+    assert load_prepared(tmp_path / "out")[0]["nums"] == [30, 100, 93]
+
+
+@needs_shared
+def test_directory_source_prefers_the_requested_split(tmp_path):
+    src = tmp_path / "gsm8k"
+    src.mkdir()
+    copy_lines(GSM8K, src / "train.jsonl", 12)
+    copy_lines(SHARED / "gsm8k" / "test.jsonl", src / "test.jsonl", 5)
+    (src / "README.md").write_text("not data")
+    assert prepare("gsm8k", str(src), tmp_path / "tr", heldout=0)["rows"]["train"] == 12
+    assert prepare("gsm8k", str(src), tmp_path / "te", heldout=0, split="test")["rows"]["train"] == 5
+    assert load_prepared(tmp_path / "te")[0]["answer"] == "18"  # test.jsonl line 1 ends in "#### 18"
+    assert [Path(f["path"]).name for f in manifest(tmp_path / "te")["source"]["files"]] == ["test.jsonl"]
+    with pytest.raises(DataError, match=r"no files for split 'validation' \(found splits: test, train\)"):
+        prepare("gsm8k", str(src), tmp_path / "va", split="validation")
+
+
+@needs_shared
+def test_directory_without_split_names_reads_every_file_in_order(tmp_path):
+    src = tmp_path / "parts"
+    src.mkdir()
+    copy_lines(GSM8K, src / "b.jsonl", 3)
+    (src / "a.jsonl").write_text(GSM8K.read_text().splitlines()[5] + "\n")
+    prepare("gsm8k", str(src), tmp_path / "out", heldout=0)
+    # a.jsonl (line 6 of train.jsonl, "#### 35") comes first, then b.jsonl (lines 1-3)
+    assert [r["answer"] for r in load_prepared(tmp_path / "out")] == ["35", "72", "10", "5"]
+
+
+def test_directory_with_only_subdirectories_names_them(tmp_path):
+    (tmp_path / "snap" / "main").mkdir(parents=True)
+    (tmp_path / "snap" / "socratic").mkdir()
+    with pytest.raises(DataError, match="subdirectories main, socratic"):
+        prepare("gsm8k", str(tmp_path / "snap"), tmp_path / "out")
+
+
+def test_output_may_not_replace_its_source(tmp_path):
+    src = tmp_path / "d"
+    src.mkdir()
+    (src / "train.jsonl").write_text(json.dumps({"question": "q", "answer": "#### 1"}) + "\n")
+    with pytest.raises(DataError, match="would replace the source"):
+        prepare("gsm8k", str(src), src, heldout=0)
+    assert (src / "train.jsonl").exists()
+
+
+def test_counting_with_images_next_to_the_source(tmp_path):
+    from PIL import Image
+
+    (tmp_path / "images").mkdir()
+    for name, color in (("a.png", "red"), ("b.png", "blue")):
+        Image.new("RGB", (4, 4), color).save(tmp_path / "images" / name)
+    src = tmp_path / "clevr.jsonl"
+    src.write_text("\n".join(json.dumps(r) for r in [
+        {"image_path": "images/a.png", "problem": "How many cubes are there?",
+         "solution": "<answer> 3 </answer>"},
+        {"image": str(tmp_path / "images" / "b.png"), "count": 0},
+        {"image": "images/missing.png", "count": 1},
+    ]) + "\n")
+    with pytest.raises(DataError, match=r"clevr.jsonl:3: field 'image': expected an existing image file"):
+        prepare("counting", str(src), tmp_path / "out")
+    result = prepare("counting", str(src), tmp_path / "out", heldout=0, skip_invalid=True)
+    assert result["dropped"] == {"image not found": 1}
+    a, b = load_prepared(tmp_path / "out")
+    assert (user_text(a), a["answer"], a["images"]) == (
+        "How many cubes are there?", "3", [str((tmp_path / "images" / "a.png").resolve())])
+    assert (user_text(b), b["answer"]) == ("How many items are there in the image?", "0")
+    assert manifest(tmp_path / "out")["images"]["files"] == 2
+
+
+def test_synthetic_addition_keeps_the_generators_evaluation_pool_held_out(tmp_path):
+    result = prepare("synthetic", "synthetic", tmp_path / "out", synthetic_rows=300, seed=1)
+    assert result["rows"]["train"] + result["rows"]["heldout"] == 300
+    m = manifest(tmp_path / "out")
+    assert m["split_by"] == "source" and m["source"]["generator"] == "addition"
+    for split, in_pool in (("train", False), ("heldout", True)):
+        for row in load_prepared(tmp_path / "out", split):
+            a, b = (int(t) for t in user_text(row).removeprefix("What is ").removesuffix("?").split(" + "))
+            assert row["answer"] == str(a + b) and in_eval_pool(a, b) is in_pool
+    again = prepare("synthetic", "synthetic", tmp_path / "again", synthetic_rows=300, seed=1)
+    assert again["sha256"] == result["sha256"]
+
+
+def test_synthetic_countdown_through_the_countdown_adapter(tmp_path):
+    prepare("countdown", "synthetic:countdown", tmp_path / "out", synthetic_rows=20, heldout=0.2)
+    row = load_prepared(tmp_path / "out")[0]
+    assert row["answer"] == str(row["target"]) and len(row["nums"]) == 3
+    with pytest.raises(DataError, match="unknown synthetic kind 'chess'"):
+        prepare("synthetic", "synthetic:chess", tmp_path / "x")
+
+
+# --- adapters, directly ---
+
+def test_last_boxed_balances_braces():
+    assert last_boxed("so $\\boxed{\\frac{1}{2}}$") == "\\frac{1}{2}"
+    assert last_boxed("\\boxed{1} then \\boxed{ {a}{b} }") == "{a}{b}"
+    assert last_boxed("no box here") is None
+    assert last_boxed("\\boxed{unclosed") is None
+
+
+def test_numina_ignores_messages_and_reads_the_boxed_answer():
+    ex = numina({"problem": "2+2?", "solution": "Thus \\boxed{4}.",
+                 "messages": [{"role": "user", "content": "x"}]})
+    assert (ex.question, ex.answer, ex.columns) == ("2+2?", "4", {})
+
+
+# --- user errors ---
+
+def test_unknown_task_lists_the_valid_ones(tmp_path):
+    with pytest.raises(DataError, match="unknown task 'gsm9k'; valid tasks: countdown, counting, gsm8k, math, "
+                                        "numina, synthetic"):
+        prepare("gsm9k", "synthetic", tmp_path / "out")
+
+
+@pytest.mark.parametrize("source", ["no/such/dir", "missing.jsonl", "./data-dir"])
+def test_missing_local_path_is_not_a_hub_lookup(tmp_path, source):
+    with pytest.raises(DataError, match=f"source not found: {source}"):
+        prepare("gsm8k", source, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_hub_id_without_network_fails_at_once_naming_the_id(tmp_path, monkeypatch):
+    # Port 9 on localhost refuses connections: the same answer everywhere, with or without a network.
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    with pytest.raises(DataError, match="hub dataset 'openai/gsm8k'.*local --source"):
+        prepare("gsm8k", "openai/gsm8k", tmp_path / "out", hub_config="main")
+    assert not (tmp_path / "out").exists()
+
+
+def test_hub_id_in_offline_mode_goes_through_load_dataset(tmp_path):
+    """HF_HUB_OFFLINE is read when `datasets` is imported, hence a fresh interpreter."""
+    code = ("from data.prepare import prepare, DataError\n"
+            "try:\n    prepare('gsm8k', 'grpoflow-tests/not-cached', 'out')\n"
+            "except DataError as e:\n    print(e)\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert "hub dataset 'grpoflow-tests/not-cached', split 'train'" in done.stdout, done.stderr
+    assert "local --source" in done.stdout
+
+
+# --- reading a prepared directory back ---
+
+def test_load_prepared_checks_the_manifest(tmp_path):
+    with pytest.raises(DataError, match="no manifest.json"):
+        load_prepared(tmp_path)
+    prepare("synthetic", "synthetic", tmp_path / "out", synthetic_rows=50)
+    with pytest.raises(DataError, match="no split 'test'; it has heldout, train"):
+        load_prepared(tmp_path / "out", "test")
+    train = tmp_path / "out" / "train.jsonl"
+    train.write_text("".join(train.read_text().splitlines(keepends=True)[1:]))
+    with pytest.raises(DataError, match="changed after it was prepared"):
+        load_prepared(tmp_path / "out")

@@ -1,0 +1,206 @@
+"""The embedded default's tiny base model, made here because no model hub is reachable.
+
+Features, in the order `bootstrap()` builds them:
+- a byte-level BPE tokenizer trained locally with `tokenizers` (digits split one per token, the think /
+  answer tags as single tokens, a Qwen-style chat template);
+- a small Qwen2-architecture causal LM, seeded;
+- a supervised warm-up on synthetic worked solutions in the `<think>…</think><answer>…</answer>` format,
+  stopped as soon as greedy held-out accuracy enters `target_accuracy`, so GRPO gets a base that is
+  neither hopeless nor finished;
+- `save_pretrained` for model and tokenizer, so every later stage loads it like a hub model;
+- a `manifest.json` holding the config hash: a second call with the same config returns at once.
+
+Raises RuntimeError when the warm-up ends outside the target band (say so rather than hand GRPO a base
+that cannot show learning).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from data import synthetic
+from data.manifest import (
+    MANIFEST,
+    atomic_dir,
+    code_version,
+    read_manifest,
+    sha256_dir,
+    sha256_json,
+    write_json_atomic,
+)
+from data.schema import make_row, resolve_system_prompt
+from trainer.heldout import encode_prompts, evaluate_greedy
+from trainer.progress import Progress
+from trainer.recipe import BootstrapConfig
+from trainer.rewards import accuracy_reward, format_reward
+from trainer.rollout.hf_engine import HFEngine
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+log = logging.getLogger("grpoflow.bootstrap")
+TAG_TOKENS = ["<think>", "</think>", "<answer>", "</answer>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def config_hash(cfg: BootstrapConfig, system_prompt: str) -> str:
+    settings = dataclasses.asdict(cfg)
+    settings.pop("out")  # where it is saved does not change what is made
+    return sha256_json({**settings, "system_prompt": system_prompt})
+
+
+def build_tokenizer(corpus: list[str], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    # The tags are added afterwards as plain tokens: as special tokens, decoding would drop them.
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>"])
+    fast.add_tokens(TAG_TOKENS)  # plain added tokens: kept when decoding with skip_special_tokens
+    fast.chat_template = CHAT_TEMPLATE
+    fast.padding_side = "left"
+    return fast
+
+
+def build_model(cfg: BootstrapConfig, tokenizer):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(cfg.seed)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_heads, max_position_embeddings=1024, tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
+    )
+    return Qwen2ForCausalLM(config)
+
+
+def _rows(task: str, n: int, seed: int, pool: str, system_prompt: str) -> list[dict]:
+    raw = synthetic.generate(n, seed, task, pool=pool)
+    return [make_row(f"boot-{pool}-{i}", r["question"], r["answer"], "synthetic", system_prompt,
+                     **{k: v for k, v in r.items() if k in ("nums", "target")}) for i, r in enumerate(raw)]
+
+
+def _sft_batches(tokenizer, rows: list[dict], batch_size: int, seed: int):
+    """Endless seeded batches of (input_ids, attention_mask, labels) with loss on the completion only."""
+    prompts = encode_prompts(tokenizer, rows)
+    completions = tokenizer([synthetic.worked_solution(r) + tokenizer.eos_token for r in rows],
+                            add_special_tokens=False)["input_ids"]
+    seqs = [p + c for p, c in zip(prompts, completions, strict=False)]
+    n_prompt = [len(p) for p in prompts]
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        for idx in torch.randperm(len(seqs), generator=gen).split(batch_size):
+            chosen = idx.tolist()
+            width = max(len(seqs[i]) for i in chosen)
+            ids = torch.full((len(chosen), width), tokenizer.pad_token_id)
+            mask = torch.zeros_like(ids)
+            labels = torch.full_like(ids, -100)
+            for row, i in enumerate(chosen):
+                s = torch.tensor(seqs[i])
+                ids[row, :len(s)] = s
+                mask[row, :len(s)] = 1
+                labels[row, n_prompt[i]:len(s)] = s[n_prompt[i]:]
+            yield ids, mask, labels
+
+
+def bootstrap(cfg: BootstrapConfig, out: str | Path | None = None, system_prompt: str | None = None,
+              progress: bool | None = None) -> dict:
+    """Make (or return the cached) tiny base model; returns a summary with `heldout_accuracy` and `path`.
+
+    `system_prompt` (a preset name or text, as `data.system_prompt`) should match the data GRPO will use.
+    """
+    out = Path(out or cfg.out).resolve()
+    system_prompt = resolve_system_prompt(system_prompt)
+    digest = config_hash(cfg, system_prompt)
+    if (out / MANIFEST).is_file():
+        manifest = read_manifest(out)
+        if manifest.get("config_hash") == digest:
+            return {**_summary(manifest, out), "cached": True}
+
+    started = time.time()
+    torch.manual_seed(cfg.seed)
+    train_rows = _rows(cfg.task, cfg.sft_rows, cfg.seed, "train", system_prompt)
+    heldout_rows = _rows(cfg.task, cfg.heldout_rows, cfg.seed, "eval", system_prompt)
+    tokenizer = build_tokenizer(_corpus(train_rows[:2000], system_prompt), cfg.vocab_size)
+    model = build_model(cfg, tokenizer)
+    engine = HFEngine(model, tokenizer)
+    optim = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
+    warmup = max(1, cfg.max_steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        optim, lambda s: min(1.0, (s + 1) / warmup) * max(0.0, 1 - s / cfg.max_steps))
+    batches = _sft_batches(tokenizer, train_rows, cfg.batch_size, cfg.seed)
+    lo, hi = cfg.target_accuracy
+    history, accuracy, step = [], 0.0, 0
+    evaluate = lambda: evaluate_greedy(engine, tokenizer, heldout_rows, accuracy_reward, format_reward,  # noqa: E731
+                                       max_tokens=24)
+    with Progress(total=cfg.max_steps, description="warm-up", enabled=progress) as bar:
+        for step in range(1, cfg.max_steps + 1):
+            model.train()
+            ids, mask, labels = next(batches)
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optim.step()
+            sched.step()
+            optim.zero_grad(set_to_none=True)
+            bar.update(1, loss=f"{loss.item():.3f}", acc=f"{accuracy:.2f}")
+            if step % cfg.eval_every == 0:
+                result = evaluate()
+                accuracy = result["accuracy"]
+                history.append({"step": step, "loss": round(loss.item(), 4), **result})
+                log.info("warm-up step %d: loss %.3f, held-out accuracy %.3f, format %.3f (%.0fs)", step,
+                         loss.item(), accuracy, result["format_rate"], time.time() - started)
+                if lo <= accuracy <= hi or accuracy > hi:
+                    break
+    final = history[-1] if history and history[-1]["step"] == step else {"step": step, **evaluate()}
+    accuracy = final["accuracy"]
+    if not lo <= accuracy <= hi:
+        raise RuntimeError(f"bootstrap: warm-up ended at step {step} with held-out accuracy {accuracy:.3f}, "
+                           f"outside target_accuracy [{lo}, {hi}]; adjust bootstrap.eval_every, "
+                           "bootstrap.learning_rate or bootstrap.max_steps")
+    with atomic_dir(out) as tmp:
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        manifest = {
+            "kind": "base-model", "config_hash": digest, "config": dataclasses.asdict(cfg),
+            "heldout_accuracy": accuracy, "heldout_format_rate": final["format_rate"],
+            "heldout_rows": len(heldout_rows), "warmup_steps": step, "history": history,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "seconds": round(time.time() - started, 1), "code_version": code_version(),
+            "sha256": sha256_dir(tmp),
+        }
+        write_json_atomic(Path(tmp) / MANIFEST, manifest)
+    return {**_summary(manifest, out), "cached": False}
+
+
+def _corpus(rows: list[dict], system_prompt: str) -> list[str]:
+    """Tokenizer training text: the problems, their solutions, the prompts and the chat roles."""
+    texts = [f"{r['prompt'][-1]['content']} {synthetic.worked_solution(r)}" for r in rows]
+    return texts + [system_prompt, "system", "user", "assistant"] * 200
+
+
+def _summary(manifest: dict, out: Path) -> dict:
+    return {"path": str(out), "heldout_accuracy": manifest["heldout_accuracy"],
+            "heldout_format_rate": manifest.get("heldout_format_rate"), "warmup_steps": manifest["warmup_steps"],
+            "parameters": manifest["parameters"], "seconds": manifest["seconds"],
+            "manifest": str(out / MANIFEST)}
+

@@ -1,0 +1,220 @@
+"""The recipe: every setting of a grpoflow run, typed, with its default and help in one place.
+
+A recipe is YAML (see `configs/`), loaded with `load_recipe(path, overrides)`. Command-line overrides use
+dotted keys (`train.learning_rate=1e-4`). GRPO fields keep TRL's names and meanings (`GRPOConfig`) so
+that people who know TRL can read a recipe without a dictionary. Nothing else declares these defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from trainer.typed_config import ConfigError, apply_overrides, build, load_yaml, to_dict
+
+
+def _f(default, help: str, **meta):
+    """A field with help text; mutable defaults go through a factory."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help, **meta})
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = _f("bootstrap", "HF hub id, local checkpoint path, or 'bootstrap' for the built-in "
+                                        "tiny model (made by `grpoflow bootstrap-model`)")
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = _f("float32", "weights dtype for training")
+    modality: Literal["text", "vision"] = _f("text", "'vision' for image+text models (e.g. Qwen2.5-VL)")
+    trust_remote_code: bool = _f(False, "passed to from_pretrained")
+    attn_implementation: str | None = _f(None, "e.g. 'sdpa' or 'flash_attention_2'; None lets transformers choose")
+
+
+@dataclass
+class BootstrapConfig:
+    """The embedded default's tiny base model: a small Qwen2 LM + local tokenizer + short SFT warm-up."""
+    out: str = _f(".state/models/tiny-base", "where the model is saved (a cache keyed by this config's hash)")
+    task: str = _f("addition", "synthetic task kind it is warmed up on")
+    vocab_size: int = _f(384, "byte-level BPE vocabulary size, trained locally")
+    hidden_size: int = _f(128, "model width")
+    num_layers: int = _f(4, "transformer blocks")
+    num_heads: int = _f(4, "attention heads")
+    intermediate_size: int = _f(384, "MLP width")
+    sft_rows: int = _f(20000, "synthetic worked solutions for the warm-up")
+    heldout_rows: int = _f(256, "held-out problems for the accuracy check")
+    batch_size: int = _f(64, "warm-up batch size")
+    learning_rate: float = _f(3e-3, "warm-up peak learning rate (AdamW, linear decay)")
+    max_steps: int = _f(700, "upper bound on warm-up steps (the learning rate decays linearly to 0 there)")
+    eval_every: int = _f(25, "held-out greedy accuracy is measured every this many steps")
+    target_accuracy: list[float] = _f([0.3, 0.6], "the warm-up stops once greedy held-out accuracy is in "
+                                                  "this band: a base that GRPO can still improve")
+    seed: int = _f(0, "seed for data, init and training")
+
+    def __post_init__(self):
+        lo, hi = self.target_accuracy
+        if not 0 <= lo < hi <= 1:
+            raise ValueError(f"target_accuracy must be [lo, hi] with 0 <= lo < hi <= 1, got {self.target_accuracy}")
+
+
+@dataclass
+class DataConfig:
+    task: str = _f("synthetic", "task adapter: gsm8k, math, numina, countdown, counting, synthetic")
+    source: str = _f("synthetic:addition", "local JSONL/Parquet/CSV file or directory, HF hub id, or synthetic[:kind]")
+    out: str = _f(".state/data/prepared", "prepared output directory")
+    split: str = _f("train", "split to read from a hub dataset or a directory")
+    hub_config: str | None = _f(None, "hub dataset configuration name")
+    heldout: float = _f(0.1, "held-out set: a fraction in (0, 1) or a row count (>= 1)")
+    seed: int = _f(0, "seed of the train/held-out split and of synthetic generation")
+    skip_invalid: bool = _f(False, "drop malformed rows (recorded in the manifest) instead of failing")
+    limit: int | None = _f(None, "read at most this many source rows")
+    synthetic_rows: int = _f(4000, "rows generated for a synthetic source")
+    system_prompt: str = _f("r1", "system prompt preset (r1, brief, none) or literal text; the tiny base model "
+                                  "is warmed up with this one too")
+
+    def prepare_kwargs(self) -> dict:
+        """Arguments of `data.prepare.prepare` (a held-out value >= 1 is a row count)."""
+        heldout = int(self.heldout) if self.heldout >= 1 else self.heldout
+        return {"task": self.task, "source": self.source, "out": self.out, "seed": self.seed, "heldout": heldout,
+                "skip_invalid": self.skip_invalid, "limit": self.limit, "split": self.split,
+                "hub_config": self.hub_config, "synthetic_rows": self.synthetic_rows,
+                "system_prompt": self.system_prompt}
+
+
+@dataclass
+class RewardSpec:
+    name: str = _f("accuracy", "built-in name, 'package.module:function' or 'path/to/file.py:function'")
+    weight: float = _f(1.0, "weight in the summed reward")
+    args: dict = _f({}, "keyword arguments for parameterised rewards (cosine, repetition, soft_overlong)")
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = _f(".state/runs/train", "checkpoints and metrics.jsonl; rerunning with the same dir resumes")
+    max_steps: int = _f(100, "optimizer steps (one generated batch each)")
+    prompts_per_step: int = _f(4, "distinct prompts per generated batch")
+    num_generations: int = _f(8, "completions per prompt (the GRPO group size)")
+    num_iterations: int = _f(1, "optimisation passes over each generated batch (mu)")
+    micro_batch_size: int = _f(32, "completions per forward/backward; the batch is accumulated over micro-batches")
+    beta: float = _f(0.0, "KL weight against the reference model; 0 loads no reference model")
+    epsilon: float = _f(0.2, "lower clipping bound of the ratio (1 - epsilon)")
+    epsilon_high: float | None = _f(None, "upper clipping bound (1 + epsilon_high); None uses epsilon")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = _f("dapo", "loss normalisation, as TRL defines them")
+    scale_rewards: Literal["group", "batch", "none"] = _f("group", "divide advantages by the group's std, the batch's, or not at all")
+    dynamic_sampling: bool = _f(False, "drop groups whose rewards all match (DAPO's dynamic sampling)")
+    temperature: float = _f(1.0, "sampling temperature; the loss uses the same temperature")
+    top_p: float = _f(1.0, "nucleus sampling")
+    max_prompt_length: int = _f(512, "prompts are left-truncated to this many tokens")
+    max_completion_length: int = _f(256, "completion tokens generated at most")
+    mask_truncated_completions: bool = _f(False, "exclude completions that hit max_completion_length from the loss")
+    learning_rate: float = _f(1e-6, "peak learning rate (AdamW)")
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = _f("constant", "schedule after warm-up")
+    warmup_steps: int = _f(0, "linear warm-up steps")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    max_grad_norm: float = _f(1.0, "gradient clipping (0 disables)")
+    save_steps: int = _f(50, "checkpoint every this many steps (and at the end)")
+    save_total_limit: int = _f(2, "checkpoints kept on disk")
+    eval_heldout: int = _f(256, "held-out problems for the before/after greedy accuracy (0 skips)")
+    reward_timeout_s: float = _f(10.0, "a reward function call longer than this gives None")
+    seed: int = _f(0, "seed for sampling and data order")
+
+    def __post_init__(self):
+        if self.num_generations < 2:
+            raise ValueError("num_generations must be >= 2: GRPO compares completions within a group")
+        for name in ("max_steps", "prompts_per_step", "num_iterations", "micro_batch_size", "save_steps",
+                     "max_completion_length", "max_prompt_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.epsilon <= 0 or (self.epsilon_high is not None and self.epsilon_high <= 0):
+            raise ValueError("epsilon and epsilon_high must be > 0")
+        if not 0 < self.top_p <= 1 or self.temperature <= 0:
+            raise ValueError("need 0 < top_p <= 1 and temperature > 0")
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["transformers", "vllm", "lmdeploy"] = _f("transformers", "generation engine")
+    async_: bool = _f(False, "generate batch t+1 while batch t trains (one-step off-policy)", key="async")
+    max_staleness: int = _f(1, "how many policy versions a batch may lag behind the trainer")
+    importance_ratio_cap: float = _f(2.0, "truncation of the importance ratio against the behaviour policy")
+    colocate: bool = _f(False, "train and generate on the same devices; the engine sleeps during training")
+    sleep_level: Literal[1, 2] = _f(1, "vLLM sleep level in colocate mode")
+    train_devices: list[int] = _f([], "device ids of the trainer ranks (empty: all not used for rollout)")
+    rollout_devices: list[int] = _f([], "device ids of the rollout engines")
+    num_engines: int = _f(1, "data-parallel engine instances; prompts are sharded across them")
+    tensor_parallel_size: int = _f(1, "tensor-parallel size of each engine")
+    gpu_memory_utilization: float = _f(0.9, "fraction of GPU memory the engine may take")
+    server_url: str | None = _f(None, "an already-running engine server (vLLM) instead of starting one")
+    sync_timeout_s: float = _f(600.0, "timeout of every weight sync and rollout request")
+
+    def __post_init__(self):
+        if self.colocate and self.rollout_devices and self.train_devices and \
+                set(self.rollout_devices) != set(self.train_devices):
+            raise ValueError("colocate: true shares devices; rollout_devices must equal train_devices (or be empty)")
+        if not self.colocate and set(self.rollout_devices) & set(self.train_devices):
+            raise ValueError(f"devices {sorted(set(self.rollout_devices) & set(self.train_devices))} are in both "
+                             "train_devices and rollout_devices; set colocate: true to share them")
+        n = len(self.rollout_devices)
+        if n and n != self.num_engines * self.tensor_parallel_size:
+            raise ValueError(f"{n} rollout devices cannot host num_engines={self.num_engines} x "
+                             f"tensor_parallel_size={self.tensor_parallel_size}")
+        if self.max_staleness < 0 or self.importance_ratio_cap < 1:
+            raise ValueError("max_staleness must be >= 0 and importance_ratio_cap >= 1")
+
+
+@dataclass
+class EvalConfig:
+    benchmarks: list[str] = _f(["math_500", "aime24"], "EvalScope benchmarks (math_500, aime24, gpqa_diamond)")
+    local_paths: dict[str, str] = _f({}, "benchmark -> local directory (EvalScope local_path); else the hub")
+    limit: int | None = _f(None, "problems per benchmark (None: all)")
+    repeats: int = _f(1, "samples per problem (pass@k)")
+    max_tokens: int = _f(1024, "generation budget per answer")
+    temperature: float = _f(0.0, "0 is greedy")
+    out: str = _f(".state/eval", "evaluation outputs")
+
+
+@dataclass
+class RegistryConfig:
+    model_name: str = _f("grpoflow-tiny", "registered model name in MLflow")
+    experiment: str = _f("grpoflow", "MLflow experiment")
+
+
+@dataclass
+class Recipe:
+    name: str = _f("unnamed", "recipe name")
+    description: str = _f("", "what this recipe is for")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec("format", 0.5), RewardSpec("accuracy", 1.0)])
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    registry: RegistryConfig = field(default_factory=RegistryConfig)
+
+    def __post_init__(self):
+        if not self.rewards:
+            raise ValueError("rewards: at least one reward function is needed")
+        if self.rollout.colocate and self.rollout.async_:
+            raise ValueError("rollout.async with rollout.colocate is not supported: colocated engines sleep "
+                             "while training, so there is nothing to overlap")
+
+    def to_dict(self) -> dict:
+        return to_dict(self)
+
+
+def load_recipe(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Load a recipe from YAML (or the defaults when `path` is None) and apply `key=value` overrides."""
+    data = load_yaml(path) if path else {}
+    source = str(path) if path else "<defaults>"
+    try:
+        data = apply_overrides(data, overrides)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    if overrides:
+        source += " + overrides"
+    return build(Recipe, data, source)
+
+
+__all__ = ["BootstrapConfig", "ConfigError", "DataConfig", "EvalConfig", "ModelConfig", "Recipe",
+           "RegistryConfig", "RewardSpec", "RolloutConfig", "TrainConfig", "load_recipe"]

@@ -1,0 +1,153 @@
+"""The transformers rollout engine: batched sampling with a KV cache, for CPU and a single GPU.
+
+Prompts are left-padded into one batch; each prompt's cache is computed once and repeated for its `n`
+completions; decoding stops per sequence at EOS and for the batch when all have stopped. The loop is
+written out (rather than `model.generate`) because the trainer needs the behaviour log-probabilities
+of exactly the sampled tokens under log_softmax(logits / T), and because on small models the per-step
+overhead of `generate` dominates the arithmetic.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable
+
+import torch
+
+from trainer.rollout.base import Completion, SamplingParams
+
+
+def _cache_kwarg(model) -> str:
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def sample_next(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None):
+    """Sample one token per row; return (tokens, their log-probs under log_softmax(logits / T))."""
+    logits = logits.float()
+    if sampling.temperature <= 0:
+        logp = torch.log_softmax(logits, dim=-1)
+        tokens = logp.argmax(dim=-1)
+        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    logp = torch.log_softmax(logits / sampling.temperature, dim=-1)
+    probs = logp.exp()
+    if sampling.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the top token always stays)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= sampling.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+class HFEngine:
+    """Rollout engine over a transformers causal LM held in this process."""
+
+    def __init__(self, model, tokenizer, eos_token_ids: Iterable[int] | None = None, pad_token_id: int | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        eos = list(eos_token_ids) if eos_token_ids is not None else _eos_ids(model, tokenizer)
+        self.eos = torch.tensor(sorted(set(eos)), dtype=torch.long)
+        self.pad_id = pad_token_id if pad_token_id is not None else (tokenizer.pad_token_id or eos[0])
+        self.version = 0
+        self._cache_kw = _cache_kwarg(model)
+
+    @property
+    def device(self):
+        return next(self.model.parameters()).device
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Completion]]:
+        from transformers import DynamicCache
+
+        model, device = self.model, self.device
+        was_training = model.training
+        model.eval()
+        generator = None
+        if sampling.seed is not None:
+            generator = torch.Generator(device=device).manual_seed(sampling.seed)
+        ids, mask = left_pad(prompts, self.pad_id, device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=model.config)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                    logits_to_keep=1, **{self._cache_kw: cache})
+        logits = out.logits[:, -1]
+        if n > 1:  # one prefill per prompt, shared by its n completions
+            cache.batch_repeat_interleave(n)
+            logits = logits.repeat_interleave(n, dim=0)
+            mask = mask.repeat_interleave(n, dim=0)
+            positions = positions.repeat_interleave(n, dim=0)
+        batch = logits.shape[0]
+        next_pos = positions[:, -1] + 1
+        eos = self.eos.to(device)
+        done = torch.zeros(batch, dtype=torch.bool, device=device)
+        tokens_out = torch.full((batch, sampling.max_tokens), self.pad_id, dtype=torch.long, device=device)
+        logps_out = torch.zeros((batch, sampling.max_tokens), device=device)
+        lengths = torch.full((batch,), sampling.max_tokens, dtype=torch.long, device=device)
+        for t in range(sampling.max_tokens):
+            tok, logp = sample_next(logits, sampling, generator)
+            tok = torch.where(done, self.pad_id, tok)
+            tokens_out[:, t] = tok
+            logps_out[:, t] = torch.where(done, 0.0, logp)
+            hit = ~done & torch.isin(tok, eos)
+            lengths = torch.where(hit, t + 1, lengths)
+            done |= hit
+            if bool(done.all()) or t == sampling.max_tokens - 1:
+                break
+            mask = torch.cat([mask, (~done).long()[:, None]], dim=1)
+            out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                        use_cache=True, **{self._cache_kw: cache})
+            logits = out.logits[:, -1]
+            next_pos = next_pos + 1
+        if was_training:
+            model.train()
+        tokens_cpu, logps_cpu, lengths_cpu = tokens_out.cpu(), logps_out.cpu(), lengths.cpu()
+        eos_set = set(self.eos.tolist())
+        results: list[list[Completion]] = []
+        for p in range(len(prompts)):
+            group = []
+            for j in range(n):
+                row = p * n + j
+                k = int(lengths_cpu[row])
+                ids_row = tokens_cpu[row, :k].tolist()
+                reason = "stop" if ids_row and ids_row[-1] in eos_set else "length"
+                text = self.tokenizer.decode(ids_row, skip_special_tokens=True)
+                group.append(Completion(ids_row, logps_cpu[row, :k].tolist(), reason, self.version, text))
+            results.append(group)
+        return results
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        params = dict(self.model.named_parameters())
+        params.update(dict(self.model.named_buffers()))
+        for name, tensor in named_tensors:
+            if name not in params:
+                raise KeyError(f"weight sync: the engine's model has no parameter {name!r}")
+            params[name].copy_(tensor.to(params[name].device, params[name].dtype))
+        self.version = version
+
+    def sleep(self, level: int = 1) -> None:
+        # transformers has no sleep mode; on a GPU the trainer and this engine share one copy of the model.
+        pass
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        pass
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    return [ids] if isinstance(ids, int) else list(ids)
