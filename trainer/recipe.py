@@ -116,6 +116,8 @@ class TrainConfig:
     save_total_limit: int = _f(2, "checkpoints kept on disk")
     eval_heldout: int = _f(256, "held-out problems for the before/after greedy accuracy (0 skips)")
     reward_timeout_s: float = _f(10.0, "a reward function call longer than this gives None")
+    callbacks: list[str] = _f([], "extra training callbacks, 'module:factory' or 'file.py:factory'; each factory "
+                                  "returns an object with on_step / on_checkpoint / on_train_end")
     seed: int = _f(0, "seed for sampling and data order")
 
     def __post_init__(self):

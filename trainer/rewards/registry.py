@@ -18,15 +18,11 @@ Every failure raises RewardSpecError (a ValueError) naming the spec and what was
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib
-import importlib.util
 import inspect
-import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import ModuleType
 
+from trainer.plugins import PluginError, load_plugin
 from trainer.rewards.countdown import countdown_reward
 from trainer.rewards.math_rewards import accuracy_reward, counting_reward, format_reward
 from trainer.rewards.shaping import cosine, repetition, soft_overlong
@@ -85,59 +81,14 @@ def resolve_reward(spec: str, args: Mapping | None = None, *, base_dir: str | Pa
 
 
 def _plugin(spec: str, args: dict, base_dir: str | Path | None) -> RewardFn:
-    target, _, attribute = spec.rpartition(":")  # rpartition: a Windows path keeps its drive letter
-    if not target or not attribute:
-        raise RewardSpecError(f"reward plug-in {spec!r} must look like 'module:function' or 'file.py:function'")
-    if target.endswith(".py"):
-        module, where = _load_file(target, base_dir, spec)
-    else:
-        module, where = _import_module(target, spec), f"module {target!r}"
-    fn = getattr(module, attribute, None)
-    if fn is None:
-        raise RewardSpecError(f"reward plug-in {spec!r}: {where} has no attribute {attribute!r}")
-    if not callable(fn):
-        raise RewardSpecError(f"reward plug-in {spec!r}: {attribute!r} in {where} is not callable")
+    try:
+        fn = load_plugin(spec, base_dir, what="reward plug-in")
+    except PluginError as error:
+        raise RewardSpecError(str(error)) from error
     if not args:
         return fn
     _check_args(fn, args, f"reward plug-in {spec!r}", complete=False)
     return functools.update_wrapper(functools.partial(fn, **args), fn)
-
-
-def _import_module(name: str, spec: str) -> ModuleType:
-    try:
-        return importlib.import_module(name)
-    except Exception as error:
-        raise RewardSpecError(
-            f"reward plug-in {spec!r}: cannot import module {name!r} ({type(error).__name__}: {error})"
-        ) from error
-
-
-def _load_file(target: str, base_dir: str | Path | None, spec: str) -> tuple[ModuleType, str]:
-    path = Path(target).expanduser()
-    if not path.is_absolute() and base_dir is not None:
-        path = Path(base_dir) / path
-    path = path.resolve()
-    where = f"file {str(path)!r}"
-    if not path.is_file():
-        raise RewardSpecError(f"reward plug-in {spec!r}: {where} does not exist")
-    # One module per file path, registered in sys.modules so that loading it twice gives the same functions and
-    # objects defined in it can be pickled (dataloader workers, multiprocessing).
-    module_name = "grpoflow_reward_plugin_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
-    if module_name in sys.modules:
-        return sys.modules[module_name], where
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise RewardSpecError(f"reward plug-in {spec!r}: {where} cannot be loaded as a Python module")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as error:
-        del sys.modules[module_name]
-        raise RewardSpecError(
-            f"reward plug-in {spec!r}: {where} failed to load ({type(error).__name__}: {error})"
-        ) from error
-    return module, where
 
 
 def _check_args(fn: Callable, args: Mapping, label: str, *, complete: bool) -> None:

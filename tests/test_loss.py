@@ -1,0 +1,256 @@
+"""The GRPO maths on tensors small enough to check by hand; every expected number is worked out in a comment."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trainer.loss import (
+    LOSS_TYPES,
+    clip_metrics,
+    entropy_from_logits,
+    group_advantages,
+    k3_kl,
+    masked_mean,
+    per_token_loss,
+    reduce_loss,
+    sequence_logps,
+    truncated_importance_weights,
+    zero_std_groups,
+)
+
+NAN = float("nan")
+
+
+def close(actual, expected, atol=1e-5):
+    torch.testing.assert_close(torch.as_tensor(actual).float(), torch.as_tensor(expected).float(), atol=atol, rtol=0)
+
+
+# --- advantages -------------------------------------------------------------------------------------------------
+
+# Group 1 = [1, 0, 0, 1]: mean 0.5, unbiased var = 4 * 0.25 / 3 = 1/3, std = 0.577350.
+# Group 2 = [1, 1, 1, 1]: mean 1, std 0, advantages 0.
+# Batch: mean 0.75, squared deviations 2 * 0.5625 + 6 * 0.0625 = 1.5, var = 1.5 / 7, std = 0.462910.
+REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+
+
+def test_group_scaling_divides_by_group_std():
+    adv, valid, stats = group_advantages(REWARDS, group_size=4, scale_rewards="group")
+    a = 0.5 / (0.577350 + 1e-4)  # 0.865875
+    close(adv, [a, -a, -a, a, 0, 0, 0, 0])
+    assert valid.all()
+    close(stats["reward"], 0.75)  # 6 / 8
+    close(stats["reward_std"], 0.462910)  # TRL logs the batch std, not a mean of group stds
+    assert stats["frac_reward_zero_std"] == 0.5  # group 2 of 2
+
+
+def test_batch_scaling_divides_by_batch_std():
+    adv, _, stats = group_advantages(REWARDS, group_size=4, scale_rewards="batch")
+    a = 0.5 / (0.462910 + 1e-4)  # 1.079890: centred on the group mean, scaled by the batch std
+    close(adv, [a, -a, -a, a, 0, 0, 0, 0])
+    assert stats["frac_reward_zero_std"] == 0.5  # still the group fraction (TRL would log 0 here)
+
+
+def test_no_scaling_only_centres():
+    adv, _, _ = group_advantages(REWARDS, group_size=4, scale_rewards="none")
+    close(adv, [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0])
+
+
+def test_missing_rewards_are_left_out_and_get_zero_advantage():
+    # Groups of 3: [1, nan, 0] -> valid [1, 0]: mean 0.5, var (0.25 + 0.25) / 1 = 0.5, std 0.707107;
+    # [2, 2, nan] -> std 0; [nan, 3, nan] -> one valid reward, std 0 (no signal), advantage 0.
+    rewards = torch.tensor([1.0, NAN, 0.0, 2.0, 2.0, NAN, NAN, 3.0, NAN])
+    adv, valid, stats = group_advantages(rewards, group_size=3)
+    a = 0.5 / (0.707107 + 1e-4)  # 0.707007
+    close(adv, [a, 0, -a, 0, 0, 0, 0, 0, 0])
+    assert valid.tolist() == [True, False, True, True, True, False, False, True, False]
+    close(stats["reward"], 1.6)  # (1 + 0 + 2 + 2 + 3) / 5
+    # deviations from 1.6: 0.36 + 2.56 + 0.16 + 0.16 + 1.96 = 5.2, var 5.2 / 4 = 1.3, std 1.140175
+    close(stats["reward_std"], 1.140175)
+    close(stats["frac_reward_zero_std"], 2 / 3)
+
+
+def test_a_group_with_every_reward_missing_gives_zeros_not_nan():
+    adv, valid, _ = group_advantages(torch.tensor([NAN, NAN, 1.0, 0.0]), group_size=2)
+    a = 0.5 / (0.707107 + 1e-4)
+    close(adv, [0, 0, a, -a])
+    assert valid.tolist() == [False, False, True, True]
+
+
+def test_zero_std_groups_marks_every_completion_of_a_flat_group():
+    assert zero_std_groups(REWARDS, 4).tolist() == [False] * 4 + [True] * 4
+    assert zero_std_groups(torch.tensor([0.5, 0.5, 0.0, 1.0]), 2).tolist() == [True, True, False, False]
+
+
+def test_advantage_arguments_are_checked():
+    with pytest.raises(ValueError, match="divisible by group_size=3"):
+        group_advantages(REWARDS, group_size=3)
+    with pytest.raises(ValueError, match="group, batch, none"):
+        group_advantages(REWARDS, group_size=4, scale_rewards="sequence")
+
+
+# --- the clipped surrogate --------------------------------------------------------------------------------------
+
+def clip_case():
+    """Two sequences of two tokens, eps 0.2: ratios [[1.5, 0.5], [0.5, 1.5]], advantages [2, -2]."""
+    old = torch.zeros(2, 2)
+    logps = torch.tensor([[math.log(1.5), math.log(0.5)], [math.log(0.5), math.log(1.5)]])
+    return per_token_loss(logps, old, torch.tensor([2.0, -2.0]), epsilon_low=0.2, epsilon_high=0.2)
+
+
+def test_clipping_takes_the_pessimistic_side():
+    loss, stats = clip_case()
+    # A = 2:  ratio 1.5 -> min(3.0, 1.2 * 2 = 2.4) = 2.4 (clipped);  ratio 0.5 -> min(1.0, 0.8 * 2 = 1.6) = 1.0
+    # A = -2: ratio 0.5 -> min(-1.0, 0.8 * -2 = -1.6) = -1.6 (clipped); ratio 1.5 -> min(-3.0, -2.4) = -3.0
+    close(loss, [[-2.4, -1.0], [1.6, 3.0]])
+    close(stats["ratio"], [[1.5, 0.5], [0.5, 1.5]])
+    assert stats["high_clipped"].tolist() == [[True, False], [False, False]]
+    assert stats["low_clipped"].tolist() == [[False, False], [True, False]]
+    assert stats["region_clipped"].tolist() == [[True, False], [True, False]]
+    assert not stats["kl"].any()
+
+
+def test_asymmetric_clip_bounds():
+    # eps_low 0.1, eps_high 0.3: ratio 1.5 with A = 1 clips at 1.3; ratio 0.5 with A = -1 clips at 0.9.
+    logps = torch.tensor([[math.log(1.5)], [math.log(0.5)]])
+    loss, _ = per_token_loss(logps, torch.zeros(2, 1), torch.tensor([1.0, -1.0]), epsilon_low=0.1, epsilon_high=0.3)
+    close(loss, [[-1.3], [0.9]])
+
+
+def test_on_policy_ratio_is_exactly_one_and_loss_is_minus_advantage():
+    logps = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -3.0, -1.2]])
+    loss, stats = per_token_loss(logps, logps.clone(), torch.tensor([0.7, -0.3]), epsilon_low=0.2, epsilon_high=0.28)
+    assert torch.equal(stats["ratio"], torch.ones(2, 3))
+    assert torch.equal(loss, torch.tensor([[-0.7] * 3, [0.3] * 3]))
+    assert not stats["region_clipped"].any()
+
+
+def test_clip_metrics_are_masked_means():
+    _, stats = clip_case()
+    metrics = clip_metrics(stats, torch.tensor([[1, 1], [1, 0]]))
+    # three active tokens: one high-clipped, one low-clipped
+    assert metrics == pytest.approx({"clip_ratio/low_mean": 1 / 3, "clip_ratio/high_mean": 1 / 3,
+                                     "clip_ratio/region_mean": 2 / 3, "kl": 0.0})
+
+
+# --- KL and importance weights ------------------------------------------------------------------------------------
+
+def test_k3_kl_by_hand():
+    # ref - logp = -0.5: exp(-0.5) + 0.5 - 1 = 0.606531 - 0.5 = 0.106531
+    close(k3_kl(torch.tensor([-1.0]), torch.tensor([-1.5])), [0.106531])
+    logps = torch.tensor([-0.3, -2.0])
+    assert torch.equal(k3_kl(logps, logps.clone()), torch.zeros(2))
+
+
+def test_beta_adds_the_kl_term():
+    logps, ref = torch.tensor([[-1.0]]), torch.tensor([[-1.5]])
+    loss, stats = per_token_loss(logps, logps.clone(), torch.tensor([1.0]), epsilon_low=0.2, epsilon_high=0.2,
+                                 beta=0.1, ref_logps=ref)
+    close(loss, [[-1.0 + 0.1 * 0.106531]])  # -0.989347
+    close(stats["kl"], [[0.106531]])
+    with pytest.raises(ValueError, match="ref_logps"):
+        per_token_loss(logps, logps, torch.tensor([1.0]), epsilon_low=0.2, epsilon_high=0.2, beta=0.1)
+
+
+def test_kl_bias_correction_multiplies_by_the_ratio():
+    # logp - old = 0.5, so ratio = exp(0.5) = 1.648721; A = 0 leaves only the KL term.
+    logps, old, ref = torch.tensor([[-1.0]]), torch.tensor([[-1.5]]), torch.tensor([[-1.5]])
+    kwargs = dict(epsilon_low=0.2, epsilon_high=0.2, beta=0.1, ref_logps=ref)
+    corrected, _ = per_token_loss(logps, old, torch.tensor([0.0]), **kwargs)
+    plain, _ = per_token_loss(logps, old, torch.tensor([0.0]), use_bias_correction_kl=False, **kwargs)
+    close(corrected, [[0.1 * 0.106531 * 1.648721]])  # 0.0175639
+    close(plain, [[0.0106531]])
+
+
+def test_importance_weights_are_one_on_policy_and_capped_off_policy():
+    old = torch.tensor([[-1.0, -2.0, -0.5]])
+    assert torch.equal(truncated_importance_weights(old, old.clone(), cap=2.0), torch.ones(1, 3))
+    # old - behaviour = log 3 -> 3 capped to 2; log 0.5 -> 0.5; nan behaviour (not reported) -> 1
+    behaviour = torch.tensor([[-1.0 - math.log(3.0), -2.0 - math.log(0.5), NAN]])
+    close(truncated_importance_weights(old, behaviour, cap=2.0), [[2.0, 0.5, 1.0]])
+
+
+def test_importance_weights_scale_the_policy_term_but_not_the_kl():
+    logps, ref = torch.tensor([[-1.0, -1.0]]), torch.tensor([[-1.5, -1.5]])
+    loss, _ = per_token_loss(logps, logps.clone(), torch.tensor([1.0]), epsilon_low=0.2, epsilon_high=0.2,
+                             beta=0.1, ref_logps=ref, is_weights=torch.tensor([[2.0, 0.5]]))
+    close(loss, [[-2.0 + 0.0106531, -0.5 + 0.0106531]])
+
+
+# --- normalisations -----------------------------------------------------------------------------------------------
+
+PER_TOKEN = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+MASK = torch.tensor([[1, 1, 0], [1, 0, 0]])
+
+
+def reduce(loss_type, per_token=PER_TOKEN, mask=MASK, sequences=2, tokens=3, max_len=4):
+    return reduce_loss(per_token, mask, loss_type, total_sequences=sequences, total_tokens=tokens,
+                       max_completion_length=max_len).item()
+
+
+def test_each_loss_type_by_hand():
+    assert reduce("grpo") == pytest.approx((1.5 + 4.0) / 2)  # sequence means (1+2)/2 and 4/1
+    assert reduce("bnpo") == pytest.approx(7 / 3)  # (1 + 2 + 4) over 3 active tokens
+    assert reduce("dapo") == pytest.approx(7 / 3)
+    assert reduce("dr_grpo") == pytest.approx(7 / (2 * 4))  # 2 sequences x max_completion_length 4
+
+
+def test_a_fully_masked_sequence_adds_zero_but_still_counts():
+    assert reduce("grpo", mask=torch.tensor([[0, 0, 0], [1, 1, 0]])) == pytest.approx((0 + 4.5) / 2)
+
+
+def test_unknown_loss_type_names_the_valid_ones():
+    with pytest.raises(ValueError, match="grpo, bnpo, dr_grpo, dapo"):
+        reduce("ppo")
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("splits", [[1, 3], [2, 2], [1, 1, 1, 1]])
+def test_micro_batch_shares_sum_to_the_full_batch_loss(loss_type, splits):
+    per_token = torch.tensor([[0.5, -1.0, 2.0], [3.0, 0.25, -0.5], [1.5, 1.0, 4.0], [-2.0, 0.75, 1.25]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 0, 0]])
+    totals = dict(sequences=4, tokens=6, max_len=3)
+    full = reduce(loss_type, per_token, mask, **totals)
+    # one shot: grpo = mean(1.5/3, 3/1, 2.5/2, 0) = 4.75/4; masked sum 1.5 + 3 + 2.5 = 7 over 6 tokens or 4 * 3
+    assert full == pytest.approx({"grpo": 4.75 / 4, "bnpo": 7 / 6, "dapo": 7 / 6, "dr_grpo": 7 / 12}[loss_type])
+    parts = [reduce(loss_type, p, m, **totals) for p, m in zip(per_token.split(splits), mask.split(splits), strict=True)]
+    assert sum(parts) == pytest.approx(full)
+
+
+def test_masked_mean():
+    close(masked_mean(PER_TOKEN, MASK), 7 / 3)
+    close(masked_mean(PER_TOKEN, torch.zeros(2, 3)), 0.0)
+
+
+# --- log-probs and entropy ----------------------------------------------------------------------------------------
+
+LOGITS = torch.tensor([[[1.0, 2.0, 0.5], [0.0, -1.0, 3.0]]])  # one sequence, two positions, vocabulary of 3
+
+
+def test_sequence_logps_match_a_manual_log_softmax_at_temperature():
+    targets = torch.tensor([[1, 2]])
+    got = sequence_logps(LOGITS, targets, temperature=0.7)
+    manual = torch.log_softmax(LOGITS / 0.7, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+    close(got, manual, atol=1e-6)
+    # x = [1, 2, 0.5] / 0.7 = [1.428571, 2.857143, 0.714286]; logsumexp 3.162397; 2.857143 - 3.162397
+    close(got, [[-0.305254, -0.016918]])
+    close(sequence_logps(LOGITS, targets, temperature=0.7, chunk_size=1), got, atol=0)
+
+
+def test_sequence_logps_upcast_half_precision_and_check_alignment():
+    targets = torch.tensor([[1, 2]])
+    got = sequence_logps(LOGITS.bfloat16(), targets, temperature=0.7)
+    assert got.dtype == torch.float32
+    close(got, [[-0.305254, -0.016918]], atol=1e-2)
+    with pytest.raises(ValueError, match="do not align"):
+        sequence_logps(LOGITS, torch.tensor([[1, 2, 0]]), temperature=1.0)
+
+
+def test_entropy_by_hand():
+    # uniform over 2 -> ln 2; p = [1/4, 3/4] -> 0.25 ln 4 + 0.75 ln(4/3) = 0.346574 + 0.215762
+    logits = torch.tensor([[[0.0, 0.0], [0.0, math.log(3.0)]]])
+    close(entropy_from_logits(logits), [[0.693147, 0.562335]])
+    p = torch.softmax(LOGITS / 0.7, dim=-1)
+    close(entropy_from_logits(LOGITS, temperature=0.7), -(p * p.log()).sum(-1))

@@ -1,0 +1,243 @@
+"""The GRPO maths: group advantages, the clipped surrogate with its KL and importance-weight terms, and the
+loss normalisations, as short pure-torch functions whose numbers can be checked by hand.
+
+Definitions follow TRL 1.16 (`GRPOTrainer._generate_and_score_completions` and `_compute_loss`), with two
+deliberate differences, both explained where they live:
+- a group with fewer than two valid rewards has std 0 here (TRL's `nanstd` gives nan); the advantages agree
+  (0 either way) but such groups count in `frac_reward_zero_std` and in `zero_std_groups`, since they carry
+  no learning signal;
+- `reduce_loss` returns each micro-batch's exact share of the full-batch loss, so that the sum over
+  micro-batches equals the one-shot value even when micro-batches differ in size or token count.
+
+Shapes: B completions (grouped consecutively, `group_size` per prompt), T completion tokens (padded);
+`mask` is 1 on the completion tokens that count in the loss.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+def _valid_mean_std(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Row-wise mean and unbiased (n - 1) std of the non-nan entries of a 2-D tensor.
+
+    A row with no valid entry has mean 0; a row with fewer than two has std 0 (not nan, as TRL's `nanstd`).
+    """
+    valid = ~torch.isnan(x)
+    count = valid.sum(dim=1)
+    mean = torch.where(valid, x, 0.0).sum(dim=1) / count.clamp(min=1)
+    squares = torch.where(valid, (x - mean[:, None]) ** 2, 0.0).sum(dim=1)
+    std = torch.where(count > 1, (squares / (count - 1).clamp(min=1)).sqrt(), 0.0)
+    return mean, std
+
+
+def _check_groups(rewards: Tensor, group_size: int) -> None:
+    if rewards.dim() != 1 or group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards must be 1-D with a length divisible by group_size={group_size}, "
+                         f"got shape {tuple(rewards.shape)}")
+
+
+def zero_std_groups(rewards: Tensor, group_size: int) -> Tensor:
+    """Per completion: True where its group's valid rewards all match (std isclose 0, TRL's test), the groups
+    DAPO's dynamic sampling drops. A group with fewer than two valid rewards counts as matching."""
+    _check_groups(rewards, group_size)
+    _, std = _valid_mean_std(rewards.view(-1, group_size))
+    return torch.isclose(std, torch.zeros_like(std)).repeat_interleave(group_size)
+
+
+def group_advantages(
+    rewards: Tensor, group_size: int, scale_rewards: str = "group", eps: float = 1e-4
+) -> tuple[Tensor, Tensor, dict[str, float]]:
+    """A_i = (r_i - mean_g) / (std + eps) over the valid (non-nan) rewards of completion i's group g.
+
+    std is the group's unbiased std ("group"), the std of all valid rewards of the batch ("batch"), or the
+    division is skipped ("none"). nan marks a missing reward: it is left out of mean and std, and gets A = 0
+    and valid = False so the caller can mask it out of the loss.
+
+    Stats, as TRL logs them: `reward` = mean of the valid rewards; `reward_std` = unbiased std of all valid
+    rewards of the batch (TRL's `nanstd(rewards)`: a batch std, not a mean of group stds);
+    `frac_reward_zero_std` = fraction of groups whose valid rewards all match. TRL computes the latter from
+    the std it divides by, so under "batch" it can only be 0 or 1; here it is always the group fraction.
+    """
+    _check_groups(rewards, group_size)
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards must be one of {', '.join(SCALE_REWARDS)}, got {scale_rewards!r}")
+    valid = ~torch.isnan(rewards)
+    group_mean, group_std = _valid_mean_std(rewards.view(-1, group_size))
+    _, batch_std = _valid_mean_std(rewards.view(1, -1))
+    advantages = rewards - group_mean.repeat_interleave(group_size)
+    if scale_rewards == "group":
+        advantages = advantages / (group_std.repeat_interleave(group_size) + eps)
+    elif scale_rewards == "batch":
+        advantages = advantages / (batch_std + eps)
+    advantages = torch.where(valid, advantages, 0.0)
+    stats = {
+        "reward": rewards[valid].mean().item() if valid.any() else float("nan"),
+        "reward_std": batch_std.item(),
+        "frac_reward_zero_std": zero_std_groups(rewards, group_size).float().mean().item(),
+    }
+    return advantages, valid, stats
+
+
+def k3_kl(logps: Tensor, ref_logps: Tensor) -> Tensor:
+    """Per-token k3 estimator of KL(policy || ref): exp(ref - logp) - (ref - logp) - 1, >= 0, 0 where equal."""
+    delta = ref_logps - logps
+    return torch.exp(delta) - delta - 1
+
+
+def truncated_importance_weights(old_logps: Tensor, behaviour_logps: Tensor, cap: float) -> Tensor:
+    """Per-token min(exp(old - behaviour), cap): TRL's `token_truncate` vLLM importance-sampling correction.
+
+    `behaviour_logps` are the sampler's log-probs (vLLM, an older policy in async rollout), `old_logps` the
+    trainer's at the start of this step. A nan behaviour log-prob (not reported) gives weight 1, as in TRL.
+    """
+    log_w = torch.nan_to_num(old_logps - behaviour_logps, nan=0.0)
+    return torch.clamp(torch.exp(log_w), max=cap)
+
+
+def per_token_loss(
+    logps: Tensor,
+    old_logps: Tensor,
+    advantages: Tensor,
+    *,
+    epsilon_low: float,
+    epsilon_high: float,
+    beta: float = 0.0,
+    ref_logps: Tensor | None = None,
+    is_weights: Tensor | None = None,
+    use_bias_correction_kl: bool = True,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The clipped surrogate per token, [B, T]:
+
+        ratio = exp(logp - old_logp),  clipped = clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+        loss  = -min(ratio * A, clipped * A) * is_weight  +  beta * KL
+
+    A is one advantage per sequence ([B], broadcast over tokens) or per token ([B, T]). KL is `k3_kl` against
+    `ref_logps`, multiplied by `ratio` when `use_bias_correction_kl` (TRL 1.16's default: it makes the KL
+    gradient unbiased when the batch is off-policy; with ratio = 1 it changes nothing). As in TRL the
+    importance weights scale the policy term only, not the KL.
+
+    Stats (detached, [B, T]): `ratio`, `kl` (the KL term divided by beta, as TRL logs it; zeros if beta == 0),
+    and TRL's clip flags `low_clipped` = ratio < 1 - eps_low and A < 0, `high_clipped` = ratio > 1 + eps_high
+    and A > 0, `region_clipped` = either.
+    """
+    if logps.shape != old_logps.shape:
+        raise ValueError(f"logps {tuple(logps.shape)} and old_logps {tuple(old_logps.shape)} differ in shape")
+    adv = advantages[:, None] if advantages.dim() == 1 else advantages
+    ratio = torch.exp(logps - old_logps)
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    loss = -torch.min(ratio * adv, clipped * adv)
+    if is_weights is not None:
+        loss = loss * is_weights
+    kl = torch.zeros_like(logps)
+    if beta != 0.0:
+        if ref_logps is None:
+            raise ValueError("beta != 0 needs ref_logps (the reference model's per-token log-probs)")
+        kl = k3_kl(logps, ref_logps)
+        if use_bias_correction_kl:
+            kl = kl * ratio
+        loss = loss + beta * kl
+    low = (ratio < 1 - epsilon_low) & (adv < 0)
+    high = (ratio > 1 + epsilon_high) & (adv > 0)
+    stats = {"ratio": ratio.detach(), "kl": kl.detach(), "low_clipped": low, "high_clipped": high,
+             "region_clipped": low | high}
+    return loss, stats
+
+
+def reduce_loss(
+    per_token: Tensor,
+    mask: Tensor,
+    loss_type: str,
+    *,
+    total_sequences: int,
+    total_tokens: int,
+    max_completion_length: int,
+) -> Tensor:
+    """This micro-batch's share of the full-batch loss: summed over the micro-batches of a batch, the values
+    equal the loss of the whole batch at once, so gradient accumulation adds no bias. With S = sum of masked
+    per-token losses of this micro-batch and the totals counted over the full batch:
+
+        grpo     sum over its sequences of (masked mean over tokens) / total_sequences
+        bnpo     S / total_tokens
+        dr_grpo  S / (total_sequences * max_completion_length)
+        dapo     S / total_tokens
+
+    A sequence with no active token adds 0 but still counts in total_sequences (TRL clamps its length to 1).
+
+    Against TRL 1.16: its grpo and dr_grpo take per-micro-batch means and divide by the accumulation steps,
+    which is the same when micro-batches have equal sizes. Its bnpo divides by the micro-batch's *own* token
+    count, so with accumulation it averages micro-batch token-means; here bnpo is the full-batch token mean
+    (TRL's value on a single micro-batch) and so coincides with dapo. TRL's dapo divides by
+    `num_items_in_batch`, the active tokens of the generation batch over all processes, divided by the
+    number of processes (DDP averages gradients over them): on one process that is `total_tokens`; with P
+    data-parallel ranks that average gradients, pass total_tokens = global token count / P.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
+    if total_sequences < 1 or max_completion_length < 1:
+        raise ValueError(f"need total_sequences >= 1 and max_completion_length >= 1, got {total_sequences} "
+                         f"and {max_completion_length}")
+    mask = mask.to(per_token.dtype)
+    masked = per_token * mask
+    if loss_type == "grpo":
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / total_sequences
+    if loss_type == "dr_grpo":
+        return masked.sum() / (total_sequences * max_completion_length)
+    return masked.sum() / max(total_tokens, 1)  # bnpo, dapo
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """sum(x * mask) / sum(mask); 0 when the mask is empty."""
+    mask = mask.to(x.dtype if x.is_floating_point() else torch.float32)
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def clip_metrics(stats: dict[str, Tensor], mask: Tensor) -> dict[str, float]:
+    """TRL's `clip_ratio/{low,high,region}_mean` and `kl`: masked means of `per_token_loss`'s stats over the
+    active tokens of one micro-batch (TRL pools tokens over processes; pool over micro-batches likewise)."""
+    return {
+        "clip_ratio/low_mean": masked_mean(stats["low_clipped"].float(), mask).item(),
+        "clip_ratio/high_mean": masked_mean(stats["high_clipped"].float(), mask).item(),
+        "clip_ratio/region_mean": masked_mean(stats["region_clipped"].float(), mask).item(),
+        "kl": masked_mean(stats["kl"], mask).item(),
+    }
+
+
+def sequence_logps(model_logits: Tensor, target_ids: Tensor, temperature: float = 1.0,
+                   chunk_size: int = 1024) -> Tensor:
+    """log_softmax(logits / temperature)[target] per token, in float32: x_t - logsumexp(x) with x = logits / T.
+
+    Alignment is the caller's: logits[:, i] of a causal LM predicts token i + 1, so for input_ids =
+    prompt (P tokens) + completion pass `logits[:, P - 1:-1]` with `input_ids[:, P:]`. The temperature must be
+    the sampling temperature, so these log-probs match the rollout engine's. Positions are processed
+    `chunk_size` at a time (upcast to float32 per chunk) so no full-vocabulary float32 copy of all logits is
+    made in the forward.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if model_logits.shape[:-1] != target_ids.shape:
+        raise ValueError(f"logits {tuple(model_logits.shape)} do not align with targets {tuple(target_ids.shape)}")
+    flat_logits = model_logits.reshape(-1, model_logits.shape[-1])
+    flat_ids = target_ids.reshape(-1)
+    out = [torch.zeros(0, device=model_logits.device)]
+    for logits, ids in zip(flat_logits.split(chunk_size), flat_ids.split(chunk_size), strict=True):
+        x = logits.float() / temperature
+        out.append(x.gather(-1, ids[:, None]).squeeze(-1) - torch.logsumexp(x, dim=-1))
+    return torch.cat(out).view(target_ids.shape)
+
+
+def entropy_from_logits(logits: Tensor, temperature: float = 1.0, chunk_size: int = 1024) -> Tensor:
+    """Per-position entropy in nats of softmax(logits / temperature): -sum p log p, in float32, chunked."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    flat = logits.reshape(-1, logits.shape[-1])
+    out = [torch.zeros(0, device=logits.device)]
+    for chunk in flat.split(chunk_size):
+        logp = F.log_softmax(chunk.float() / temperature, dim=-1)
+        out.append(-(logp.exp() * logp).sum(-1))
+    return torch.cat(out).view(logits.shape[:-1])
