@@ -65,6 +65,53 @@ def cmd_train(args) -> dict:
     return result
 
 
+def cmd_run(args) -> dict:
+    from tasks.services import configure
+
+    services = configure(args.state_dir)
+    recipe = _recipe(args)
+    from flows.pipeline import grpo_pipeline  # after configure(): Prefect reads its settings at import
+
+    summary = grpo_pipeline(recipe.to_dict(), {"tracking_uri": services.tracking_uri,
+                                               "registry_uri": services.registry_uri,
+                                               "artifact_root": services.artifact_root})
+    summary["state"] = services.describe()
+    summary["ui"] = services.ui_commands()
+    if not args.json:
+        from flows.report import print_run_summary
+        print_run_summary(summary)
+    return summary
+
+
+def cmd_eval(args) -> dict:
+    from tasks.services import configure
+
+    services = configure(args.state_dir)
+    recipe = _recipe(args)
+    from evaluation import run_evalscope
+    from tasks import tracking
+    from tasks.evaluation import heldout_accuracy, record_evaluation, resolve_model
+
+    client = tracking.client_for(services.tracking_uri, services.registry_uri)
+    ref = resolve_model(args.model, client, services.state_dir / "models-cache")
+    e = recipe.eval
+    name = ref.model_name and f"{ref.model_name}-v{ref.model_version}" or Path(ref.local_path or "endpoint").name
+    result = run_evalscope(ref.local_path or args.served_model_name or "default", e.benchmarks,
+                           work_dir=Path(e.out).resolve() / name, local_paths=e.local_paths or None, limit=e.limit,
+                           repeats=e.repeats, max_tokens=e.max_tokens, temperature=e.temperature,
+                           api_url=ref.api_url, api_key_env=args.api_key_env)
+    scores = dict(result.scores)
+    if ref.local_path and (acc := heldout_accuracy(ref.local_path, recipe.data.out, recipe)) is not None:
+        scores["heldout_accuracy"] = acc
+    experiment = tracking.ensure_experiment(client, recipe.registry.experiment, services.artifact_root)
+    run_id = record_evaluation(client, experiment, ref, scores, recipe.to_dict()["eval"], result.work_dir / "report.json")
+    for bench, score in scores.items():
+        _say(args, f"{bench}: {score:.4f}")
+    return {"model": args.model, "model_name": ref.model_name, "model_version": ref.model_version,
+            "scores": scores, "num_samples": result.num_samples, "report": str(result.work_dir / "report.json"),
+            "work_dir": str(result.work_dir), "mlflow_run_id": run_id, "tracking_uri": services.tracking_uri}
+
+
 def _say(args, text: str) -> None:
     print(text, file=sys.stderr if args.json else sys.stdout, flush=True)
 
@@ -103,6 +150,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a policy with GRPO (prepares data and the base model if missing)")
     _add_recipe_args(p, DEFAULT_CONFIG)
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="evaluate a checkpoint, a registered version or an endpoint with EvalScope")
+    p.add_argument("model", help="checkpoint dir, models:/name@alias, models:/name/version, or http(s)://host/v1")
+    p.add_argument("--served-model-name", help="model name at an OpenAI-compatible endpoint")
+    p.add_argument("--api-key-env", help="environment variable holding the endpoint's API key")
+    p.add_argument("--state-dir", help="where the embedded stores live (default .state, or $GRPOFLOW_STATE)")
+    _add_recipe_args(p, DEFAULT_CONFIG)
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("run", help="the whole pipeline: prepare, train, register in MLflow, evaluate (Prefect flow)")
+    p.add_argument("--state-dir", help="where the embedded stores live (default .state, or $GRPOFLOW_STATE)")
+    _add_recipe_args(p, DEFAULT_CONFIG)
+    p.set_defaults(func=cmd_run)
     return parser
 
 
@@ -110,13 +170,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
+    for noisy in ("httpx", "httpcore", "alembic", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     from data.errors import DataError
+    from trainer.plugins import PluginError
     from trainer.rewards import RewardSpecError
     from trainer.typed_config import ConfigError
 
     try:
         result = args.func(args)
-    except (ConfigError, DataError, RewardSpecError, UsageError, FileNotFoundError) as e:
+    except (ConfigError, DataError, RewardSpecError, PluginError, UsageError, FileNotFoundError) as e:
         print(f"grpoflow {args.command}: error: {e}", file=sys.stderr)
         if args.json:
             print(json.dumps({"error": str(e), "exit_code": 2}))

@@ -168,7 +168,8 @@ class RolloutConfig:
 class EvalConfig:
     benchmarks: list[str] = _f(["math_500", "aime24"], "EvalScope benchmarks (math_500, aime24, gpqa_diamond)")
     local_paths: dict[str, str] = _f({}, "benchmark -> local directory (EvalScope local_path); else the hub")
-    limit: int | None = _f(None, "problems per benchmark (None: all)")
+    limit: int | None = _f(None, "problems per benchmark subset, as EvalScope applies it (MATH-500 has 5 level "
+                                 "subsets, so limit 2 scores 10 problems); None: all")
     repeats: int = _f(1, "samples per problem (pass@k)")
     max_tokens: int = _f(1024, "generation budget per answer")
     temperature: float = _f(0.0, "0 is greedy")

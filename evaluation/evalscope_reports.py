@@ -1,0 +1,67 @@
+"""Reading EvalScope's own output files: per-benchmark report JSON and per-sample prediction/review JSONL.
+
+Scores are taken from EvalScope's report files, never recomputed, so grpoflow's numbers equal EvalScope's
+by construction. Layout of one EvalScope run (`no_timestamp=True`) under its output directory:
+
+    reports/<model_id>/<benchmark>.json              the report: metrics, subsets, counts, perf summary
+    predictions/<model_id>/<benchmark>_<subset>.jsonl  one generation per line (output, usage, stop reason)
+    reviews/<model_id>/<benchmark>_<subset>.jsonl      the same samples scored (target, extracted answer, score)
+    logs/eval_log.log, configs/task_config.yaml, reports/report.html
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class BenchmarkReport:
+    """What one EvalScope report file says about one benchmark."""
+
+    score: float                          # the report's primary metric (mean accuracy for the math benchmarks)
+    metric: dict                          # that metric's identity: name, aggregation, dimensions
+    num_generations: int                  # scored generations: problems x repeats
+    subsets: dict[str, float]             # subset name -> primary metric score (MATH-500: "Level 1".."Level 5")
+    subset_sizes: dict[str, int]          # subset name -> scored generations
+    pass_at_k: dict[int, float] = field(default_factory=dict)  # k -> pass@k, present when repeats > 1
+
+
+def report_path(outputs: Path, model_id: str, benchmark: str) -> Path:
+    return outputs / "reports" / model_id / f"{benchmark}.json"
+
+
+def sample_paths(outputs: Path, kind: str, model_id: str, benchmark: str, subsets: list[str]) -> list[Path]:
+    """The `predictions` or `reviews` JSONL files of a benchmark, one per subset that has one."""
+    paths = [outputs / kind / model_id / f"{benchmark}_{subset}.jsonl" for subset in subsets]
+    return [p for p in paths if p.is_file()]
+
+
+def read_report(path: Path) -> BenchmarkReport:
+    """Parse an EvalScope report (schema 2): the primary metric, its subsets, and pass@k if present."""
+    data = json.loads(path.read_text())
+    primary = data.get("primary_metric_identity")
+    if primary is None:
+        reason = data.get("primary_metric_unavailable_reason") or "no reason given"
+        raise RuntimeError(f"EvalScope report {path} names no primary metric: {reason}")
+    metrics = data.get("metrics", [])
+    matches = [m for m in metrics if m["identity"] == primary]
+    if len(matches) != 1:
+        raise RuntimeError(f"EvalScope report {path}: expected one metric with identity {primary}, "
+                           f"found {len(matches)}")
+    main = matches[0]
+    subsets = [s for category in main["categories"] for s in category["subsets"] if not s.get("is_aggregate")]
+    pass_at_k = {
+        int(m["identity"]["dimensions"]["k"]): float(m["score"])
+        for m in metrics
+        if m["identity"]["name"] == primary["name"] and m["identity"]["aggregation"] == "pass_at_k"
+    }
+    return BenchmarkReport(
+        score=float(main["score"]),
+        metric=primary,
+        num_generations=int(main["num"]),
+        subsets={s["name"]: float(s["score"]) for s in subsets},
+        subset_sizes={s["name"]: int(s["num"]) for s in subsets},
+        pass_at_k=dict(sorted(pass_at_k.items())),
+    )

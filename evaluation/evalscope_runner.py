@@ -1,0 +1,332 @@
+"""Evaluate a model with EvalScope: a local checkpoint (`llm_ckpt`) or a served model (`openai_api`).
+
+`run_evalscope` checks its inputs, runs EvalScope in a child process (`evalscope_worker.py`) whose output
+goes to a log file, reads the scores back from EvalScope's own report files and writes `report.json`.
+Layout of `work_dir` after a successful run:
+
+    report.json     grpoflow's summary: scores, subsets, counts, paths, and the settings that made them.
+                    Written last and atomically: a work_dir without it holds no finished evaluation.
+    evalscope/      EvalScope's outputs (see `evalscope_reports`), plus `run.log` (the child's whole
+                    output), `spec.json` (the TaskConfig it ran; never the API key) and `status.json`.
+
+Calling it again on a finished `work_dir` with the same settings returns the recorded result (a retried
+task does not evaluate twice); with other settings it raises `FileExistsError`. Raises `ValueError` /
+`FileNotFoundError` / `NotADirectoryError` for bad inputs (a missing checkpoint, a missing local dataset
+directory, an unknown benchmark) and `RuntimeError` naming the benchmark and quoting the log tail when
+EvalScope fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+
+from data.manifest import write_json_atomic
+from evaluation.evalscope_reports import read_report, report_path, sample_paths
+
+REPORT = "report.json"
+OUTPUTS = "evalscope"
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+# Set for the child only, and only when no benchmark needs a dataset hub: then nothing may touch the network.
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+_WORKER = Path(__file__).with_name("evalscope_worker.py")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@dataclass
+class EvalResult:
+    """Scores of one EvalScope run, as EvalScope's report files state them."""
+
+    scores: dict[str, float]                # benchmark -> primary metric (mean accuracy over all generations)
+    subsets: dict[str, dict[str, float]]    # benchmark -> subset -> score (MATH-500: "Level 1".."Level 5")
+    num_samples: dict[str, int]             # benchmark -> problems scored (generations / repeats)
+    pass_at_k: dict[str, dict[int, float]]  # benchmark -> k -> pass@k; empty unless repeats > 1
+    report_paths: dict[str, Path]           # benchmark -> EvalScope's report JSON
+    predictions_paths: dict[str, list[Path]]  # benchmark -> EvalScope's per-sample predictions, one per subset
+    review_paths: dict[str, list[Path]]     # benchmark -> the same samples scored by EvalScope, one per subset
+    work_dir: Path
+    log_path: Path
+
+    @property
+    def report_json(self) -> Path:
+        return self.work_dir / REPORT
+
+
+def run_evalscope(
+    model: str,
+    benchmarks: list[str],
+    *,
+    work_dir: str | os.PathLike,
+    local_paths: dict[str, str] | None = None,
+    limit: int | None = None,
+    repeats: int = 1,
+    max_tokens: int = 1024,
+    temperature: float = 0.0,
+    api_url: str | None = None,
+    api_key_env: str | None = None,
+    eval_batch_size: int = 1,
+    dtype: str = "float32",
+    seed: int = 0,
+    progress: bool | None = None,
+) -> EvalResult:
+    """Evaluate `model` on EvalScope `benchmarks` (e.g. `math_500`, `aime24`, `gpqa_diamond`).
+
+    - `model`: a `save_pretrained` checkpoint directory (EvalScope `llm_ckpt`, transformers on the local
+      device, weights in `dtype`), or with `api_url` the model name an OpenAI-compatible endpoint serves
+      (EvalScope `openai_api`; the key is read from the environment variable named by `api_key_env`).
+    - `local_paths`: benchmark -> directory with its data (`test.jsonl` for math_500 / aime24; one CSV or
+      JSONL file for gpqa_diamond). A benchmark without one is loaded from EvalScope's dataset hub.
+    - `limit`: EvalScope's limit, which applies per subset: `limit=2` on math_500 scores 2 problems from
+      each of its 5 levels. `repeats > 1` samples each problem that often (needs `temperature > 0`)
+      and adds EvalScope's pass@k for k = 1..repeats.
+    - `temperature=0` is greedy decoding; above 0 it is plain temperature sampling (top_p 1, no top_k).
+    - `progress`: echo EvalScope's own log and progress bars to stderr; by default only in a terminal.
+    """
+    checkpoint = api_url is None
+    model, local_paths = _check_inputs(model, benchmarks, dict(local_paths or {}), api_url, api_key_env)
+    _check_settings(limit, repeats, max_tokens, temperature, eval_batch_size, dtype)
+    model_id = _model_id(model, checkpoint)
+    settings = {  # everything that decides the scores; report.json records it
+        "model": model, "model_id": model_id, "eval_type": "llm_ckpt" if checkpoint else "openai_api",
+        "api_url": api_url, "api_key_env": api_key_env, "benchmarks": list(benchmarks),
+        "local_paths": local_paths, "limit": limit, "repeats": repeats,
+        "generation_config": _generation_config(max_tokens, temperature, checkpoint),
+        "eval_batch_size": eval_batch_size, "dtype": dtype if checkpoint else None, "seed": seed,
+        "offline": all(b in local_paths for b in benchmarks), "evalscope_version": version("evalscope"),
+    }
+    work_dir = Path(work_dir).resolve()
+    if (work_dir / REPORT).exists():  # a retried pipeline task lands here: same settings, same answer
+        return _finished(work_dir, settings)
+    outputs = work_dir / OUTPUTS
+    shutil.rmtree(outputs, ignore_errors=True)  # what a failed earlier attempt left
+    outputs.mkdir(parents=True)
+
+    task_config = {
+        "model": model, "model_id": model_id, "eval_type": settings["eval_type"],
+        "datasets": _hub_first(benchmarks, local_paths),
+        "dataset_args": _dataset_args(benchmarks, local_paths, repeats),
+        "limit": limit, "repeats": repeats, "generation_config": settings["generation_config"],
+        "eval_batch_size": eval_batch_size, "seed": seed, "work_dir": str(outputs), "no_timestamp": True,
+        **({"model_args": {"precision": dtype}} if checkpoint else {"api_url": api_url}),
+    }
+    started = time.time()
+    echo = progress if progress is not None else sys.stderr.isatty() and not os.getenv("CI")
+    spec = {"task_config": task_config, "api_key_env": api_key_env}
+    log_path = _run_worker(outputs, spec, settings["offline"], echo)
+    reports = {}
+    for bench in benchmarks:
+        path = report_path(outputs, model_id, bench)
+        if not path.is_file():
+            raise RuntimeError(f"EvalScope finished without a report for benchmark {bench!r} (expected {path})"
+                               + _log_tail(log_path))
+        reports[bench] = read_report(path)
+    result = EvalResult(
+        scores={b: r.score for b, r in reports.items()},
+        subsets={b: r.subsets for b, r in reports.items()},
+        num_samples={b: r.num_generations // repeats for b, r in reports.items()},
+        pass_at_k={b: r.pass_at_k for b, r in reports.items() if r.pass_at_k},
+        report_paths={b: report_path(outputs, model_id, b) for b in benchmarks},
+        predictions_paths={b: sample_paths(outputs, "predictions", model_id, b, list(r.subsets))
+                           for b, r in reports.items()},
+        review_paths={b: sample_paths(outputs, "reviews", model_id, b, list(r.subsets))
+                      for b, r in reports.items()},
+        work_dir=work_dir,
+        log_path=log_path,
+    )
+    write_json_atomic(work_dir / REPORT, {
+        **settings, **_result_json(result), "wall_time_s": round(time.time() - started, 1),
+        "primary_metric": {b: r.metric for b, r in reports.items()},
+    })
+    return result
+
+
+def _finished(work_dir: Path, settings: dict) -> EvalResult:
+    """The finished evaluation in `work_dir` if it was made with `settings`; refuses to mix two runs."""
+    recorded = json.loads((work_dir / REPORT).read_text())
+    differs = {k: (recorded.get(k), v) for k, v in settings.items() if recorded.get(k) != v}
+    if differs:
+        detail = "; ".join(f"{k}: {old!r} there, {new!r} now" for k, (old, new) in differs.items())
+        raise FileExistsError(f"{work_dir} already holds an evaluation made with other settings ({detail}); "
+                              "use a new work_dir")
+    return load_result(work_dir)
+
+
+def load_result(work_dir: str | os.PathLike) -> EvalResult:
+    """The `EvalResult` of a finished evaluation, read back from its `report.json`."""
+    work_dir = Path(work_dir).resolve()
+    path = work_dir / REPORT
+    if not path.is_file():
+        raise FileNotFoundError(f"no {REPORT} in {work_dir}: not a finished evaluation")
+    data = json.loads(path.read_text())
+    return EvalResult(
+        scores=data["scores"], subsets=data["subsets"], num_samples=data["num_samples"],
+        pass_at_k={b: {int(k): v for k, v in ks.items()} for b, ks in data["pass_at_k"].items()},
+        report_paths={b: work_dir / p for b, p in data["report_paths"].items()},
+        predictions_paths={b: [work_dir / p for p in ps] for b, ps in data["predictions_paths"].items()},
+        review_paths={b: [work_dir / p for p in ps] for b, ps in data["review_paths"].items()},
+        work_dir=work_dir, log_path=work_dir / data["log_path"],
+    )
+
+
+def _result_json(result: EvalResult) -> dict:
+    rel = lambda p: p.relative_to(result.work_dir).as_posix()  # noqa: E731
+    return {
+        "scores": result.scores, "subsets": result.subsets, "num_samples": result.num_samples,
+        "pass_at_k": result.pass_at_k,
+        "report_paths": {b: rel(p) for b, p in result.report_paths.items()},
+        "predictions_paths": {b: [rel(p) for p in ps] for b, ps in result.predictions_paths.items()},
+        "review_paths": {b: [rel(p) for p in ps] for b, ps in result.review_paths.items()},
+        "log_path": rel(result.log_path),
+    }
+
+
+def _check_inputs(model, benchmarks, local_paths, api_url, api_key_env) -> tuple[str, dict[str, str]]:
+    """Fail before any process starts; returns the model (absolute path for a checkpoint) and local paths."""
+    if isinstance(benchmarks, str) or not benchmarks or not all(isinstance(b, str) and b for b in benchmarks):
+        raise ValueError(f"benchmarks must be a non-empty list of EvalScope benchmark names, "
+                         f"got {benchmarks!r}")
+    if len(set(benchmarks)) != len(benchmarks):
+        raise ValueError(f"benchmarks lists a name twice: {benchmarks}")
+    if api_url is None:
+        path = Path(model).expanduser().resolve()
+        if not path.exists():
+            raise FileNotFoundError(f"model checkpoint directory not found: {path} (pass a save_pretrained "
+                                    "directory, or api_url=... to evaluate a served model)")
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model {path} is not a save_pretrained checkpoint directory: "
+                             "no config.json in it")
+        model = str(path)
+    elif not re.match(r"https?://", api_url):
+        raise ValueError(f"api_url must be an http(s) URL such as http://host:8000/v1, got {api_url!r}")
+    if api_key_env is not None:
+        if api_url is None:
+            raise ValueError("api_key_env is only used with api_url (a served model)")
+        if not os.environ.get(api_key_env):
+            raise ValueError(f"api_key_env={api_key_env!r}: the environment variable {api_key_env} is not set")
+    resolved = {}
+    for bench, raw in local_paths.items():
+        if bench not in benchmarks:
+            raise ValueError(f"local_paths names benchmark {bench!r}, which is not among {benchmarks}")
+        path = Path(raw).expanduser().resolve()
+        if not path.exists():
+            raise FileNotFoundError(f"local_path for benchmark {bench!r} not found: {path}")
+        if not path.is_dir():
+            raise NotADirectoryError(f"local_path for benchmark {bench!r} must be a directory holding its "
+                                     f"data file (e.g. test.jsonl), got the file {path}")
+        resolved[bench] = str(path)
+    return model, resolved
+
+
+def _check_settings(limit, repeats, max_tokens, temperature, eval_batch_size, dtype) -> None:
+    def positive_int(name, value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    if limit is not None:
+        positive_int("limit", limit)
+    positive_int("repeats", repeats)
+    positive_int("max_tokens", max_tokens)
+    positive_int("eval_batch_size", eval_batch_size)
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if repeats > 1 and temperature == 0:
+        raise ValueError(f"repeats={repeats} with temperature=0 (greedy) would score identical answers; "
+                         "set temperature > 0")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+
+
+def _model_id(model: str, checkpoint: bool) -> str:
+    """EvalScope's name for the model in its output paths: the checkpoint's folder or the served name."""
+    name = Path(model).name if checkpoint else model
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "model"
+
+
+def _generation_config(max_tokens: int, temperature: float, checkpoint: bool) -> dict:
+    config: dict = {"max_tokens": max_tokens}
+    if checkpoint:  # transformers' generate: greedy is do_sample=False, it rejects temperature=0
+        config["do_sample"] = temperature > 0
+    if temperature > 0:
+        config.update(temperature=temperature, top_p=1.0)
+        if checkpoint:
+            config["top_k"] = 0  # no top-k cut, whatever the checkpoint's generation_config.json says
+    elif not checkpoint:
+        config["temperature"] = 0.0
+    return config
+
+
+def _hub_first(benchmarks, local_paths: dict[str, str]) -> list[str]:
+    """Benchmarks that load from a hub run first: if the hub is unreachable, that fails before any
+    local benchmark has spent its generation time."""
+    return [b for b in benchmarks if b not in local_paths] + [b for b in benchmarks if b in local_paths]
+
+
+def _dataset_args(benchmarks, local_paths: dict[str, str], repeats: int) -> dict:
+    args: dict = {b: {} for b in benchmarks}
+    for bench, path in local_paths.items():
+        args[bench]["local_path"] = path
+    if repeats > 1:
+        for bench in benchmarks:
+            args[bench]["aggregation"] = "mean_and_pass_at_k"
+    return {b: a for b, a in args.items() if a}
+
+
+def _run_worker(outputs: Path, spec: dict, offline: bool, echo: bool) -> Path:
+    """Run EvalScope in a child process; its whole output goes to `run.log` (and to stderr when `echo`)."""
+    spec_path, status_path, log_path = outputs / "spec.json", outputs / "status.json", outputs / "run.log"
+    write_json_atomic(spec_path, spec)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(OFFLINE_ENV if offline else {})}
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    cmd = [sys.executable, str(_WORKER), str(spec_path), str(status_path)]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=outputs, env=env, stdin=subprocess.DEVNULL, text=True,
+                                stdout=subprocess.PIPE if echo else log, stderr=subprocess.STDOUT)
+        try:
+            if echo:
+                for line in proc.stdout:
+                    log.write(line)
+                    sys.stderr.write(line)
+            code = proc.wait()
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+    status = json.loads(status_path.read_text()) if status_path.is_file() else {}
+    if status.get("ok"):
+        return log_path
+    if "unknown_benchmark" in status:
+        close = " or ".join(map(repr, status["suggestions"]))
+        hint = f"; did you mean {close}?" if close else ""
+        shutil.rmtree(outputs, ignore_errors=True)
+        raise ValueError(f"unknown benchmark {status['unknown_benchmark']!r}: EvalScope {version('evalscope')} "
+                         f"has no benchmark of that name{hint}")
+    failed = _first_without_report(outputs, spec["task_config"])
+    local = spec["task_config"].get("dataset_args", {}).get(failed, {}).get("local_path")
+    hint = "" if failed is None or local else (
+        f"\n{failed!r} has no local path, so EvalScope loads it from its dataset hub (ModelScope by default); "
+        f"without network access pass local_paths={{{failed!r}: '<directory with its data>'}}")
+    what = f"{status['error']}: {status['message']}" if status else f"the worker exited with code {code}"
+    where = f"on benchmark {failed!r}" if failed else "after every benchmark had reported"
+    raise RuntimeError(f"EvalScope failed {where}: {what}{hint}" + _log_tail(log_path))
+
+
+def _first_without_report(outputs: Path, task_config: dict) -> str | None:
+    """EvalScope runs benchmarks in order, so the failing one is the first without a report."""
+    for bench in task_config["datasets"]:
+        if not report_path(outputs, task_config["model_id"], bench).is_file():
+            return bench
+    return None
+
+
+def _log_tail(log_path: Path, lines: int = 25) -> str:
+    text = _ANSI.sub("", log_path.read_text(errors="replace")) if log_path.is_file() else ""
+    tail = [line.rsplit("\r", 1)[-1] for line in text.splitlines() if line.strip()][-lines:]
+    return f"\n--- last lines of {log_path} ---\n" + "\n".join(tail)

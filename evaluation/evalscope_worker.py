@@ -1,0 +1,92 @@
+"""The child process that runs EvalScope: `python evalscope_worker.py <spec.json> <status.json>`.
+
+EvalScope is run out of process on purpose: importing it reconfigures the root logger, it logs and draws
+progress bars freely, the offline switches it must see are process-wide environment variables, and a
+loaded checkpoint is only truly freed when its process ends. The parent (`evalscope_runner`) captures this
+process's output into a log file and reads back what it wrote.
+
+The spec is `{"task_config": {...TaskConfig fields...}, "api_key_env": name or null}`. The API key is read
+here from the named environment variable, so it is never written to a file. The status file receives
+`{"ok": true}`, or `{"unknown_benchmark": name, "suggestions": [...]}` (exit code 2), or
+`{"error": type, "message": text}` (exit code 1). This module imports nothing from grpoflow.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import sys
+import traceback
+
+EXIT_FAILED, EXIT_UNKNOWN_BENCHMARK = 1, 2
+
+
+def _write_status(path: str, status: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(status, f)
+    os.replace(tmp, path)
+
+
+def _unknown_benchmark(names: list[str]) -> dict | None:
+    """The first name EvalScope does not know, with close matches among the names it does."""
+    import evalscope.benchmarks  # noqa: F401  (installs the registry's lazy resolvers)
+    from evalscope.api.registry import BENCHMARK_REGISTRY
+
+    for name in names:
+        if name not in BENCHMARK_REGISTRY:
+            known = list(BENCHMARK_REGISTRY.keys())
+            return {"unknown_benchmark": name, "suggestions": difflib.get_close_matches(name, known, n=3)}
+    return None
+
+
+def _mean_selector(name: str):
+    """The benchmark's headline metric, pinned to its mean over all attempts.
+
+    With pass@k aggregation a report holds one identity per k besides the mean, and EvalScope refuses
+    to pick the headline itself unless the benchmark declares one; JSON cannot carry the selector object.
+    """
+    from evalscope.api.metric.semantics import MetricSelector
+    from evalscope.api.registry import BENCHMARK_REGISTRY
+
+    meta = BENCHMARK_REGISTRY[name]
+    if meta.primary_metric is not None:
+        return MetricSelector(name=meta.primary_metric.name, aggregation="mean",
+                              dimensions=meta.primary_metric.dimensions)
+    first = meta.metric_list[0]
+    return MetricSelector(name=first if isinstance(first, str) else next(iter(first)), aggregation="mean")
+
+
+def run(spec: dict) -> dict:
+    from evalscope import TaskConfig, run_task
+
+    task = dict(spec["task_config"])
+    unknown = _unknown_benchmark(task["datasets"])
+    if unknown:
+        return unknown
+    for name, args in task.get("dataset_args", {}).items():
+        if args.get("aggregation") == "mean_and_pass_at_k" and "primary_metric" not in args:
+            args["primary_metric"] = _mean_selector(name)
+    if spec.get("api_key_env"):
+        task["api_key"] = os.environ[spec["api_key_env"]]
+    run_task(TaskConfig(**task))
+    return {"ok": True}
+
+
+def main(argv: list[str]) -> int:
+    spec_path, status_path = argv
+    with open(spec_path) as f:
+        spec = json.load(f)
+    try:
+        status = run(spec)
+    except BaseException as exc:  # the parent needs a status for every way this process can end
+        traceback.print_exc()
+        _write_status(status_path, {"error": type(exc).__name__, "message": str(exc)[-2000:]})
+        return EXIT_FAILED
+    _write_status(status_path, status)
+    return EXIT_UNKNOWN_BENCHMARK if "unknown_benchmark" in status else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

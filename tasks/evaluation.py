@@ -1,0 +1,96 @@
+"""Evaluating a model reference and recording the scores in MLflow, for the pipeline and `grpoflow eval`.
+
+A reference is a checkpoint directory, a registered version (`models:/name@alias`, `models:/name/3`), or
+an OpenAI-compatible endpoint URL. Registered versions are downloaded once into the state folder.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlflow import MlflowClient
+
+from data.manifest import MANIFEST, read_manifest
+from tasks import tracking
+
+_MODELS_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))$")
+
+
+@dataclass
+class ModelRef:
+    text: str
+    local_path: str | None = None  # a checkpoint on disk
+    api_url: str | None = None  # an OpenAI-compatible endpoint
+    model_name: str | None = None  # registered name and version, when the reference is one
+    model_version: str | None = None
+
+
+def resolve_model(ref: str, client: MlflowClient | None, cache_dir: Path) -> ModelRef:
+    if ref.startswith(("http://", "https://")):
+        return ModelRef(ref, api_url=ref)
+    m = _MODELS_URI.match(ref)
+    if m:
+        if client is None:
+            raise ValueError(f"{ref}: a registered model needs an MLflow tracking URI")
+        try:
+            mv = (client.get_model_version_by_alias(m["name"], m["alias"]) if m["alias"]
+                  else client.get_model_version(m["name"], m["version"]))
+        except Exception as e:  # noqa: BLE001 - unknown name/alias/version or unreachable store
+            raise tracking.TrackingError(f"{ref}: not found in MLflow at {client.tracking_uri!r} "
+                                         f"({type(e).__name__}: {e})") from e
+        target = cache_dir / m["name"] / f"v{mv.version}"
+        if not (target / MANIFEST).is_file():
+            import mlflow
+            target.parent.mkdir(parents=True, exist_ok=True)
+            mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(target.parent / f".v{mv.version}"),
+                                                tracking_uri=client.tracking_uri)
+            downloaded = target.parent / f".v{mv.version}" / Path(mv.source).name
+            downloaded.rename(target)
+        expected = mv.tags.get("checkpoint_sha256")
+        if expected and read_manifest(target).get("sha256") != expected:
+            raise RuntimeError(f"{ref}: downloaded checkpoint at {target} does not match its registered sha256")
+        return ModelRef(ref, local_path=str(target), model_name=m["name"], model_version=str(mv.version))
+    path = Path(ref).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"model {ref!r}: not a checkpoint directory, a models:/ URI or an http(s) URL")
+    return ModelRef(ref, local_path=str(path.resolve()))
+
+
+def record_evaluation(client: MlflowClient, experiment_id: str, ref: ModelRef, scores: dict, eval_cfg: dict,
+                      report: Path | None, parent_run_id: str | None = None) -> str:
+    """One MLflow run with the scores; a registered version also gets them as `eval.<benchmark>` tags."""
+    tags = {"model": ref.text}
+    if ref.model_name:
+        tags.update(model_name=ref.model_name, model_version=ref.model_version)
+    run_id = tracking.start_run(client, experiment_id, "evaluate", parent_run_id, tags=tags)
+    tracking.log_params(client, run_id, {"eval": eval_cfg})
+    tracking.log_metrics(client, run_id, scores)
+    if report is not None and report.is_file():
+        client.log_artifact(run_id, str(report))
+    client.set_terminated(run_id)
+    if ref.model_name:
+        for bench, value in scores.items():
+            client.set_model_version_tag(ref.model_name, ref.model_version, f"eval.{bench}", f"{value:.4f}")
+        client.set_model_version_tag(ref.model_name, ref.model_version, "eval_mlflow_run_id", run_id)
+    return run_id
+
+
+def heldout_accuracy(model_path: str, data_dir: str | Path, recipe) -> float | None:
+    """In-domain greedy accuracy of a local checkpoint on the recipe's prepared held-out rows."""
+    from data.prepare import load_prepared
+    from trainer.heldout import evaluate_greedy
+    from trainer.model_loading import load_policy
+    from trainer.rewards import accuracy_reward, format_reward
+    from trainer.rollout.hf_engine import HFEngine
+
+    if not (Path(data_dir) / MANIFEST).is_file():
+        return None
+    rows = load_prepared(data_dir, "heldout")[: recipe.train.eval_heldout]
+    if not rows:
+        return None
+    model, tokenizer = load_policy(model_path, recipe)
+    return evaluate_greedy(HFEngine(model, tokenizer), tokenizer, rows, accuracy_reward, format_reward,
+                           max_tokens=recipe.train.max_completion_length,
+                           max_prompt_length=recipe.train.max_prompt_length)["accuracy"]

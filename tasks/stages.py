@@ -1,0 +1,168 @@
+"""The pipeline's Prefect tasks: thin, retried, cached calls into data/, trainer/ and evaluation/.
+
+Caching is keyed on the task's source code and its inputs (recipe sections and upstream outputs), never on
+MLflow run ids: a rerun with the same recipe is served from cache, and a changed recipe reruns exactly the
+stages downstream of the change. Results are persisted under PREFECT_HOME so the cache outlives the process.
+Each task logs to its own nested MLflow run (ids passed explicitly) and leaves a Prefect markdown artifact
+with the manifests it read and wrote: the lineage chain.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import INPUTS, TASK_SOURCE
+from prefect.runtime import flow_run
+
+from data.manifest import code_version, read_manifest, sha256_json
+from tasks import tracking
+from tasks.registry import register_checkpoint
+
+# Run ids and URIs say where to log, not what to compute: they stay out of the cache key.
+CACHE = (TASK_SOURCE + INPUTS) - "ctx"
+RETRY = {"retries": 2, "retry_delay_seconds": [5, 20]}
+
+
+def _ctx_client(ctx: dict):
+    return tracking.client_for(ctx["tracking_uri"], ctx.get("registry_uri"))
+
+
+def _artifact_key(stage: str) -> str:
+    return f"grpoflow-{stage}"
+
+
+@task(name="prepare-data", cache_policy=CACHE, persist_result=True, **RETRY)
+def prepare_data(data_cfg: dict, ctx: dict) -> dict:
+    from data.prepare import prepare
+    from trainer.recipe import DataConfig
+
+    result = prepare(**DataConfig(**data_cfg).prepare_kwargs())
+    manifest = read_manifest(result["out"])
+    client = _ctx_client(ctx)
+    run_id = tracking.start_run(client, ctx["experiment_id"], "prepare", ctx["parent_run_id"])
+    tracking.log_params(client, run_id, {"data": data_cfg})
+    tracking.log_metrics(client, run_id, {"rows_train": result["rows"]["train"],
+                                          "rows_heldout": result["rows"]["heldout"]})
+    tracking.log_dataset(client, run_id, manifest, result["out"])
+    client.log_artifact(run_id, result["manifest"])
+    client.set_terminated(run_id)
+    create_markdown_artifact(key=_artifact_key("prepare"), description="prepared dataset", markdown=(
+        f"# Prepared data\n\n| | |\n|---|---|\n| out | `{result['out']}` |\n| sha256 | `{manifest['sha256']}` |\n"
+        f"| rows | {result['rows']} |\n| dropped | {result['dropped'] or 'none'} |\n| source | `{manifest['source']}` |\n"
+        f"| MLflow run | `{run_id}` |\n"))
+    return {**result, "mlflow_run_id": run_id, "task": manifest.get("task")}
+
+
+@task(name="make-base-model", cache_policy=CACHE, persist_result=True, **RETRY)
+def make_base_model(model_cfg: dict, bootstrap_cfg: dict, system_prompt: str) -> dict:
+    """The base model: a hub id / path as given, or the embedded default's tiny model (made once)."""
+    if model_cfg["name_or_path"] != "bootstrap":
+        return {"path": model_cfg["name_or_path"], "heldout_accuracy": None, "bootstrapped": False}
+    from trainer.bootstrap import bootstrap
+    from trainer.recipe import BootstrapConfig
+
+    result = bootstrap(BootstrapConfig(**bootstrap_cfg), system_prompt=system_prompt, progress=False)
+    return {**result, "bootstrapped": True}
+
+
+@task(name="train-policy", cache_policy=CACHE, persist_result=True, retries=2, retry_delay_seconds=[5, 20])
+def train_policy(recipe_dict: dict, base: dict, prepared: dict, ctx: dict) -> dict:
+    """GRPO training; a retry resumes from the last checkpoint in the same output_dir (no lost steps)."""
+    from trainer.grpo import GRPOTrainer
+    from trainer.recipe import Recipe
+    from trainer.typed_config import build
+
+    recipe = build(Recipe, recipe_dict, "<pipeline recipe>")
+    client = _ctx_client(ctx)
+    run_id = _stage_run(client, ctx, "train", recipe.train.output_dir)
+    tracking.log_params(client, run_id, {"train": recipe_dict["train"], "rollout": recipe_dict["rollout"],
+                                         "rewards": recipe_dict["rewards"], "base_model": base["path"]})
+    tracking.log_dataset(client, run_id, read_manifest(prepared["out"]), prepared["out"])
+    callbacks = [tracking.MlflowTrainingCallback(client, run_id)]
+    result = GRPOTrainer(recipe, base["path"], prepared["out"], callbacks=callbacks, progress=False).train().summary()
+    checkpoint = Path(result["checkpoint"])
+    from evaluation.plots import plot_training_curves
+    plots = plot_training_curves(result["metrics"], checkpoint.parent / "plots")
+    for p in plots:
+        client.log_artifact(run_id, str(p), "plots")
+    client.log_artifact(run_id, result["metrics"])
+    client.set_terminated(run_id)
+    manifest = read_manifest(checkpoint)
+    create_markdown_artifact(key=_artifact_key("train"), description="GRPO training", markdown=(
+        f"# GRPO training\n\n| | |\n|---|---|\n| checkpoint | `{checkpoint}` |\n| checkpoint sha256 | `{manifest['sha256']}` |\n"
+        f"| data sha256 | `{manifest.get('data_sha256')}` |\n| base model | `{base['path']}` |\n| steps | {result['steps']} |\n"
+        f"| held-out accuracy | {result['heldout_accuracy_before']:.3f} → {result['heldout_accuracy_after']:.3f} |\n"
+        f"| s/step | {result['seconds_per_step']:.3f} |\n| MLflow run | `{run_id}` |\n\n"
+        + "".join(f"![{p.stem}]({p.as_uri()})\n" for p in plots)))
+    return {**result, "mlflow_run_id": run_id, "checkpoint_sha256": manifest["sha256"],
+            "plots": [str(p) for p in plots]}
+
+
+def _stage_run(client, ctx: dict, stage: str, output_dir: str) -> str:
+    """The stage's MLflow run; a retried attempt continues the run its first attempt opened."""
+    marker = Path(output_dir) / f".mlflow-{stage}-{ctx['parent_run_id']}"
+    if marker.is_file():
+        return marker.read_text().strip()
+    run_id = tracking.start_run(client, ctx["experiment_id"], stage, ctx["parent_run_id"])
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(run_id)
+    return run_id
+
+
+@task(name="register-checkpoint", cache_policy=CACHE, persist_result=True, **RETRY)
+def register_model(trained: dict, prepared: dict, base: dict, recipe_dict: dict, model_name: str, ctx: dict) -> dict:
+    client = _ctx_client(ctx)
+    try:
+        run_id = tracking.start_run(client, ctx["experiment_id"], "register", ctx["parent_run_id"])
+        checkpoint = trained["checkpoint"]
+        client.log_artifacts(run_id, checkpoint, "checkpoint")
+        tags = {"dataset_sha256": read_manifest(prepared["out"])["sha256"], "recipe_sha256": sha256_json(recipe_dict),
+                "git_commit": code_version(), "prefect_flow_run_id": flow_run.get_id() or "",
+                "base_model": base["path"], "steps_trained": trained["steps"], "train_mlflow_run_id":
+                trained["mlflow_run_id"], "heldout_accuracy": trained["heldout_accuracy_after"]}
+        version, created = register_checkpoint(client, model_name, run_id, "checkpoint",
+                                               trained["checkpoint_sha256"], tags)
+        client.set_terminated(run_id)
+    except Exception as e:
+        raise tracking.TrackingError(f"registering {trained['checkpoint']} as '{model_name}' in MLflow at "
+                                     f"{ctx.get('registry_uri') or ctx['tracking_uri']!r} failed ({type(e).__name__}: {e}); the checkpoint "
+                                     "on disk is untouched") from e
+    create_markdown_artifact(key=_artifact_key("register"), description="registered model version", markdown=(
+        f"# Registered\n\n`models:/{model_name}/{version}` (alias `candidate`){'' if created else ' — already registered'}\n\n"
+        + "\n".join(f"- {k}: `{v}`" for k, v in tags.items())))
+    return {"model_name": model_name, "model_version": version, "created": created, "tags": tags,
+            "uri": f"models:/{model_name}/{version}", "mlflow_run_id": run_id}
+
+
+@task(name="evaluate-model", cache_policy=CACHE, persist_result=True, **RETRY)
+def evaluate_model(registered: dict, trained: dict, eval_cfg: dict, ctx: dict) -> dict:
+    from evaluation import run_evalscope
+    from tasks.evaluation import ModelRef, record_evaluation
+
+    work_dir = Path(eval_cfg["out"]).resolve() / f"{registered['model_name']}-v{registered['model_version']}"
+    result = run_evalscope(trained["checkpoint"], eval_cfg["benchmarks"], work_dir=work_dir,
+                           local_paths=eval_cfg.get("local_paths") or None, limit=eval_cfg.get("limit"),
+                           repeats=eval_cfg.get("repeats", 1), max_tokens=eval_cfg["max_tokens"],
+                           temperature=eval_cfg["temperature"], progress=False)
+    scores = {**result.scores, "heldout_accuracy": trained["heldout_accuracy_after"]}
+    ref = ModelRef(registered["uri"], trained["checkpoint"], None, registered["model_name"], registered["model_version"])
+    report = Path(result.work_dir) / "report.json"
+    run_id = record_evaluation(_ctx_client(ctx), ctx["experiment_id"], ref, scores, eval_cfg, report,
+                               ctx["parent_run_id"])
+    create_table_artifact(key=_artifact_key("evaluate"), description=f"evaluation of {registered['uri']}",
+                          table=[{"benchmark": b, "score": round(v, 4), "samples": result.num_samples.get(b, "")}
+                                 for b, v in scores.items()])
+    return {"scores": scores, "num_samples": result.num_samples, "work_dir": str(result.work_dir),
+            "report": str(report), "mlflow_run_id": run_id}
+
+
+def lineage_markdown(summary: dict) -> str:
+    """The whole chain, one line per stage: what each read and wrote."""
+    return "# grpoflow lineage\n\n```json\n" + json.dumps(summary, indent=2, default=str) + "\n```\n"
+
+
+__all__ = ["evaluate_model", "make_base_model", "prepare_data", "register_model", "train_policy",
+           "lineage_markdown"]

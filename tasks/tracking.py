@@ -1,0 +1,97 @@
+"""MLflow tracking for the pipeline: one run per flow run, a nested run per stage, ids passed explicitly.
+
+Everything goes through `MlflowClient` with explicit run ids: MLflow's fluent "active run" is thread-local,
+and Prefect runs tasks in worker threads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from mlflow import MlflowClient
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param
+
+log = logging.getLogger("grpoflow.tracking")
+
+
+class TrackingError(RuntimeError):
+    """The MLflow store cannot be reached or refused a write; names the tracking URI."""
+
+
+def client_for(tracking_uri: str, registry_uri: str | None = None) -> MlflowClient:
+    return MlflowClient(tracking_uri=tracking_uri, registry_uri=registry_uri or tracking_uri)
+
+
+def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None) -> str:
+    try:
+        exp = client.get_experiment_by_name(name)
+        if exp is not None:
+            return exp.experiment_id
+        location = f"{Path(artifact_root).as_uri()}/{name}" if artifact_root else None
+        return client.create_experiment(name, artifact_location=location)
+    except Exception as e:  # noqa: BLE001 - any failure here means the store is unusable
+        raise TrackingError(f"MLflow at {client.tracking_uri!r} is unreachable or refused the experiment "
+                            f"{name!r}: {type(e).__name__}: {e}") from e
+
+
+def start_run(client: MlflowClient, experiment_id: str, name: str, parent_run_id: str | None = None,
+              tags: dict | None = None) -> str:
+    tags = {k: str(v) for k, v in (tags or {}).items()}
+    if parent_run_id:
+        tags["mlflow.parentRunId"] = parent_run_id
+    return client.create_run(experiment_id, run_name=name, tags=tags).info.run_id
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, str]:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = json.dumps(v) if isinstance(v, (list, tuple)) else str(v)
+    return out
+
+
+def log_params(client: MlflowClient, run_id: str, params: dict) -> None:
+    items = [Param(k, v[:6000]) for k, v in flatten(params).items()]
+    for i in range(0, len(items), 100):
+        client.log_batch(run_id, params=items[i:i + 100])
+
+
+def log_metrics(client: MlflowClient, run_id: str, metrics: dict, step: int = 0) -> None:
+    now = int(time.time() * 1000)
+    items = [Metric(k.replace("@", "_at_"), float(v), now, step) for k, v in metrics.items()
+             if isinstance(v, (int, float)) and v == v]  # skip NaN
+    for i in range(0, len(items), 500):
+        client.log_batch(run_id, metrics=items[i:i + 500])
+
+
+def log_dataset(client: MlflowClient, run_id: str, manifest: dict, path: str, context: str = "training") -> None:
+    """The prepared dataset as an MLflow dataset input, its digest the manifest's content sha256."""
+    dataset = Dataset(name=f"{manifest.get('task', 'dataset')}-prepared", digest=manifest["sha256"][:36],
+                      source_type="local", source=json.dumps({"uri": path, "source": manifest.get("source")}),
+                      schema=json.dumps({"columns": ["id", "prompt", "answer", "task"]}),
+                      profile=json.dumps({"rows": manifest.get("rows"), "sha256": manifest["sha256"]}))
+    client.log_inputs(run_id, datasets=[DatasetInput(dataset, tags=[InputTag("mlflow.data.context", context)])])
+
+
+class MlflowTrainingCallback:
+    """Binds the trainer's callback interface to an MLflow run: per-step metrics, checkpoint events."""
+
+    def __init__(self, client: MlflowClient, run_id: str):
+        self.client, self.run_id = client, run_id
+
+    def on_step(self, step: int, metrics: dict) -> None:
+        log_metrics(self.client, self.run_id, {k.replace("/", "."): v for k, v in metrics.items()}, step)
+
+    def on_checkpoint(self, step: int, path: Path) -> None:
+        self.client.set_tag(self.run_id, "last_checkpoint", str(path))
+
+    def on_train_end(self, summary: dict) -> None:
+        log_metrics(self.client, self.run_id, {"heldout_accuracy_before": summary["heldout_accuracy_before"],
+                                               "heldout_accuracy_after": summary["heldout_accuracy_after"],
+                                               "seconds_per_step": summary["seconds_per_step"]})

@@ -1,0 +1,233 @@
+"""EvalScope runs: real EvalScope on the tiny checkpoint and the reference data in ../shared/data, its
+report files read back independently, and the errors a caller sees for bad inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from conftest import shared
+from evaluation import load_result, run_evalscope
+
+LEVELS = [f"Level {i}" for i in range(1, 6)]
+
+
+def _lines(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _primary(report: dict) -> dict:
+    """The report's headline metric, found the way a reader of EvalScope's JSON would."""
+    [metric] = [m for m in report["metrics"] if m["identity"] == report["primary_metric_identity"]]
+    return metric
+
+
+def test_tiny_checkpoint_on_math500_and_aime24_reports_evalscope_numbers(tiny_base, tmp_path, capfd):
+    math500, aime24 = shared("math_500"), shared("aime24")
+    env_before = dict(os.environ)
+    work_dir = tmp_path / "eval"
+    result = run_evalscope(tiny_base["path"], ["math_500", "aime24"], work_dir=work_dir, limit=2, max_tokens=32,
+                           local_paths={"math_500": str(math500), "aime24": str(aime24)})
+
+    # quiet: EvalScope's chatter went to its log file, and the offline switches stayed in the child
+    out, _ = capfd.readouterr()
+    assert out == "" and dict(os.environ) == env_before
+    log = result.log_path.read_text()
+    assert "Start loading benchmark dataset: math_500" in log and "from modelscope" not in log
+
+    assert set(result.scores) == {"math_500", "aime24"}
+    assert all(isinstance(s, float) and 0.0 <= s <= 1.0 for s in result.scores.values())
+    # EvalScope's limit is per subset: 2 problems from each MATH-500 level
+    assert result.num_samples == {"math_500": 10, "aime24": 2}
+    assert list(result.subsets["math_500"]) == LEVELS and list(result.subsets["aime24"]) == ["default"]
+    assert result.pass_at_k == {}
+
+    ours = json.loads((work_dir / "report.json").read_text())
+    assert ours["scores"] == result.scores and ours["num_samples"] == result.num_samples
+    assert ours["offline"] is True and ours["evalscope_version"] and ours["limit"] == 2
+    assert ours["generation_config"] == {"max_tokens": 32, "do_sample": False}
+    for bench in ("math_500", "aime24"):
+        report = json.loads(result.report_paths[bench].read_text())
+        metric = _primary(report)
+        assert ours["scores"][bench] == metric["score"]
+        subsets = {s["name"]: (s["score"], s["num"]) for c in metric["categories"] for s in c["subsets"]}
+        assert {name: score for name, (score, _) in subsets.items()} == ours["subsets"][bench]
+        if bench == "math_500":
+            assert {num for _, num in subsets.values()} == {2}
+
+        # per-sample files: one review per generation, scored; the mean of their scores is the report's
+        reviews = [r for p in result.review_paths[bench] for r in _lines(p)]
+        predictions = [r for p in result.predictions_paths[bench] for r in _lines(p)]
+        assert len(reviews) == len(predictions) == result.num_samples[bench]
+        # the per-sample key is the adapter's own spelling: aime24 writes "acc", math_500 "accuracy"
+        values = [r["sample_score"]["score"]["value"] for r in reviews]
+        accs = [v["accuracy"] if "accuracy" in v else v["acc"] for v in values]
+        assert metric["score"] == pytest.approx(sum(accs) / len(accs))
+        assert all(r["target"] and r["messages"][-1]["role"] == "assistant" for r in reviews)
+        assert all(p["model_output"]["usage"]["output_tokens"] <= 32 for p in predictions)
+
+    # report.json is the record: read back, returned again for the same request, guarded against another
+    assert load_result(work_dir) == result
+    assert run_evalscope(tiny_base["path"], ["math_500", "aime24"], work_dir=work_dir, limit=2, max_tokens=32,
+                         local_paths={"math_500": str(math500), "aime24": str(aime24)}) == result
+    with pytest.raises(FileExistsError, match="other settings .*limit: 2 there, 1 now"):
+        run_evalscope(tiny_base["path"], ["math_500", "aime24"], work_dir=work_dir, limit=1, max_tokens=32,
+                      local_paths={"math_500": str(math500), "aime24": str(aime24)})
+
+
+def test_repeats_add_evalscope_pass_at_k(tiny_base, tmp_path):
+    aime24 = shared("aime24")
+    result = run_evalscope(tiny_base["path"], ["aime24"], work_dir=tmp_path, limit=1, repeats=2, max_tokens=8,
+                           temperature=0.8, local_paths={"aime24": str(aime24)})
+    assert result.num_samples == {"aime24": 1}
+    assert set(result.pass_at_k["aime24"]) == {1, 2}
+    report = json.loads(result.report_paths["aime24"].read_text())
+    assert _primary(report)["identity"]["aggregation"] == "mean" and _primary(report)["num"] == 2
+    assert len(_lines(result.review_paths["aime24"][0])) == 2
+
+
+# ---- served models: EvalScope's openai_api mode against a stub endpoint ----------------------------------
+# No model server (vLLM, LMDeploy) runs here; the stub answers every question correctly, so the test checks
+# the wiring (URL, key from the environment, generation settings) and EvalScope's scoring end to end.
+
+GPQA_ROWS = [
+    {"Question": f"Which made-up compound number {i} is inert?", "Correct Answer": f"Compound Q{i}",
+     "Incorrect Answer 1": f"Compound X{i}", "Incorrect Answer 2": f"Compound Y{i}",
+     "Incorrect Answer 3": f"Compound Z{i}"}
+    for i in range(3)
+]
+
+
+@contextmanager
+def stub_chat_endpoint(answer):
+    """An OpenAI-compatible /v1/chat/completions that replies `answer(prompt)`; yields (url, requests)."""
+    requests = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            requests.append({"path": self.path, "auth": self.headers.get("Authorization"), **body})
+            content = answer(body["messages"][-1]["content"])
+            reply = json.dumps({
+                "id": "stub", "object": "chat.completion", "created": 0, "model": body["model"],
+                "choices": [{"index": 0, "finish_reason": "stop",
+                             "message": {"role": "assistant", "content": content}}],
+                "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
+            }).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}/v1", requests
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_openai_api_mode_scores_a_served_model_with_the_key_from_the_environment(tmp_path, monkeypatch):
+    aime24 = shared("aime24")
+    aime_answers = {r["problem"]: r["answer"] for r in _lines(aime24 / "test.jsonl")}
+    gpqa_dir = tmp_path / "gpqa"
+    gpqa_dir.mkdir()
+    (gpqa_dir / "gpqa_diamond.jsonl").write_text("".join(json.dumps(r) + "\n" for r in GPQA_ROWS))
+    correct = {r["Correct Answer"] for r in GPQA_ROWS}
+
+    def answer(prompt):
+        for letter, text in re.findall(r"^([A-D])\) (.*)$", prompt, flags=re.M):
+            if text.strip() in correct:
+                return f"It is {text}.\nANSWER: {letter}"
+        [solution] = [a for problem, a in aime_answers.items() if problem in prompt]
+        return f"So the answer is \\boxed{{{solution}}}."
+
+    monkeypatch.setenv("STUB_API_KEY", "sk-stub-secret")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    with stub_chat_endpoint(answer) as (url, requests):
+        result = run_evalscope("stub/model", ["aime24", "gpqa_diamond"], work_dir=tmp_path / "eval", limit=2,
+                               max_tokens=16, api_url=url, api_key_env="STUB_API_KEY",
+                               local_paths={"aime24": str(aime24), "gpqa_diamond": str(gpqa_dir)})
+
+    assert result.scores == {"aime24": 1.0, "gpqa_diamond": 1.0}
+    assert result.num_samples == {"aime24": 2, "gpqa_diamond": 2}
+    assert len(requests) == 4
+    assert {(r["path"], r["auth"], r["model"], r["max_tokens"], r["temperature"]) for r in requests} == {
+        ("/v1/chat/completions", "Bearer sk-stub-secret", "stub/model", 16, 0.0)}
+    ours = json.loads(result.report_json.read_text())
+    assert ours["eval_type"] == "openai_api" and ours["api_key_env"] == "STUB_API_KEY" and ours["dtype"] is None
+    for path in result.work_dir.rglob("*"):
+        assert not path.is_file() or "sk-stub-secret" not in path.read_text(errors="replace"), path
+
+
+# ---- errors: named, and raised before any model is loaded -----------------------------------------------
+
+@pytest.fixture
+def fake_checkpoint(tmp_path):
+    """A directory that passes the checkpoint check; no test below gets as far as loading it."""
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    return path
+
+
+def test_missing_checkpoint_directory_is_named(tmp_path):
+    missing = tmp_path / "no-such-checkpoint"
+    with pytest.raises(FileNotFoundError, match="model checkpoint directory not found: .*no-such-checkpoint"):
+        run_evalscope(str(missing), ["aime24"], work_dir=tmp_path / "eval")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="not a save_pretrained checkpoint directory: no config.json"):
+        run_evalscope(str(tmp_path / "empty"), ["aime24"], work_dir=tmp_path / "eval")
+    assert not (tmp_path / "eval").exists()
+
+
+def test_missing_local_path_names_the_benchmark(fake_checkpoint, tmp_path):
+    with pytest.raises(FileNotFoundError, match="local_path for benchmark 'math_500' not found: .*nowhere"):
+        run_evalscope(str(fake_checkpoint), ["math_500"], work_dir=tmp_path / "eval",
+                      local_paths={"math_500": str(tmp_path / "nowhere")})
+    with pytest.raises(ValueError, match="local_paths names benchmark 'aime25', which is not among"):
+        run_evalscope(str(fake_checkpoint), ["aime24"], work_dir=tmp_path / "eval",
+                      local_paths={"aime25": str(tmp_path)})
+
+
+def test_bad_settings_are_named(fake_checkpoint, tmp_path):
+    ckpt = str(fake_checkpoint)
+    with pytest.raises(ValueError, match="repeats=4 with temperature=0"):
+        run_evalscope(ckpt, ["aime24"], work_dir=tmp_path, repeats=4)
+    with pytest.raises(ValueError, match="limit must be a positive integer, got 0"):
+        run_evalscope(ckpt, ["aime24"], work_dir=tmp_path, limit=0)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        run_evalscope(ckpt, ["aime24"], work_dir=tmp_path, dtype="fp8")
+    with pytest.raises(ValueError, match="environment variable GRPOFLOW_TEST_UNSET_KEY is not set"):
+        run_evalscope("m", ["aime24"], work_dir=tmp_path, api_url="http://127.0.0.1:9/v1",
+                      api_key_env="GRPOFLOW_TEST_UNSET_KEY")
+
+
+def test_unknown_benchmark_is_named_with_suggestions(fake_checkpoint, tmp_path):
+    with pytest.raises(ValueError, match=r"unknown benchmark 'math500'.*did you mean 'math_500'"):
+        run_evalscope(str(fake_checkpoint), ["math500"], work_dir=tmp_path / "eval")
+    assert not (tmp_path / "eval" / "report.json").exists()
+
+
+def test_evalscope_failure_names_the_benchmark_and_quotes_its_log(fake_checkpoint, tmp_path):
+    empty = tmp_path / "aime24-empty"
+    empty.mkdir()
+    with pytest.raises(RuntimeError, match="EvalScope failed on benchmark 'aime24'") as err:
+        run_evalscope(str(fake_checkpoint), ["aime24"], work_dir=tmp_path / "eval",
+                      local_paths={"aime24": str(empty)})
+    assert "--- last lines of" in str(err.value) and "run.log" in str(err.value)
+    assert not (tmp_path / "eval" / "report.json").exists()
+

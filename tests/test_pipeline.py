@@ -1,0 +1,125 @@
+"""The pipeline end to end: real Prefect (ephemeral API), real sqlite MLflow, real EvalScope, real training.
+
+Each test runs `grpoflow run` as a user would, in a subprocess with its own state folder, on a few
+training steps and a two-problem EvalScope run over ../shared/data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO_ROOT, shared
+from data.manifest import read_manifest, sha256_dir
+
+pytestmark = pytest.mark.slow
+
+
+def run_pipeline(tmp: Path, tiny_base: dict, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "flows.cli", "run", "--state-dir", str(tmp / "state"), "--json",
+            f"bootstrap.out={tiny_base['path']}", f"data.out={tmp / 'data'}", "data.synthetic_rows=600",
+            f"train.output_dir={tmp / 'runs'}", "train.max_steps=4", "train.save_steps=2", "train.eval_heldout=32",
+            f"eval.out={tmp / 'eval'}", "eval.limit=2", "eval.max_tokens=24",
+            f"eval.local_paths={{math_500: {shared('math_500')}, aime24: {shared('aime24')}}}", *overrides]
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    full_env.update(env or {})
+    return subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1500, env=full_env)
+
+
+def summary_of(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def mlflow_client(tmp: Path):
+    from mlflow import MlflowClient
+    uri = f"sqlite:///{tmp / 'state' / 'mlflow.db'}"
+    return MlflowClient(uri, registry_uri=uri)
+
+
+def test_pipeline_lineage_caching_and_rerun_downstream_of_a_change(tmp_path, tiny_base):
+    first = summary_of(run_pipeline(tmp_path, tiny_base))
+    assert first["cached_stages"] == [] and first["model_version"] == "1"
+    assert set(first["scores"]) >= {"math_500", "aime24", "heldout_accuracy"}
+    assert all(0.0 <= v <= 1.0 for v in first["scores"].values())
+
+    client = mlflow_client(tmp_path)
+    [version] = client.search_model_versions("name='grpoflow-tiny'")
+    data_manifest = read_manifest(tmp_path / "data")
+    ckpt = Path(first["checkpoint"])
+    assert version.tags["dataset_sha256"] == data_manifest["sha256"]
+    assert version.tags["checkpoint_sha256"] == read_manifest(ckpt)["sha256"] == sha256_dir(ckpt)
+    assert version.tags["recipe_sha256"] == first["recipe_sha256"]
+    assert version.tags["prefect_flow_run_id"] == first["prefect_flow_run_id"] != ""
+    assert version.tags["base_model"] == tiny_base["path"] and version.tags["steps_trained"] == "4"
+    assert len(version.tags["git_commit"]) >= 40
+    assert client.get_model_version_by_alias("grpoflow-tiny", "candidate").version == "1"
+    assert float(version.tags["eval.math_500"]) == pytest.approx(first["scores"]["math_500"], abs=1e-4)
+
+    # the registered source holds the checkpoint, loadable like any HF model
+    import mlflow
+    local = mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=str(tmp_path / "dl"),
+                                                tracking_uri=f"sqlite:///{tmp_path / 'state' / 'mlflow.db'}")
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(local))
+
+    runs = {r.info.run_name: r for r in client.search_runs(
+        [client.get_experiment_by_name("grpoflow").experiment_id])}
+    assert {"pipeline-tiny-cpu", "prepare", "train", "register", "evaluate"} <= set(runs)
+    parent = runs["pipeline-tiny-cpu"].info.run_id
+    assert all(runs[s].data.tags["mlflow.parentRunId"] == parent for s in ("prepare", "train", "register", "evaluate"))
+    train = runs["train"]
+    assert train.inputs.dataset_inputs[0].dataset.digest == data_manifest["sha256"][:36]
+    assert len(client.get_metric_history(train.info.run_id, "reward")) == 4
+    assert {a.path for a in client.list_artifacts(train.info.run_id, "plots")} == {
+        "plots/reward.png", "plots/completion_length.png"}
+    assert runs["evaluate"].data.metrics["math_500"] == pytest.approx(first["scores"]["math_500"])
+    report = json.loads(Path(first["eval_report"]).read_text())
+    assert report["scores"]["math_500"] == pytest.approx(first["scores"]["math_500"])
+
+    second = summary_of(run_pipeline(tmp_path, tiny_base))
+    assert second["cached_stages"] == ["prepare", "base_model", "train", "register", "evaluate"]
+    assert second["model_version"] == "1"
+
+    changed = summary_of(run_pipeline(tmp_path, tiny_base, "train.learning_rate=2e-5"))
+    assert changed["cached_stages"] == ["prepare", "base_model"]
+    assert changed["model_version"] == "2" and changed["recipe_sha256"] != first["recipe_sha256"]
+    assert len(client.search_model_versions("name='grpoflow-tiny'")) == 2
+
+
+FAULT = """
+from pathlib import Path
+MARKER = Path({marker!r})
+
+class FailOnceAfterCheckpoint:
+    def on_checkpoint(self, step, path):
+        if not MARKER.exists():
+            MARKER.write_text(str(step))
+            raise RuntimeError("injected failure after checkpoint " + str(step))
+
+def make():
+    return FailOnceAfterCheckpoint()
+"""
+
+
+def test_training_failure_is_retried_and_resumes_from_its_checkpoint(tmp_path, tiny_base):
+    plugin = tmp_path / "fault.py"
+    plugin.write_text(FAULT.format(marker=str(tmp_path / "failed-once")))
+    summary = summary_of(run_pipeline(tmp_path, tiny_base, f"train.callbacks=['{plugin}:make']"))
+    assert (tmp_path / "failed-once").read_text() == "2"
+    metrics = [json.loads(line) for line in (Path(summary["checkpoint"]).parent / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]  # no step lost, none repeated
+    assert len(mlflow_client(tmp_path).search_model_versions("name='grpoflow-tiny'")) == 1
+
+
+def test_unreachable_registry_fails_clearly_and_keeps_the_checkpoint(tmp_path, tiny_base):
+    bad = "sqlite:////proc/grpoflow-no-such-dir/registry.db"
+    proc = run_pipeline(tmp_path, tiny_base, env={"MLFLOW_REGISTRY_URI": bad})
+    assert proc.returncode == 1
+    assert "registering" in proc.stderr and bad in proc.stderr and "checkpoint on disk is untouched" in proc.stderr
+    [ckpt] = (tmp_path / "runs").glob("*/checkpoint-4")
+    assert read_manifest(ckpt)["sha256"] == sha256_dir(ckpt)
