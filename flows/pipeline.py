@@ -60,7 +60,7 @@ def grpo_pipeline(recipe: dict, services: dict) -> dict:
         base = run("base_model", make_base_model, recipe["model"], recipe["bootstrap"],
                    recipe["data"]["system_prompt"])
         trained = run("train", train_policy, training_recipe, base, prepared, ctx)
-        registered = run("register", register_model, trained, prepared, base, training_recipe,
+        registered = run("register", register_model, trained, prepared, base, fingerprint,
                          recipe["registry"]["model_name"], ctx)
         evaluated = run("evaluate", evaluate_model, registered, trained, recipe["eval"], ctx)
     except BaseException:

@@ -27,7 +27,7 @@ def register_checkpoint(client: MlflowClient, name: str, run_id: str, artifact_p
     """(version, created): log nothing twice; the source is the checkpoint's artifact folder in `run_id`."""
     existing = find_version(client, name, checkpoint_sha256)
     if existing is not None:
-        return existing.version, False
+        return str(existing.version), False
     try:
         client.create_registered_model(name, description="GRPO checkpoints registered by grpoflow")
     except MlflowException as e:
@@ -38,4 +38,4 @@ def register_checkpoint(client: MlflowClient, name: str, run_id: str, artifact_p
     version = client.create_model_version(name, source=source, run_id=run_id, tags=all_tags)
     if alias:
         client.set_registered_model_alias(name, alias, version.version)
-    return version.version, True
+    return str(version.version), True

@@ -17,7 +17,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 from prefect.runtime import flow_run
 
-from data.manifest import code_version, read_manifest, sha256_json
+from data.manifest import code_version, read_manifest
 from tasks import tracking
 from tasks.registry import register_checkpoint
 
@@ -113,13 +113,13 @@ def _stage_run(client, ctx: dict, stage: str, output_dir: str) -> str:
 
 
 @task(name="register-checkpoint", cache_policy=CACHE, persist_result=True, **RETRY)
-def register_model(trained: dict, prepared: dict, base: dict, recipe_dict: dict, model_name: str, ctx: dict) -> dict:
+def register_model(trained: dict, prepared: dict, base: dict, recipe_sha256: str, model_name: str, ctx: dict) -> dict:
     client = _ctx_client(ctx)
     try:
         run_id = tracking.start_run(client, ctx["experiment_id"], "register", ctx["parent_run_id"])
         checkpoint = trained["checkpoint"]
         client.log_artifacts(run_id, checkpoint, "checkpoint")
-        tags = {"dataset_sha256": read_manifest(prepared["out"])["sha256"], "recipe_sha256": sha256_json(recipe_dict),
+        tags = {"dataset_sha256": read_manifest(prepared["out"])["sha256"], "recipe_sha256": recipe_sha256,
                 "git_commit": code_version(), "prefect_flow_run_id": flow_run.get_id() or "",
                 "base_model": base["path"], "steps_trained": trained["steps"], "train_mlflow_run_id":
                 trained["mlflow_run_id"], "heldout_accuracy": trained["heldout_accuracy_after"]}

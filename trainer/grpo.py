@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import statistics
 import time
@@ -45,6 +46,7 @@ from trainer.recipe import Recipe
 from trainer.rewards import RewardRunner, accuracy_reward, format_reward, resolve_reward
 from trainer.rollout.base import SamplingParams
 from trainer.rollout.hf_engine import HFEngine
+from trainer.rollout.remote import RemoteRollout, cpu_threads_per_side
 from trainer.rollout_batch import RolloutBatch
 
 log = logging.getLogger("grpoflow.train")
@@ -94,12 +96,23 @@ class GRPOTrainer:
         random.seed(cfg.seed)
         self.checkpoint = latest_checkpoint(self.output_dir)
         self.start_step, state = 0, None
+        if self.recipe.rollout.async_ and not torch.cuda.is_available():
+            torch.set_num_threads(cpu_threads_per_side(self.recipe.rollout.num_engines))
         if self.checkpoint is not None:
             state = load_trainer_state(self.checkpoint)
             self.start_step = state["step"]
             log.info("resuming from %s (step %d)", self.checkpoint, self.start_step)
-        self.model, self.tokenizer = load_policy(str(self.checkpoint or self.model_path), self.recipe)
+        self.rank, self.world = init_distributed(self.recipe.rollout.sync_timeout_s)
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+        self.model, self.tokenizer = load_policy(str(self.checkpoint or self.model_path), self.recipe, device)
         self.model.train()
+        # Trainer ranks under torchrun: gradients are averaged across ranks by DDP; `policy` is what
+        # the loss runs through, `model` the plain module (engine, checkpoints).
+        self.policy = self.model
+        if self.world > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.policy = DistributedDataParallel(self.model)
         self.ref_model = None
         if cfg.beta > 0:  # the reference is the starting policy, never the resumed one
             self.ref_model, _ = load_policy(self.model_path, self.recipe)
@@ -123,6 +136,7 @@ class GRPOTrainer:
             self.metrics.truncate_after(self.start_step)
         elif self.metrics.path.exists():
             self.metrics.path.unlink()  # a fresh run in a reused directory without a checkpoint
+        self.version = self.start_step
 
     def _lr_factor(self, update: int) -> float:
         cfg, total = self.cfg, self.cfg.max_steps * self.cfg.num_iterations
@@ -136,27 +150,52 @@ class GRPOTrainer:
         return 1.0
 
     # ---------------------------------------------------------------------------------------- train
-    def train(self) -> TrainResult:
+    def train(self) -> TrainResult | None:
+        """Train to max_steps; the result on rank 0 (None on other trainer ranks)."""
         self.setup()
         cfg = self.cfg
-        if self.heldout_before is None:
+        if self.heldout_before is None and self.rank == 0:
             self.heldout_before = self.evaluate_heldout()
             log.info("held-out before training: %s", _fmt(self.heldout_before))
         step_times, last = [], self.checkpoint
-        with Progress(cfg.max_steps, "GRPO", self.progress, completed=self.start_step) as bar:
-            for step in range(self.start_step, cfg.max_steps):
-                started = time.perf_counter()
-                batch, metrics = self.generate_and_score(step)
-                metrics.update(self.optimize(batch))
-                metrics["timing/step_s"] = time.perf_counter() - started
-                tokens = sum(len(p) + len(c.token_ids) for p, c in zip(batch.prompt_ids, batch.completions, strict=False))
-                metrics["tokens_per_s"] = tokens / metrics["timing/step_s"]
-                step_times.append(metrics["timing/step_s"])
-                self.metrics.append(step + 1, metrics)
-                self._notify("on_step", step + 1, metrics)
-                bar.update(1, reward=f"{metrics['reward']:.3f}", s_per_step=f"{metrics['timing/step_s']:.2f}")
-                if (step + 1) % cfg.save_steps == 0 or step + 1 == cfg.max_steps:
-                    last = self.save(step + 1)
+        remote = self._start_remote_rollout()
+        try:
+            with Progress(cfg.max_steps, "GRPO", self.progress, completed=self.start_step) as bar:
+                if remote is not None:
+                    remote.submit(self.start_step, *self._request(self.start_step))
+                for step in range(self.start_step, cfg.max_steps):
+                    started = time.perf_counter()
+                    if not self.recipe.rollout.async_:
+                        batch, metrics = self.generate_and_score(step)
+                    else:  # only rank 0 talks to the rollout workers; it hands the batch to the others
+                        batch, metrics = self._collect_async(remote, step) if self.rank == 0 else (None, None)
+                        if self.world > 1:
+                            shared = [(batch, metrics)]
+                            torch.distributed.broadcast_object_list(shared, src=0)
+                            batch, metrics = shared[0]
+                    metrics.update(self.optimize(batch))
+                    if remote is not None and self.recipe.rollout.max_staleness == 0:  # rank 0 only
+                        metrics["timing/weight_sync_s"] = self._sync_and_submit(remote, step + 1)
+                    metrics["timing/step_s"] = time.perf_counter() - started
+                    if self.recipe.rollout.async_:
+                        metrics["trainer_idle_fraction"] = metrics["timing/wait_s"] / metrics["timing/step_s"]
+                        metrics["rollout_idle_fraction"] = max(0.0, 1 - metrics.pop("timing/generate_busy_s")
+                                                               / metrics["timing/step_s"])
+                    tokens = sum(len(p) + len(c.token_ids) for p, c in zip(batch.prompt_ids, batch.completions, strict=False))
+                    metrics["tokens_per_s"] = tokens / metrics["timing/step_s"]
+                    step_times.append(metrics["timing/step_s"])
+                    if self.rank != 0:
+                        continue
+                    self.metrics.append(step + 1, metrics)
+                    self._notify("on_step", step + 1, metrics)
+                    bar.update(1, reward=f"{metrics['reward']:.3f}", s_per_step=f"{metrics['timing/step_s']:.2f}")
+                    if (step + 1) % cfg.save_steps == 0 or step + 1 == cfg.max_steps:
+                        last = self.save(step + 1)
+        finally:
+            if remote is not None:
+                remote.close()
+        if self.rank != 0:
+            return None
         heldout_after = self.evaluate_heldout()
         log.info("held-out after training: %s", _fmt(heldout_after))
         result = TrainResult(cfg.max_steps, self.heldout_before, heldout_after, str(last),
@@ -165,21 +204,33 @@ class GRPOTrainer:
         self._notify("on_train_end", result.summary())
         return result
 
-    def generate_and_score(self, step: int) -> tuple[RolloutBatch, dict]:
-        cfg, G = self.cfg, self.cfg.num_generations
+    def rows_for(self, step: int) -> tuple[list[dict], list[list[int]], SamplingParams]:
+        """The prompts of `step`, tokenized, and the sampling settings (seeded by step: resumable)."""
+        cfg = self.cfg
         rows = [self.train_rows[i] for i in prompt_indices(step, len(self.train_rows), cfg.prompts_per_step,
                                                            cfg.seed)]
-        t0 = time.perf_counter()
         prompt_ids = encode_prompts(self.tokenizer, rows, cfg.max_prompt_length)
         sampling = SamplingParams(cfg.max_completion_length, cfg.temperature, cfg.top_p,
                                   seed=cfg.seed * 1_000_003 + step)
-        groups = self.engine.generate(prompt_ids, G, sampling)
+        return rows, prompt_ids, sampling
+
+    def generate_and_score(self, step: int) -> tuple[RolloutBatch, dict]:
+        """Synchronous rollout: generate with the policy being trained, in this process, then score."""
+        rows, prompt_ids, sampling = self.rows_for(step)
+        t0 = time.perf_counter()
+        self.engine.version = self.version
+        groups = self.engine.generate(prompt_ids, self.cfg.num_generations, sampling)
+        return self.score(rows, prompt_ids, groups, {"timing/rollout_s": time.perf_counter() - t0})
+
+    def score(self, rows: list[dict], prompt_ids: list[list[int]], groups: list, metrics: dict
+              ) -> tuple[RolloutBatch, dict]:
+        """Rewards, group advantages and loss masks for generated groups."""
+        cfg, G = self.cfg, self.cfg.num_generations
         completions = [c for g in groups for c in g]
         t1 = time.perf_counter()
         expanded = [r for r in rows for _ in range(G)]
         result = self.rewards([r["prompt"] for r in expanded], [c.text for c in completions],
                               completion_ids=[c.token_ids for c in completions], **columns_of(expanded))
-        t2 = time.perf_counter()
         rewards = torch.tensor([math.nan if r is None else r for r in result.total])
         advantages, valid, stats = L.group_advantages(rewards, G, cfg.scale_rewards)
         loss_mask = valid.clone()
@@ -189,11 +240,10 @@ class GRPOTrainer:
         if cfg.mask_truncated_completions:
             loss_mask &= ~truncated
         lengths = [len(c.token_ids) for c in completions]
-        metrics = {**stats, **result.metrics(),
+        metrics = {**metrics, **stats, **result.metrics(),
                    "completions/mean_length": statistics.fmean(lengths), "completions/min_length": min(lengths),
                    "completions/max_length": max(lengths), "completions/clipped_ratio": truncated.float().mean().item(),
-                   "timing/rollout_s": t1 - t0, "timing/reward_s": t2 - t1,
-                   "reward_errors": float(sum(result.errors.values()))}
+                   "timing/reward_s": time.perf_counter() - t1, "reward_errors": float(sum(result.errors.values()))}
         batch = RolloutBatch([p for p in prompt_ids for _ in range(G)], completions, advantages,
                              loss_mask.float(), policy_version=min(c.policy_version for c in completions))
         return batch, metrics
@@ -201,17 +251,20 @@ class GRPOTrainer:
     def optimize(self, batch: RolloutBatch) -> dict:
         """mu passes over the batch in micro-batches; one optimizer update per pass."""
         cfg, t0 = self.cfg, time.perf_counter()
-        micro = torch.arange(len(batch)).split(cfg.micro_batch_size)
+        # Each rank takes every world-th sequence; the loss is normalised by totals over the whole batch,
+        # so the ranks' shares add up to the single-process loss (DDP averages, hence the * world below).
+        micro = torch.arange(len(batch))[self.rank::self.world].split(cfg.micro_batch_size)
         tensors = [batch.micro_batch(idx, self.tokenizer.pad_token_id) for idx in micro]
+        active = sum(len(c.token_ids) * float(m) for c, m in zip(batch.completions, batch.loss_mask, strict=True))
         totals = {"total_sequences": len(batch), "max_completion_length": cfg.max_completion_length,
-                  "total_tokens": max(1, int(sum(t["completion_mask"].sum() for t in tensors)))}
-        off_policy = batch.policy_version != self.engine.version
+                  "total_tokens": max(1, int(active))}
+        off_policy = batch.policy_version != self.version
         old_logps, ref_logps, is_weights = [None] * len(micro), [None] * len(micro), [None] * len(micro)
         sums: dict[str, float] = {}
         grad_norms, entropy = [], 0.0
         for iteration in range(cfg.num_iterations):
             for k, t in enumerate(tensors):
-                logps, logits = self._logps(self.model, t)
+                logps, logits = self._logps(self.policy, t)
                 if iteration == 0:  # the policy that starts this update is the proximal ("old") policy
                     old_logps[k] = logps.detach()
                     mask = t["completion_mask"]
@@ -228,7 +281,7 @@ class GRPOTrainer:
                     epsilon_high=cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon,
                     beta=cfg.beta, ref_logps=ref_logps[k], is_weights=is_weights[k])
                 loss = L.reduce_loss(per_token, t["completion_mask"], cfg.loss_type, **totals)
-                loss.backward()
+                (loss * self.world).backward()
                 if iteration == cfg.num_iterations - 1:  # report the last pass, where clipping can act
                     weight = t["completion_mask"].sum().item() / totals["total_tokens"]
                     for name, value in L.clip_metrics(stats, t["completion_mask"]).items():
@@ -238,9 +291,59 @@ class GRPOTrainer:
                         w = is_weights[k][t["completion_mask"] > 0]
                         sums["importance_ratio/mean"] = sums.get("importance_ratio/mean", 0.0) + w.sum().item() / totals["total_tokens"]
             grad_norms.append(self._update())
+        if self.world > 1:  # the ranks' shares of the batch metrics add up
+            keys = sorted(sums)
+            packed = torch.tensor([sums[k] for k in keys] + [entropy], dtype=torch.float64)
+            torch.distributed.all_reduce(packed)
+            sums, entropy = dict(zip(keys, packed[:-1].tolist(), strict=True)), packed[-1].item()
+        staleness = self.version - batch.policy_version
+        self.version += 1  # one policy version per generated batch trained on
+        if off_policy:
+            w = torch.cat([iw[t["completion_mask"] > 0] for iw, t in zip(is_weights, tensors, strict=True)])
+            sums.update({"importance_ratio/min": w.min().item(), "importance_ratio/max": w.max().item()})
         return {**sums, "entropy": entropy / totals["total_tokens"], "grad_norm": grad_norms[-1],
                 "learning_rate": self.scheduler.get_last_lr()[0], "timing/train_s": time.perf_counter() - t0,
-                "staleness": float(self.engine.version - batch.policy_version)}
+                "staleness": float(staleness)}
+
+    # ---------------------------------------------------------------------------- asynchronous rollout
+    def _start_remote_rollout(self):
+        r = self.recipe.rollout
+        if not r.async_ or self.rank != 0:
+            return None
+        devices = [f"cuda:{d}" for d in r.rollout_devices] if r.rollout_devices and torch.cuda.is_available() else None
+        return RemoteRollout(str(self.checkpoint or self.model_path), self.recipe.model.dtype, devices,
+                             r.num_engines, r.sync_timeout_s, cpu_threads_per_side(r.num_engines))
+
+    def _request(self, step: int):
+        rows, prompt_ids, sampling = self.rows_for(step)
+        self._inflight = (rows, prompt_ids)
+        return prompt_ids, self.cfg.num_generations, sampling
+
+    def _collect_async(self, remote, step: int) -> tuple[RolloutBatch, dict]:
+        """Batch `step` (generated while the previous one trained); then sync weights and start the next.
+
+        With max_staleness 0 the next batch is only requested after this one has trained (no overlap).
+        """
+        rows, prompt_ids = self._inflight
+        t0 = time.perf_counter()
+        busy_before = remote.busy_s
+        groups = remote.collect(step)
+        waited = time.perf_counter() - t0
+        metrics = {"timing/wait_s": waited, "timing/rollout_s": remote.busy_s - busy_before,
+                   "timing/generate_busy_s": remote.busy_s - busy_before, "timing/weight_sync_s": 0.0}
+        if self.recipe.rollout.max_staleness >= 1:
+            metrics["timing/weight_sync_s"] = self._sync_and_submit(remote, step + 1)
+        return self.score(rows, prompt_ids, groups, metrics)
+
+    def _sync_and_submit(self, remote, next_step: int) -> float:
+        """Send the current weights (unless the workers already hold them), then request `next_step`."""
+        seconds = 0.0
+        if self.version != getattr(self, "_synced_version", self.start_step):
+            seconds = remote.sync_weights(self.model, self.version)
+            self._synced_version = self.version
+        if next_step < self.cfg.max_steps:
+            remote.submit(next_step, *self._request(next_step))
+        return seconds
 
     def _logps(self, model, t: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs of the completion tokens under `model` (and the logits they came from)."""
@@ -257,7 +360,6 @@ class GRPOTrainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.engine.version += 1  # the engine shares these weights: what it samples next is the new policy
         return float(norm)
 
     def _notify(self, event: str, *args) -> None:
@@ -284,6 +386,19 @@ class GRPOTrainer:
         return path
 
 
+def init_distributed(timeout_s: float) -> tuple[int, int]:
+    """(rank, world size) of the trainer ranks; (0, 1) unless launched by torchrun with WORLD_SIZE > 1."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return 0, 1
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
 def _manifest_field(directory: Path, key: str):
     from data.manifest import read_manifest
     return read_manifest(directory).get(key)
@@ -293,17 +408,24 @@ def _fmt(result: dict) -> str:
     return ", ".join(f"{k} {v:.3f}" for k, v in result.items() if isinstance(v, float))
 
 
-def train_recipe(recipe: Recipe, callbacks: list[TrainerCallback] = (), progress: bool | None = None) -> dict:
-    """Prepare data and base model if missing (both cached), train, return the JSON summary."""
+def prepare_inputs(recipe: Recipe) -> str:
+    """Prepared data and base model (both cached); returns the model path."""
     from data.manifest import MANIFEST
     from data.prepare import prepare
     from trainer.model_loading import resolve_model_path
 
     if not (Path(recipe.data.out) / MANIFEST).is_file():
         prepare(**recipe.data.prepare_kwargs())
-    model_path = resolve_model_path(recipe)
+    return resolve_model_path(recipe)
+
+
+def train_recipe(recipe: Recipe, callbacks: list[TrainerCallback] = (), progress: bool | None = None) -> dict:
+    """Prepare data and base model if missing (both cached), train, return the JSON summary."""
+
+    model_path = prepare_inputs(recipe)
     trainer = GRPOTrainer(recipe, model_path, recipe.data.out, callbacks, progress)
-    return trainer.train().summary()
+    result = trainer.train()
+    return result.summary() if result is not None else None
 
 
 __all__ = ["GRPOTrainer", "TrainResult", "prompt_indices", "train_recipe"]

@@ -1,0 +1,220 @@
+"""Rollout engines in their own processes, fed by the trainer: the asynchronous half of GRPO.
+
+The trainer (rank 0) and each rollout worker (ranks 1..N) share a dedicated gloo (CPU) or NCCL (GPU)
+process group used only for weight sync. Requests and results travel over multiprocessing queues. A
+worker handles one command at a time, so a weight sync always lands between two generations: a
+generation never sees weights change in its middle. Every wait is bounded by `sync_timeout_s`, and a
+worker that dies makes the trainer fail with a message naming it instead of hanging.
+
+Prompts of one batch are sharded across the workers (data-parallel engines) and the results are put
+back in prompt order.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.multiprocessing as mp
+
+from trainer.rollout.base import SamplingParams
+
+
+class RolloutWorkerError(RuntimeError):
+    """A rollout worker died, timed out or failed; the message names it."""
+
+
+@dataclass
+class WorkerSpec:
+    rank: int
+    world_size: int
+    port: int
+    model_path: str
+    dtype: str
+    device: str
+    threads: int
+    timeout_s: float
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_main(spec: WorkerSpec, commands, results) -> None:
+    """A rollout worker: load the policy, then serve 'sync' / 'generate' / 'weights' / 'stop' commands."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trainer.model_loading import DTYPES
+    from trainer.rollout.hf_engine import HFEngine
+    from trainer.rollout.weight_sync import SyncGroup, receive_weights, sync_order
+
+    torch.set_num_threads(spec.threads)
+    try:
+        group = SyncGroup("127.0.0.1", spec.port, spec.rank, spec.world_size, spec.timeout_s,
+                          "nccl" if spec.device.startswith("cuda") else "gloo")
+        tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
+        model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=DTYPES[spec.dtype]).to(spec.device).eval()
+        engine = HFEngine(model, tokenizer)
+        results.put(("ready", spec.rank, None))
+        parent = os.getppid()
+        while True:
+            try:
+                kind, payload = commands.get(timeout=1.0)
+            except queue.Empty:
+                if os.getppid() != parent:  # the trainer is gone (even by SIGKILL): do not linger
+                    break
+                continue
+            if kind == "stop":
+                break
+            if kind == "sync":
+                started = time.perf_counter()
+                receive_weights(sync_order(model), group)
+                engine.version = payload
+                results.put(("synced", spec.rank, time.perf_counter() - started))
+            elif kind == "generate":
+                step, prompts, n, sampling = payload
+                started = time.perf_counter()
+                out = engine.generate(prompts, n, sampling)
+                results.put(("generated", spec.rank, (step, out, time.perf_counter() - started)))
+            elif kind == "weights":  # for checks: the worker's weights as it holds them
+                results.put(("weights", spec.rank, {n: t.detach().cpu().clone() for n, t in sync_order(model)}))
+    except Exception:  # noqa: BLE001 - reported to the trainer, which fails with it
+        results.put(("error", spec.rank, traceback.format_exc()))
+
+
+class RemoteRollout:
+    """Trainer-side handle on N rollout worker processes (ranks 1..N of the sync group)."""
+
+    def __init__(self, model_path: str, dtype: str = "float32", devices: list[str] | None = None,
+                 num_engines: int = 1, timeout_s: float = 600.0, threads_per_worker: int = 1):
+        from trainer.rollout.weight_sync import SyncGroup
+
+        self.timeout_s = timeout_s
+        devices = devices or ["cpu"] * num_engines
+        world = len(devices) + 1
+        port = _free_port()
+        ctx = mp.get_context("spawn")
+        self.results = ctx.Queue()
+        self.commands, self.procs = [], []
+        for rank, device in enumerate(devices, start=1):
+            q = ctx.Queue()
+            spec = WorkerSpec(rank, world, port, model_path, dtype, device, threads_per_worker, timeout_s)
+            p = ctx.Process(target=_worker_main, args=(spec, q, self.results), name=f"rollout-worker-{rank}",
+                            daemon=True)
+            p.start()
+            self.commands.append(q)
+            self.procs.append(p)
+        self.group = SyncGroup("127.0.0.1", port, 0, world, timeout_s,
+                               "nccl" if devices[0].startswith("cuda") else "gloo")
+        self._pending: dict[int, dict] = {}
+        self.busy_s = 0.0
+        for _ in self.procs:
+            self._expect("ready")
+
+    # ---------------------------------------------------------------------------------------- plumbing
+    def _name(self, rank: int) -> str:
+        p = self.procs[rank - 1]
+        return f"rollout worker {rank} (pid {p.pid})"
+
+    def _check_alive(self) -> None:
+        for rank, p in enumerate(self.procs, start=1):
+            if not p.is_alive():
+                raise RolloutWorkerError(f"{self._name(rank)} died with exit code {p.exitcode}")
+
+    def _get(self, what: str):
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                kind, rank, payload = self.results.get(timeout=0.5)
+            except queue.Empty:
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    raise RolloutWorkerError(f"no answer from the rollout workers within {self.timeout_s:.0f}s "
+                                             f"while waiting for {what}") from None
+                continue
+            if kind == "error":
+                raise RolloutWorkerError(f"{self._name(rank)} failed:\n{payload}")
+            return kind, rank, payload
+
+    def _expect(self, kind_wanted: str):
+        kind, rank, payload = self._get(kind_wanted)
+        if kind == "generated":  # a result that arrives while we wait for something else
+            self._stash(rank, payload)
+            return self._expect(kind_wanted)
+        if kind != kind_wanted:
+            raise RolloutWorkerError(f"{self._name(rank)} answered {kind!r} while {kind_wanted!r} was expected")
+        return rank, payload
+
+    def _stash(self, rank: int, payload) -> None:
+        step, out, seconds = payload
+        self._pending.setdefault(step, {})[rank] = out
+        self.busy_s += seconds
+
+    # -------------------------------------------------------------------------------------------- API
+    def submit(self, step: int, prompts: list[list[int]], n: int, sampling: SamplingParams) -> None:
+        """Start generating batch `step`; prompts are sharded across workers in contiguous slices."""
+        self._check_alive()
+        shards = _shard(len(prompts), len(self.procs))
+        self._shards = getattr(self, "_shards", {})
+        self._shards[step] = shards
+        for q, (lo, hi) in zip(self.commands, shards, strict=True):
+            q.put(("generate", (step, prompts[lo:hi], n, sampling)))
+
+    def collect(self, step: int) -> list:
+        """The groups of batch `step`, in prompt order (blocks until every shard is back)."""
+        while len(self._pending.get(step, {})) < len(self.procs):
+            kind, rank, payload = self._get(f"batch {step}")
+            if kind != "generated":
+                raise RolloutWorkerError(f"{self._name(rank)} answered {kind!r} while generating batch {step}")
+            self._stash(rank, payload)
+        parts = self._pending.pop(step)
+        return [g for rank in sorted(parts) for g in parts[rank]]
+
+    def sync_weights(self, model, version: int) -> float:
+        """Broadcast the trainer's weights to every worker; they apply them between two generations."""
+        from trainer.rollout.weight_sync import broadcast_weights, sync_order
+
+        self._check_alive()
+        started = time.perf_counter()
+        for q in self.commands:
+            q.put(("sync", version))
+        broadcast_weights(sync_order(model), self.group)
+        for _ in self.procs:
+            self._expect("synced")
+        return time.perf_counter() - started
+
+    def worker_weights(self, rank: int = 1) -> dict[str, torch.Tensor]:
+        self.commands[rank - 1].put(("weights", None))
+        _, payload = self._expect("weights")
+        return payload
+
+    def close(self) -> None:
+        for q, p in zip(self.commands, self.procs, strict=True):
+            if p.is_alive():
+                q.put(("stop", None))
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
+def _shard(n: int, parts: int) -> list[tuple[int, int]]:
+    base, extra = divmod(n, parts)
+    out, lo = [], 0
+    for i in range(parts):
+        hi = lo + base + (1 if i < extra else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+def cpu_threads_per_side(num_workers: int) -> int:
+    """Cores split evenly between the trainer and the workers (at least one each)."""
+    return max(1, (os.cpu_count() or 2) // (num_workers + 1))
