@@ -346,7 +346,34 @@ class GRPOTrainer:
         return seconds
 
     def _logps(self, model, t: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs of the completion tokens under `model` (and the logits they came from)."""
+        """Log-probs of the completion tokens under `model` (and the logits they came from).
+
+        Single process: each distinct prompt runs once and its KV cache (with its autograd graph) is
+        indexed out to the completions that share it, so a group of G completions costs one prompt
+        forward instead of G. Under DDP (one forward per backward) the plain full-sequence forward is used.
+        """
+        if self.world > 1:
+            return self._logps_full(model, t)
+        from transformers import DynamicCache
+
+        P = t["prompt_width"]
+        ids, mask, pos = t["input_ids"], t["attention_mask"], t["position_ids"]
+        firsts, inverse = t["prompt_rows"], t["prompt_inverse"]
+        cache = DynamicCache(config=model.config)
+        out = model(input_ids=ids[firsts, :P], attention_mask=mask[firsts, :P], position_ids=pos[firsts, :P],
+                    use_cache=True, logits_to_keep=1, **{self.engine._cache_kw: cache})
+        first_logits = out.logits[:, -1][inverse]
+        cache.batch_select_indices(inverse)
+        completion = t["completion_ids"]
+        if completion.shape[1] > 1:
+            rest = model(input_ids=completion[:, :-1], attention_mask=mask[:, :-1], position_ids=pos[:, P:-1],
+                         use_cache=True, **{self.engine._cache_kw: cache}).logits
+            logits = torch.cat([first_logits[:, None], rest], dim=1)
+        else:
+            logits = first_logits[:, None]
+        return L.sequence_logps(logits, completion, self.cfg.temperature), logits
+
+    def _logps_full(self, model, t: dict) -> tuple[torch.Tensor, torch.Tensor]:
         c_len = t["completion_ids"].shape[1]
         out = model(input_ids=t["input_ids"], attention_mask=t["attention_mask"], position_ids=t["position_ids"],
                     logits_to_keep=c_len + 1, use_cache=False)

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -78,8 +79,18 @@ def _signal_timeout() -> int | None:
     return MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
 
 
+_PLAIN_INT = re.compile(r"-?[0-9]{1,30}")
+
+
 def grade_answer(gold: str, predicted: str) -> float | None:
-    """`grade_in_process` in the worker subprocess, bounded by GRADE_TIMEOUT_S (0.0 when it runs out)."""
+    """`grade_in_process` in the worker subprocess, bounded by GRADE_TIMEOUT_S (0.0 when it runs out).
+
+    Two plain ASCII integers are compared here directly: math-verify would say the same ("025" equals
+    "25"), and most answers in arithmetic tasks are such integers, so most calls skip the worker trip.
+    """
+    g, p = gold.strip(), predicted.strip()
+    if _PLAIN_INT.fullmatch(g) and _PLAIN_INT.fullmatch(p):
+        return 1.0 if int(g) == int(p) else 0.0
     return _WORKER.grade(gold, predicted)
 
 
