@@ -54,10 +54,20 @@ def cmd_bootstrap(args) -> dict:
     return result
 
 
-def cmd_train(args) -> dict:
-    from trainer.grpo import train_recipe
+def cmd_train(args) -> dict | None:
+    from trainer.grpo import prepare_inputs, train_recipe
+    from trainer.launch import launch_ranks, needs_launch
 
-    result = train_recipe(_recipe(args))
+    recipe = _recipe(args)
+    if needs_launch(recipe):  # data and base model first, once, then the trainer ranks
+        prepare_inputs(recipe)
+        code = launch_ranks(recipe, sys.argv[sys.argv.index("train") + 1:])
+        if code:
+            raise RuntimeError(f"trainer ranks exited with status {code}")
+        return None  # rank 0 printed the summary
+    result = train_recipe(recipe)
+    if result is None:  # a trainer rank other than 0
+        return None
     before, after = result["heldout_accuracy_before"], result["heldout_accuracy_after"]
     if before is not None:
         _say(args, f"held-out greedy accuracy: {before:.3f} before, {after:.3f} after {result['steps']} steps "
@@ -96,10 +106,14 @@ def cmd_eval(args) -> dict:
     ref = resolve_model(args.model, client, services.state_dir / "models-cache")
     e = recipe.eval
     name = ref.model_name and f"{ref.model_name}-v{ref.model_version}" or Path(ref.local_path or "endpoint").name
-    result = run_evalscope(ref.local_path or args.served_model_name or "default", e.benchmarks,
-                           work_dir=Path(e.out).resolve() / name, local_paths=e.local_paths or None, limit=e.limit,
-                           repeats=e.repeats, max_tokens=e.max_tokens, temperature=e.temperature,
-                           api_url=ref.api_url, api_key_env=args.api_key_env)
+    with _served_for_eval(args, ref, name) as served:  # --serve: the checkpoint behind a local endpoint
+        api_url = served.url if served else ref.api_url
+        result = run_evalscope(
+            served.model_name if served else ref.local_path or args.served_model_name or "default", e.benchmarks,
+            work_dir=Path(e.out).resolve() / (f"{name}-served" if served else name),
+            local_paths=e.local_paths or None, limit=e.limit, repeats=e.repeats, max_tokens=e.max_tokens,
+            temperature=e.temperature, api_url=api_url, api_key_env=None if served else args.api_key_env,
+            eval_batch_size=args.concurrency if api_url else 1)
     scores = dict(result.scores)
     if ref.local_path and (acc := heldout_accuracy(ref.local_path, recipe.data.out, recipe)) is not None:
         scores["heldout_accuracy"] = acc
@@ -109,7 +123,98 @@ def cmd_eval(args) -> dict:
         _say(args, f"{bench}: {score:.4f}")
     return {"model": args.model, "model_name": ref.model_name, "model_version": ref.model_version,
             "scores": scores, "num_samples": result.num_samples, "report": str(result.work_dir / "report.json"),
-            "work_dir": str(result.work_dir), "mlflow_run_id": run_id, "tracking_uri": services.tracking_uri}
+            "work_dir": str(result.work_dir), "mlflow_run_id": run_id, "tracking_uri": services.tracking_uri,
+            "served_by": served.engine if served else None}
+
+
+def _served_for_eval(args, ref, name: str):
+    """`eval --serve`: a context serving the local checkpoint on loopback (None without --serve)."""
+    from contextlib import nullcontext
+
+    if args.concurrency < 1:
+        raise UsageError(f"--concurrency must be >= 1, got {args.concurrency}")
+    if not args.serve:
+        return nullcontext(None)
+    if not ref.local_path:
+        raise UsageError(f"--serve needs a checkpoint directory or a models:/ reference, not the endpoint {args.model}")
+    from evaluation.serving import served_model
+
+    return served_model(ref.local_path, served_model_name=args.served_model_name or name,
+                        max_batch_size=args.concurrency)
+
+
+def cmd_serve_model(args) -> dict:
+    from evaluation.serving import ServingInputError, serve_from_args
+
+    try:
+        return serve_from_args(args, lambda text: _say(args, text))
+    except ServingInputError as e:
+        raise UsageError(str(e)) from e
+
+
+def cmd_thinking(args) -> dict:
+    from evaluation.thinking import OpenAIJudge, analyze, format_table
+
+    judge = None
+    if args.judge_url:
+        if not args.judge_model:
+            raise UsageError("--judge-url needs --judge-model (the model name the endpoint serves)")
+        try:
+            judge = OpenAIJudge(args.judge_url, args.judge_model, api_key_env=args.judge_api_key_env)
+        except ValueError as e:
+            raise UsageError(str(e)) from e
+    summary = analyze(args.path, args.tokenizer, out=args.out, judge=judge).summary
+    if not args.json:
+        print(format_table(summary))
+        print(f"per-sample rows: {summary['samples_path']}")
+    return summary
+
+
+def cmd_compare(args) -> dict:
+    result = _comparison(args, args.baseline, args.candidate)
+    _say(args, result["table"] + f"\nplot: {result['plot']} (MLflow run {result['mlflow_run_id']})")
+    return result
+
+
+def cmd_gate(args) -> dict:
+    """Exit 0 when the candidate passes, 1 when a benchmark dropped by more than --max-drop with confidence,
+    2 for anything else (usage, MLflow, a missing evaluation): CI can tell a regression from a broken check."""
+    from evaluation.compare import DEFAULT_MAX_DROP
+
+    max_drop = DEFAULT_MAX_DROP if args.max_drop is None else args.max_drop
+    if max_drop < 0:
+        raise UsageError(f"--max-drop must be >= 0, got {max_drop}")
+    result = _comparison(args, args.baseline, args.candidate, max_drop=max_drop,
+                         promote_to="champion" if args.promote else None)
+    passed = result["gate"]["passed"]
+    promoted = f"; champion -> {result['promoted']}" if result["promoted"] else ""
+    _say(args, f"{result['table']}\n{result['gate']['report']}\nplot: {result['plot']} "
+               f"(MLflow run {result['mlflow_run_id']}){promoted}")
+    return {**result, "passed": passed, "exit_code": 0 if passed else 1}
+
+
+def _comparison(args, baseline: str, candidate: str, **gate) -> dict:
+    """Run the comparison; errors of the inputs or the services become exit 2 (for `gate`, every error does)."""
+    from tasks.services import configure
+
+    services = configure(args.state_dir)
+    recipe = _recipe(args)
+    from mlflow.exceptions import MlflowException
+
+    from tasks.comparison import ComparisonError, run_comparison
+    from tasks.tracking import TrackingError
+
+    try:
+        return run_comparison(baseline, candidate, recipe.to_dict(), {
+            "tracking_uri": services.tracking_uri, "registry_uri": services.registry_uri,
+            "artifact_root": services.artifact_root, "state_dir": str(services.state_dir)}, **gate)
+    except (TrackingError, MlflowException, ComparisonError, ValueError, OSError) as e:
+        raise UsageError(str(e)) from e
+    except Exception as e:
+        if not gate:
+            raise
+        logging.getLogger("grpoflow").exception("%s failed", args.command)  # exit 1 means "regression" here
+        raise UsageError(f"{type(e).__name__}: {e}") from e
 
 
 def _say(args, text: str) -> None:
@@ -153,16 +258,52 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="evaluate a checkpoint, a registered version or an endpoint with EvalScope")
     p.add_argument("model", help="checkpoint dir, models:/name@alias, models:/name/version, or http(s)://host/v1")
-    p.add_argument("--served-model-name", help="model name at an OpenAI-compatible endpoint")
+    p.add_argument("--served-model-name", help="model name at an OpenAI-compatible endpoint (or to --serve under)")
     p.add_argument("--api-key-env", help="environment variable holding the endpoint's API key")
+    p.add_argument("--serve", action="store_true",
+                   help="serve the checkpoint on loopback (vLLM on a GPU, else transformers) and evaluate through it")
+    p.add_argument("--concurrency", type=int, default=8,
+                   help="requests in flight against an endpoint (--serve or a URL; default 8)")
     p.add_argument("--state-dir", help="where the embedded stores live (default .state, or $GRPOFLOW_STATE)")
     _add_recipe_args(p, DEFAULT_CONFIG)
     p.set_defaults(func=cmd_eval)
+
+    from evaluation.serving import add_server_arguments
+    p = sub.add_parser("serve-model", help="serve a checkpoint behind an OpenAI-compatible endpoint until stopped")
+    add_server_arguments(p)
+    p.set_defaults(func=cmd_serve_model)
+
+    p = sub.add_parser("thinking", help="thinking-efficiency metrics of an EvalScope work dir or a JSONL")
+    p.add_argument("path", help="work dir of `grpoflow eval` (has report.json), or JSONL of {id, output, answer}")
+    p.add_argument("--tokenizer", required=True, help="the model's tokenizer: checkpoint directory or hub id")
+    p.add_argument("--out", help="per-sample JSONL (default <work_dir>/thinking/samples.jsonl or <stem>.thinking.jsonl)")
+    p.add_argument("--judge-url", help="OpenAI-compatible endpoint of an LLM judge for free-form reasoning")
+    p.add_argument("--judge-model", help="model name the judge endpoint serves")
+    p.add_argument("--judge-api-key-env", help="environment variable holding the judge endpoint's API key")
+    p.add_argument("--json", action="store_true", help="print a JSON summary as the last line of stdout")
+    p.set_defaults(func=cmd_thinking)
 
     p = sub.add_parser("run", help="the whole pipeline: prepare, train, register in MLflow, evaluate (Prefect flow)")
     p.add_argument("--state-dir", help="where the embedded stores live (default .state, or $GRPOFLOW_STATE)")
     _add_recipe_args(p, DEFAULT_CONFIG)
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("compare", help="compare two evaluated models problem by problem (paired bootstrap CIs)")
+    p.add_argument("baseline", help="A: models:/name@alias, models:/name/version, a checkpoint, or an eval work dir")
+    p.add_argument("candidate", help="B, the same kinds; differences are B - A")
+    p.add_argument("--state-dir", help="where the embedded stores live (default .state, or $GRPOFLOW_STATE)")
+    _add_recipe_args(p, DEFAULT_CONFIG)
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("gate", help="regression gate: exit 1 when the candidate is worse than the baseline with "
+                                    "confidence, 2 on errors")
+    p.add_argument("--candidate", required=True, help="models:/..., a checkpoint, or an eval work dir")
+    p.add_argument("--baseline", required=True, help="models:/... (e.g. models:/grpoflow-tiny@champion), ...")
+    p.add_argument("--max-drop", type=float, help="allowed drop in a benchmark's score (default 0.02)")
+    p.add_argument("--promote", action="store_true", help="on a pass, set the 'champion' alias on the candidate")
+    p.add_argument("--state-dir", help="where the embedded stores live (default .state, or $GRPOFLOW_STATE)")
+    _add_recipe_args(p, DEFAULT_CONFIG)
+    p.set_defaults(func=cmd_gate)
     return parser
 
 
@@ -192,9 +333,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             print(json.dumps({"error": f"{type(e).__name__}: {e}", "exit_code": 1}))
         return 1
-    if args.json:
+    if args.json and result is not None:  # None: a trainer rank other than 0, or a launcher
         print(json.dumps(result, default=str))
-    return 0
+    return int(result.get("exit_code", 0)) if isinstance(result, dict) else 0  # a command's own verdict, e.g. a failed gate
 
 
 if __name__ == "__main__":

@@ -1,0 +1,62 @@
+"""The regression gate as a Prefect flow, for CI triggers and deployments: evaluate both sides, compare, gate.
+
+Each side's evaluation is reused when MLflow already has one with the recipe's settings, and run otherwise
+(see `tasks.comparison`). The flow returns the gate's verdict instead of failing on a regression, so a
+caller decides what a failed gate means; infrastructure errors (MLflow unreachable, an unknown model) fail
+the flow. `grpoflow gate` runs the same steps without Prefect, so a gate answers without a Prefect server.
+Call `services.configure()` before importing this module: Prefect reads its settings at import time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import flow, task
+from prefect.artifacts import create_markdown_artifact
+
+from evaluation.compare import gate
+from tasks import comparison
+
+
+@task(name="evaluated-side", retries=1, retry_delay_seconds=10)
+def evaluated_side(ref: str, recipe: dict, services: dict) -> comparison.Side:
+    client, experiment_id = comparison.open_store(recipe, services)
+    return comparison.evaluated_side(ref, client, experiment_id, recipe, services)
+
+
+@task(name="compare-and-log")
+def compare_and_log(baseline: comparison.Side, candidate: comparison.Side, max_drop: float, recipe: dict,
+                    services: dict) -> dict:
+    client, experiment_id = comparison.open_store(recipe, services)
+    rows = comparison.compare_sides(baseline, candidate)
+    verdict = gate(rows, max_drop)
+    logged = comparison.log_comparison(client, experiment_id, baseline, candidate, rows,
+                                       f"{recipe['eval']['out']}/comparisons", verdict)
+    return {**logged, "rows": [r.to_dict() for r in rows], "passed": verdict.passed, "max_drop": max_drop,
+            "failing": [r.to_dict() for r in verdict.failing], "report": verdict.markdown()}
+
+
+@task(name="promote-candidate")
+def promote_candidate(candidate: comparison.Side, services: dict) -> str:
+    from tasks import tracking
+
+    client = tracking.client_for(services["tracking_uri"], services.get("registry_uri"))
+    return comparison.promote(client, candidate)
+
+
+@flow(name="regression-eval", log_prints=True)
+def regression_eval(candidate: str, baseline: str, max_drop: float, promote: bool, recipe: dict,
+                    services: dict) -> dict:
+    """Gate `candidate` against `baseline`; with `promote`, a passing candidate becomes the `champion`."""
+    if promote and not comparison.is_registered(candidate):
+        raise ValueError(f"promoting needs a registered candidate (models:/...), got {candidate!r}")
+    base = evaluated_side(baseline, recipe, services)
+    cand = evaluated_side(candidate, recipe, services)
+    result = compare_and_log(base, cand, max_drop, recipe, services)
+    result.update(baseline=base.to_dict(), candidate=cand.to_dict(), promoted=None)
+    if result["passed"] and promote:
+        result["promoted"] = promote_candidate(cand, services)
+    create_markdown_artifact(key="grpoflow-regression-gate", description=f"{candidate} vs {baseline}",
+                             markdown=f"{result['table']}\n{result['report']}\n\n![comparison]"
+                                      f"({Path(result['plot']).as_uri()})\n\nMLflow run `{result['mlflow_run_id']}`\n")
+    return result

@@ -1,0 +1,286 @@
+"""Comparing a candidate with a baseline through MLflow: find (or make) each side's evaluation, compare, log.
+
+A side is a registered version (`models:/name@alias`, `models:/name/3`), a checkpoint directory, or a finished
+evaluation (its work dir, or the `report.json` in it). Evaluations are reused: a registered version's
+evaluation runs (the one its `eval_mlflow_run_id` tag names first, then any other run tagged with its name and
+version) are checked for one made with the recipe's `eval` settings whose work dir is on this machine. Only when
+there is none is EvalScope run, and the result recorded with `record_evaluation` (the run also gets an
+`eval_work_dir` tag, so the next comparison finds it directly).
+
+The comparison is one MLflow run (`compare`) with per-benchmark metrics `<benchmark>.<metric>.{diff,ci_low,
+ci_high,baseline,candidate,n}`, the markdown table, the PNG and the rows as artifacts, and tags naming both sides.
+Differences are candidate minus baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
+
+from data.manifest import sha256_json, write_json_atomic
+from evaluation.compare import (
+    GateResult,
+    Row,
+    compare,
+    gate,
+    load_samples,
+    markdown_table,
+    setting_differences,
+)
+from evaluation.compare_plots import plot_comparison
+from tasks import tracking
+from tasks.evaluation import _MODELS_URI, ModelRef, record_evaluation, resolve_model
+
+log = logging.getLogger("grpoflow.comparison")
+
+CHAMPION = "champion"
+WORK_DIR_TAG = "eval_work_dir"
+BOOTSTRAP = {"n_resamples": 10000, "seed": 0, "confidence": 0.95}
+
+
+class ComparisonError(RuntimeError):
+    """A side of the comparison cannot be found or evaluated; names the reference and what is missing."""
+
+
+@dataclass
+class Side:
+    """One side of a comparison: what was asked for, and the finished evaluation that stands for it."""
+
+    ref: str
+    work_dir: str
+    benchmarks: list[str] | None = None  # the benchmarks to compare; None: all the evaluation has
+    model_name: str | None = None
+    model_version: str | None = None
+    eval_run_id: str | None = None
+    reused: bool = True  # False when this comparison ran the evaluation
+
+    @property
+    def label(self) -> str:
+        if self.model_name:
+            return f"{self.model_name} v{self.model_version}"
+        return Path(self.work_dir).name
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def open_store(recipe: dict, services: dict) -> tuple[MlflowClient, str]:
+    """The MLflow client and the recipe's experiment; raises `TrackingError` when the store is unusable."""
+    try:
+        client = tracking.client_for(services["tracking_uri"], services.get("registry_uri"))
+    except Exception as e:  # noqa: BLE001 - a sqlite store fails here already (e.g. its folder cannot be made)
+        raise tracking.TrackingError(f"MLflow at {services['tracking_uri']!r} is unreachable: "
+                                     f"{type(e).__name__}: {e}") from e
+    return client, tracking.ensure_experiment(client, recipe["registry"]["experiment"], services.get("artifact_root"))
+
+
+def evaluated_side(ref: str, client: MlflowClient, experiment_id: str, recipe: dict, services: dict) -> Side:
+    """The finished evaluation standing for `ref`: reused when one with the recipe's settings exists, else run."""
+    eval_cfg = recipe["eval"]
+    path = Path(ref).expanduser()
+    if path.is_file() and path.name == "report.json":
+        path = path.parent
+    if not _MODELS_URI.match(ref) and (path / "report.json").is_file():
+        return Side(ref, str(path.resolve()))
+    if _MODELS_URI.match(ref):
+        name, version = _version_of(ref, client)
+        found = find_evaluation(client, name, version, eval_cfg, experiment_id)
+        if found:
+            log.info("%s: reusing the evaluation in %s (MLflow run %s)", ref, *found)
+            return Side(ref, str(found[0]), list(eval_cfg["benchmarks"]), name, version, found[1])
+        work_dir = _fresh_work_dir(eval_cfg, f"{name}-v{version}")
+    elif path.is_dir() and (path / "config.json").is_file():
+        # one work dir per checkpoint path and settings: two runs' `checkpoint-150` must not share one
+        work_dir = _fresh_work_dir(eval_cfg, f"{path.resolve().name}-{_settings_hash(eval_cfg, path.resolve())}")
+        if (work_dir / "report.json").is_file():  # evaluated before, by an earlier comparison
+            return Side(ref, str(work_dir), list(eval_cfg["benchmarks"]))
+    else:
+        raise FileNotFoundError(f"{ref!r}: expected models:/name@alias, models:/name/<version>, a checkpoint "
+                                "directory, or a finished evaluation (a work dir with report.json, or the file)")
+    model = resolve_model(ref, client, Path(services["state_dir"]) / "models-cache")
+    run_id = _evaluate(model, work_dir, client, experiment_id, eval_cfg)
+    return Side(ref, str(work_dir), list(eval_cfg["benchmarks"]), model.model_name, model.model_version, run_id,
+                reused=False)
+
+
+def find_evaluation(client: MlflowClient, name: str, version: str, eval_cfg: dict,
+                    experiment_id: str) -> tuple[Path, str] | None:
+    """(work dir, eval run id) of an evaluation of this version made with `eval_cfg`, found on this machine."""
+    try:
+        tagged = client.get_model_version(name, version).tags.get("eval_mlflow_run_id")
+        runs = client.search_runs([experiment_id], f"tags.model_name = '{name}' and tags.model_version = "
+                                   f"'{version}' and attributes.status = 'FINISHED'",
+                                   order_by=["attributes.start_time DESC"], max_results=100)
+    except Exception as e:  # noqa: BLE001 - the store answered once already; any failure now is the store's
+        raise tracking.TrackingError(f"models:/{name}/{version}: reading its evaluations from MLflow at "
+                                     f"{client.tracking_uri!r} failed ({type(e).__name__}: {e})") from e
+    if tagged:  # the version's latest evaluation goes first; it may live in another experiment, or be deleted
+        try:
+            runs.insert(0, client.get_run(tagged))
+        except MlflowException as e:
+            log.warning("models:/%s/%s: its eval_mlflow_run_id %s cannot be read (%s)", name, version, tagged, e)
+    for run in runs:
+        for work_dir in _work_dir_candidates(run, name, version):
+            report = work_dir / "report.json"
+            if report.is_file() and _same_settings(json.loads(report.read_text()), eval_cfg):
+                return work_dir, run.info.run_id
+    return None
+
+
+def compare_sides(baseline: Side, candidate: Side) -> list[Row]:
+    """Rows of candidate minus baseline over the benchmarks both sides were asked for."""
+    for key, (a, b) in setting_differences(baseline.work_dir, candidate.work_dir).items():
+        log.warning("the two evaluations differ in %s: %r (baseline) vs %r (candidate)", key, a, b)
+    samples = []
+    for side in (baseline, candidate):
+        loaded = load_samples(side.work_dir)
+        samples.append({b: s for b, s in loaded.items() if side.benchmarks is None or b in side.benchmarks})
+    return compare(*samples, **BOOTSTRAP)
+
+
+def log_comparison(client: MlflowClient, experiment_id: str, baseline: Side, candidate: Side, rows: list[Row],
+                   out_root: str | Path, verdict: GateResult | None = None) -> dict:
+    """The comparison as an MLflow run, its table and plot written under `out_root/<run id>/` and logged."""
+    tags = {"baseline": baseline.ref, "candidate": candidate.ref, "baseline_work_dir": baseline.work_dir,
+            "candidate_work_dir": candidate.work_dir}
+    for role, side in (("baseline", baseline), ("candidate", candidate)):
+        if side.model_name:
+            tags.update({f"{role}_model_name": side.model_name, f"{role}_model_version": side.model_version})
+        if side.eval_run_id:
+            tags[f"{role}_eval_mlflow_run_id"] = side.eval_run_id
+    if verdict is not None:
+        tags["gate"] = "PASS" if verdict.passed else "FAIL"
+    run_id = tracking.start_run(client, experiment_id, "compare", tags=tags)
+    out = Path(out_root).resolve() / run_id
+    table = markdown_table(rows, BOOTSTRAP["confidence"])
+    text = f"# {candidate.label} (candidate) vs {baseline.label} (baseline)\n\n{table}"
+    if verdict is not None:
+        text += "\n" + verdict.markdown()
+    markdown = out / "comparison.md"
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = markdown.with_name(".comparison.md.tmp")
+    tmp.write_text(text)
+    tmp.replace(markdown)
+    plot = plot_comparison(rows, out / "comparison.png", baseline.label, candidate.label)
+    write_json_atomic(out / "comparison.json", {"baseline": baseline.to_dict(), "candidate": candidate.to_dict(),
+                                                "rows": [r.to_dict() for r in rows], "bootstrap": BOOTSTRAP})
+    tracking.log_params(client, run_id, {"bootstrap": BOOTSTRAP, **({"max_drop": verdict.max_drop} if verdict else {})})
+    metrics = {}
+    for r in rows:
+        prefix = f"{r.benchmark}.{r.metric}"
+        metrics.update({f"{prefix}.diff": r.diff, f"{prefix}.ci_low": r.ci_low, f"{prefix}.ci_high": r.ci_high,
+                        f"{prefix}.baseline": r.a, f"{prefix}.candidate": r.b, f"{prefix}.n": r.n})
+    if verdict is not None:
+        metrics["gate.passed"] = float(verdict.passed)
+    tracking.log_metrics(client, run_id, metrics)
+    client.log_artifacts(run_id, str(out), "comparison")
+    client.set_terminated(run_id)
+    return {"mlflow_run_id": run_id, "plot": str(plot), "markdown": str(markdown), "table": table}
+
+
+def promote(client: MlflowClient, candidate: Side, alias: str = CHAMPION) -> str:
+    """Point `alias` at the candidate's registered version; returns its models:/ URI."""
+    client.set_registered_model_alias(candidate.model_name, alias, candidate.model_version)
+    return f"models:/{candidate.model_name}/{candidate.model_version}"
+
+
+def run_comparison(baseline: str, candidate: str, recipe: dict, services: dict, max_drop: float | None = None,
+                   promote_to: str | None = None) -> dict:
+    """Compare (and with `max_drop`, gate) in one call: what `grpoflow compare` and `grpoflow gate` run.
+
+    `promote_to`: an alias set on the candidate's version when the gate passes (needs `max_drop` and a
+    registered candidate).
+    """
+    if promote_to and not is_registered(candidate):
+        raise ValueError(f"promoting needs a registered candidate (models:/name@alias or models:/name/<version>), "
+                         f"got {candidate!r}")
+    client, experiment_id = open_store(recipe, services)
+    base = evaluated_side(baseline, client, experiment_id, recipe, services)
+    cand = evaluated_side(candidate, client, experiment_id, recipe, services)
+    rows = compare_sides(base, cand)
+    verdict = gate(rows, max_drop) if max_drop is not None else None
+    logged = log_comparison(client, experiment_id, base, cand, rows, Path(recipe["eval"]["out"]) / "comparisons",
+                            verdict)
+    promoted = None
+    if verdict is not None and verdict.passed and promote_to:
+        promoted = promote(client, cand, promote_to)
+        client.set_tag(logged["mlflow_run_id"], "promoted", f"{promote_to} -> {promoted}")
+    return {"baseline": base.to_dict(), "candidate": cand.to_dict(), "rows": [r.to_dict() for r in rows], **logged,
+            "gate": None if verdict is None else {"passed": verdict.passed, "max_drop": verdict.max_drop,
+                                                  "failing": [r.to_dict() for r in verdict.failing],
+                                                  "report": verdict.markdown()},
+            "promoted": promoted, "tracking_uri": services["tracking_uri"]}
+
+
+def is_registered(ref: str) -> bool:
+    return bool(_MODELS_URI.match(ref))
+
+
+def _version_of(ref: str, client: MlflowClient) -> tuple[str, str]:
+    """(name, version) of a models:/ reference, without downloading the checkpoint."""
+    m = _MODELS_URI.match(ref)
+    try:
+        mv = (client.get_model_version_by_alias(m["name"], m["alias"]) if m["alias"]
+              else client.get_model_version(m["name"], m["version"]))
+    except Exception as e:  # noqa: BLE001 - unknown name/alias/version or unreachable store
+        raise tracking.TrackingError(f"{ref}: not found in MLflow at {client.tracking_uri!r} "
+                                     f"({type(e).__name__}: {e})") from e
+    return m["name"], str(mv.version)
+
+
+def _work_dir_candidates(run, name: str, version: str) -> list[Path]:
+    """Where an evaluation run's outputs may be: the tag this module sets, else the pipeline's layout."""
+    found = [Path(run.data.tags[WORK_DIR_TAG])] if WORK_DIR_TAG in run.data.tags else []
+    out = run.data.params.get("eval.out")
+    if out:  # `eval.out` was resolved against the working directory of the process that evaluated
+        found += [Path(out).resolve() / f"{name}-v{version}", Path(__file__).resolve().parents[1] / out /
+                  f"{name}-v{version}"]
+    return found
+
+
+def _same_settings(report: dict, eval_cfg: dict) -> bool:
+    """Whether a finished evaluation (its report.json) was made with the recipe's eval settings."""
+    gen = report.get("generation_config", {})
+    recorded_paths = report.get("local_paths") or {}
+    wanted_paths = {b: str(Path(p).expanduser().resolve()) for b, p in (eval_cfg.get("local_paths") or {}).items()}
+    return (set(eval_cfg["benchmarks"]) <= set(report.get("benchmarks", []))
+            and report.get("limit") == eval_cfg.get("limit") and report.get("repeats") == eval_cfg.get("repeats", 1)
+            and gen.get("max_tokens") == eval_cfg["max_tokens"]
+            and float(gen.get("temperature", 0.0)) == float(eval_cfg["temperature"])
+            and all(recorded_paths.get(b) == wanted_paths.get(b) for b in eval_cfg["benchmarks"]))
+
+
+def _settings_hash(eval_cfg: dict, model: Path | None = None) -> str:
+    return sha256_json([str(model), {k: v for k, v in eval_cfg.items() if k != "out"}])[:8]
+
+
+def _fresh_work_dir(eval_cfg: dict, name: str) -> Path:
+    """`<eval.out>/<name>`, or a settings-specific sibling when that one holds an evaluation with other settings."""
+    work_dir = Path(eval_cfg["out"]).resolve() / name
+    report = work_dir / "report.json"
+    if report.is_file() and not _same_settings(json.loads(report.read_text()), eval_cfg):
+        work_dir = work_dir.with_name(f"{name}-{_settings_hash(eval_cfg)}")
+    return work_dir
+
+
+def _evaluate(model: ModelRef, work_dir: Path, client: MlflowClient, experiment_id: str, eval_cfg: dict) -> str:
+    from evaluation import run_evalscope
+
+    log.info("%s: no evaluation with these settings yet; running EvalScope into %s", model.text, work_dir)
+    try:
+        result = run_evalscope(model.local_path, eval_cfg["benchmarks"], work_dir=work_dir,
+                               local_paths=eval_cfg.get("local_paths") or None, limit=eval_cfg.get("limit"),
+                               repeats=eval_cfg.get("repeats", 1), max_tokens=eval_cfg["max_tokens"],
+                               temperature=eval_cfg["temperature"])
+    except (RuntimeError, ValueError, OSError) as e:
+        raise ComparisonError(f"{model.text} has no evaluation with the requested settings, and running one "
+                              f"into {work_dir} failed: {e}") from e
+    run_id = record_evaluation(client, experiment_id, model, dict(result.scores), eval_cfg, result.report_json)
+    client.set_tag(run_id, WORK_DIR_TAG, str(work_dir))
+    return run_id
+
