@@ -34,7 +34,7 @@ from evaluation.compare import (
 )
 from evaluation.compare_plots import plot_comparison
 from tasks import tracking
-from tasks.evaluation import _MODELS_URI, ModelRef, record_evaluation, resolve_model
+from tasks.evaluation import ModelRef, is_registered_ref, lookup_version, record_evaluation, resolve_model
 
 log = logging.getLogger("grpoflow.comparison")
 
@@ -85,9 +85,9 @@ def evaluated_side(ref: str, client: MlflowClient, experiment_id: str, recipe: d
     path = Path(ref).expanduser()
     if path.is_file() and path.name == "report.json":
         path = path.parent
-    if not _MODELS_URI.match(ref) and (path / "report.json").is_file():
+    if not is_registered_ref(ref) and (path / "report.json").is_file():
         return Side(ref, str(path.resolve()))
-    if _MODELS_URI.match(ref):
+    if is_registered_ref(ref):
         name, version = _version_of(ref, client)
         found = find_evaluation(client, name, version, eval_cfg, experiment_id)
         if found:
@@ -218,19 +218,13 @@ def run_comparison(baseline: str, candidate: str, recipe: dict, services: dict, 
 
 
 def is_registered(ref: str) -> bool:
-    return bool(_MODELS_URI.match(ref))
+    return bool(is_registered_ref(ref))
 
 
 def _version_of(ref: str, client: MlflowClient) -> tuple[str, str]:
     """(name, version) of a models:/ reference, without downloading the checkpoint."""
-    m = _MODELS_URI.match(ref)
-    try:
-        mv = (client.get_model_version_by_alias(m["name"], m["alias"]) if m["alias"]
-              else client.get_model_version(m["name"], m["version"]))
-    except Exception as e:  # noqa: BLE001 - unknown name/alias/version or unreachable store
-        raise tracking.TrackingError(f"{ref}: not found in MLflow at {client.tracking_uri!r} "
-                                     f"({type(e).__name__}: {e})") from e
-    return m["name"], str(mv.version)
+    name, mv = lookup_version(ref, client)
+    return name, str(mv.version)
 
 
 def _work_dir_candidates(run, name: str, version: str) -> list[Path]:

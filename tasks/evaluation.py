@@ -27,20 +27,32 @@ class ModelRef:
     model_version: str | None = None
 
 
+def is_registered_ref(ref: str) -> bool:
+    return bool(_MODELS_URI.match(ref))
+
+
+def lookup_version(ref: str, client: MlflowClient):
+    """(name, ModelVersion) of a `models:/name@alias` or `models:/name/N` reference; nothing downloaded."""
+    m = _MODELS_URI.match(ref)
+    if m is None:
+        raise ValueError(f"{ref!r} is not a models:/name@alias or models:/name/version reference")
+    try:
+        mv = (client.get_model_version_by_alias(m["name"], m["alias"]) if m["alias"]
+              else client.get_model_version(m["name"], m["version"]))
+    except Exception as e:  # noqa: BLE001 - unknown name/alias/version or unreachable store
+        raise tracking.TrackingError(f"{ref}: not found in MLflow at {client.tracking_uri!r} "
+                                     f"({type(e).__name__}: {e})") from e
+    return m["name"], mv
+
+
 def resolve_model(ref: str, client: MlflowClient | None, cache_dir: Path) -> ModelRef:
     if ref.startswith(("http://", "https://")):
         return ModelRef(ref, api_url=ref)
-    m = _MODELS_URI.match(ref)
-    if m:
+    if is_registered_ref(ref):
         if client is None:
             raise ValueError(f"{ref}: a registered model needs an MLflow tracking URI")
-        try:
-            mv = (client.get_model_version_by_alias(m["name"], m["alias"]) if m["alias"]
-                  else client.get_model_version(m["name"], m["version"]))
-        except Exception as e:  # noqa: BLE001 - unknown name/alias/version or unreachable store
-            raise tracking.TrackingError(f"{ref}: not found in MLflow at {client.tracking_uri!r} "
-                                         f"({type(e).__name__}: {e})") from e
-        target = cache_dir / m["name"] / f"v{mv.version}"
+        name, mv = lookup_version(ref, client)
+        target = cache_dir / name / f"v{mv.version}"
         if not (target / MANIFEST).is_file():
             import mlflow
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -51,7 +63,7 @@ def resolve_model(ref: str, client: MlflowClient | None, cache_dir: Path) -> Mod
         expected = mv.tags.get("checkpoint_sha256")
         if expected and read_manifest(target).get("sha256") != expected:
             raise RuntimeError(f"{ref}: downloaded checkpoint at {target} does not match its registered sha256")
-        return ModelRef(ref, local_path=str(target), model_name=m["name"], model_version=str(mv.version))
+        return ModelRef(ref, local_path=str(target), model_name=name, model_version=str(mv.version))
     path = Path(ref).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(f"model {ref!r}: not a checkpoint directory, a models:/ URI or an http(s) URL")
