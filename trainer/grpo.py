@@ -36,6 +36,7 @@ import torch
 
 from data.prepare import load_prepared
 from trainer import loss as L
+from trainer.async_rollout import AsyncRollout
 from trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, set_rng_state
 from trainer.heldout import columns_of, encode_prompts, evaluate_greedy
 from trainer.metrics import MetricsFile, TrainerCallback
@@ -46,7 +47,7 @@ from trainer.recipe import Recipe
 from trainer.rewards import RewardRunner, accuracy_reward, format_reward, resolve_reward
 from trainer.rollout.base import SamplingParams
 from trainer.rollout.hf_engine import HFEngine
-from trainer.rollout.remote import RemoteRollout, cpu_threads_per_side
+from trainer.rollout.remote import cpu_threads_per_side
 from trainer.rollout_batch import RolloutBatch
 
 log = logging.getLogger("grpoflow.train")
@@ -158,24 +159,25 @@ class GRPOTrainer:
             self.heldout_before = self.evaluate_heldout()
             log.info("held-out before training: %s", _fmt(self.heldout_before))
         step_times, last = [], self.checkpoint
-        remote = self._start_remote_rollout()
+        # only rank 0 talks to the rollout workers; it hands each batch to the other ranks
+        remote = AsyncRollout(self) if self.recipe.rollout.async_ and self.rank == 0 else None
         try:
             with Progress(cfg.max_steps, "GRPO", self.progress, completed=self.start_step) as bar:
                 if remote is not None:
-                    remote.submit(self.start_step, *self._request(self.start_step))
+                    remote.start(self.start_step)
                 for step in range(self.start_step, cfg.max_steps):
                     started = time.perf_counter()
                     if not self.recipe.rollout.async_:
                         batch, metrics = self.generate_and_score(step)
-                    else:  # only rank 0 talks to the rollout workers; it hands the batch to the others
-                        batch, metrics = self._collect_async(remote, step) if self.rank == 0 else (None, None)
+                    else:
+                        batch, metrics = remote.collect(step) if remote is not None else (None, None)
                         if self.world > 1:
                             shared = [(batch, metrics)]
                             torch.distributed.broadcast_object_list(shared, src=0)
                             batch, metrics = shared[0]
                     metrics.update(self.optimize(batch))
-                    if remote is not None and self.recipe.rollout.max_staleness == 0:  # rank 0 only
-                        metrics["timing/weight_sync_s"] = self._sync_and_submit(remote, step + 1)
+                    if remote is not None and not remote.overlap:
+                        metrics["timing/weight_sync_s"] = remote.after_update(step)
                     metrics["timing/step_s"] = time.perf_counter() - started
                     if self.recipe.rollout.async_:
                         metrics["trainer_idle_fraction"] = metrics["timing/wait_s"] / metrics["timing/step_s"]
@@ -304,46 +306,6 @@ class GRPOTrainer:
         return {**sums, "entropy": entropy / totals["total_tokens"], "grad_norm": grad_norms[-1],
                 "learning_rate": self.scheduler.get_last_lr()[0], "timing/train_s": time.perf_counter() - t0,
                 "staleness": float(staleness)}
-
-    # ---------------------------------------------------------------------------- asynchronous rollout
-    def _start_remote_rollout(self):
-        r = self.recipe.rollout
-        if not r.async_ or self.rank != 0:
-            return None
-        devices = [f"cuda:{d}" for d in r.rollout_devices] if r.rollout_devices and torch.cuda.is_available() else None
-        return RemoteRollout(str(self.checkpoint or self.model_path), self.recipe.model.dtype, devices,
-                             r.num_engines, r.sync_timeout_s, cpu_threads_per_side(r.num_engines))
-
-    def _request(self, step: int):
-        rows, prompt_ids, sampling = self.rows_for(step)
-        self._inflight = (rows, prompt_ids)
-        return prompt_ids, self.cfg.num_generations, sampling
-
-    def _collect_async(self, remote, step: int) -> tuple[RolloutBatch, dict]:
-        """Batch `step` (generated while the previous one trained); then sync weights and start the next.
-
-        With max_staleness 0 the next batch is only requested after this one has trained (no overlap).
-        """
-        rows, prompt_ids = self._inflight
-        t0 = time.perf_counter()
-        busy_before = remote.busy_s
-        groups = remote.collect(step)
-        waited = time.perf_counter() - t0
-        metrics = {"timing/wait_s": waited, "timing/rollout_s": remote.busy_s - busy_before,
-                   "timing/generate_busy_s": remote.busy_s - busy_before, "timing/weight_sync_s": 0.0}
-        if self.recipe.rollout.max_staleness >= 1:
-            metrics["timing/weight_sync_s"] = self._sync_and_submit(remote, step + 1)
-        return self.score(rows, prompt_ids, groups, metrics)
-
-    def _sync_and_submit(self, remote, next_step: int) -> float:
-        """Send the current weights (unless the workers already hold them), then request `next_step`."""
-        seconds = 0.0
-        if self.version != getattr(self, "_synced_version", self.start_step):
-            seconds = remote.sync_weights(self.model, self.version)
-            self._synced_version = self.version
-        if next_step < self.cfg.max_steps:
-            remote.submit(next_step, *self._request(next_step))
-        return seconds
 
     def _logps(self, model, t: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs of the completion tokens under `model` (and the logits they came from).
