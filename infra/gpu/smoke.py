@@ -1,0 +1,384 @@
+#!/usr/bin/env python3
+"""GPU smoke check: the rollout engines, their behaviour log-probs and one GRPO update, on a small random model.
+
+Builds a random Qwen2 model (hidden 256, 4 layers on cuda; smaller on cpu) with a tokenizer trained on the
+spot by `trainer.bootstrap.build_tokenizer`, so it needs no model download and no bootstrap run. Checks, in
+order, each failing loudly:
+  generate   HFEngine.generate, batched, n samples per prompt: shapes, finite log-probs <= 0, diverse samples
+  logprobs   the engine's behaviour log-probs against a full forward through the trainer's batch layout
+             (`RolloutBatch.micro_batch`) at the same temperature (default 0.5): max / mean abs difference
+             within tolerance, and the mean below 0.3 of the gap to untempered log-probs (so log-probs that
+             ignore the temperature fail even on a random model's flat distributions)
+  vllm       (if vllm imports, cuda only) VLLMEngine on the saved model: same log-prob check at T != 1, then
+             sleep(1) / wake_up(["weights"]) / update_weights(trained weights) / wake_up(["kv_cache"]) and the
+             check again against the trained model
+  lmdeploy   (if lmdeploy imports, cuda only) LMDeployEngine(backend="pytorch"), same checks at T = 1
+  train      one GRPO optimisation step with `trainer.loss` (dapo normalisation, truncated importance weights):
+             finite loss and gradient norm, finite weights, weights changed
+  deepspeed  (if deepspeed imports) a ZeRO-2 engine around a fresh model, one step of the same loss
+Prints one JSON line with the results and timings, writes it to $OUT/smoke.json when OUT is set (or to
+--out), and exits non-zero when any check failed. Missing optional packages are reported as skipped;
+`--skip vllm,lmdeploy,deepspeed` leaves installed ones out (the engines share this process).
+
+    python3 infra/gpu/smoke.py                 # cuda when available
+    python3 infra/gpu/smoke.py --device cpu    # small sizes, under a minute on two cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+SIZES = {
+    "cuda": dict(hidden=256, layers=4, prompts=16, n=8, max_tokens=64, dtype="bfloat16", micro=64),
+    "cpu": dict(hidden=64, layers=2, prompts=4, n=4, max_tokens=16, dtype="float32", micro=16),
+}
+# (max, mean) absolute log-prob difference allowed between an engine and the trainer's forward
+TOLERANCE = {"float32": (2e-3, 2e-4), "bfloat16": (0.25, 0.03), "float16": (0.1, 0.01)}
+ENGINE_TOLERANCE = {"float32": (1e-2, 1e-3), "bfloat16": (0.5, 0.05), "float16": (0.2, 0.02)}
+RELATIVE_TOLERANCE = 0.3
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CheckFailed(AssertionError):
+    pass
+
+
+def check(condition: bool, message: str) -> None:
+    if not condition:
+        raise CheckFailed(message)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def build(args):
+    """A tokenizer trained on a small arithmetic corpus, a seeded random Qwen2 model and chat prompts."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from trainer.bootstrap import build_tokenizer
+    from trainer.heldout import encode_prompts
+
+    corpus = [f"What is {a} + {b}? <think>{a} + {b} = {a + b}</think><answer>{a + b}</answer>"
+              for a in range(40) for b in range(0, 40, 3)] + ["system", "user", "assistant"] * 50
+    tokenizer = build_tokenizer(corpus, vocab_size=384)
+    torch.manual_seed(args.seed)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+                         num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=1024, tie_word_embeddings=True,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model = Qwen2ForCausalLM(config).to(args.device, DTYPES[args.dtype])
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    rows = [{"prompt": [{"role": "user", "content": f"What is {7 * i} + {i * i}?" + " Think." * (i % 4)}]}
+            for i in range(args.prompts)]
+    return tokenizer, model, encode_prompts(tokenizer, rows)
+
+
+def completion_logps(model, t: dict, temperature: float) -> torch.Tensor:
+    """The trainer's forward (`GRPOTrainer._logps`): log-probs of the completion tokens under `model`."""
+    from trainer.loss import sequence_logps
+
+    c_len = t["completion_ids"].shape[1]
+    out = model(input_ids=t["input_ids"], attention_mask=t["attention_mask"], position_ids=t["position_ids"],
+                logits_to_keep=c_len + 1, use_cache=False)
+    return sequence_logps(out.logits[:, :-1], t["completion_ids"], temperature)
+
+
+def rollout_batch(prompts, groups, rewards=None):
+    from trainer.rollout_batch import RolloutBatch
+
+    flat = [c for g in groups for c in g]
+    n = len(groups[0])
+    adv = torch.zeros(len(flat)) if rewards is None else rewards
+    return RolloutBatch([p for p in prompts for _ in range(n)], flat, adv, torch.ones(len(flat)))
+
+
+def micro_batches(batch, size: int, pad_id: int, device: str):
+    for idx in torch.arange(len(batch)).split(size):
+        t = batch.micro_batch(idx, pad_id)
+        yield {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in t.items()}
+
+
+@torch.no_grad()
+def logprob_gap(model, tokenizer, prompts, groups, temperature: float, args) -> dict:
+    """Max and mean |engine log-prob - trainer forward log-prob| over all completion tokens."""
+    was_training = model.training
+    model.eval()
+    gaps = []
+    for t in micro_batches(rollout_batch(prompts, groups), args.micro, tokenizer.pad_token_id, args.device):
+        logps = completion_logps(model, t, temperature)
+        mask = t["completion_mask"] > 0
+        gaps.append((logps - t["behaviour_logps"]).abs()[mask].float())
+    model.train(was_training)
+    gap = torch.cat(gaps)
+    check(bool(torch.isfinite(gap).all()), "non-finite log-prob difference")
+    return {"max_abs_diff": gap.max().item(), "mean_abs_diff": gap.mean().item(), "tokens": gap.numel()}
+
+
+def check_groups(groups, prompts: int, n: int, max_tokens: int, vocab: int) -> dict:
+    check(len(groups) == prompts and all(len(g) == n for g in groups), "wrong number of groups or samples")
+    lengths = []
+    for c in (c for g in groups for c in g):
+        check(0 < len(c.token_ids) <= max_tokens, f"completion length {len(c.token_ids)} outside 1..{max_tokens}")
+        check(len(c.logprobs) == len(c.token_ids), "one log-prob per token expected")
+        check(all(math.isfinite(v) and v <= 1e-4 for v in c.logprobs), "log-probs must be finite and <= 0")
+        check(all(0 <= t < vocab for t in c.token_ids), "token id outside the vocabulary")
+        check(c.finish_reason in ("stop", "length"), f"finish_reason {c.finish_reason!r}")
+        lengths.append(len(c.token_ids))
+    check(any(len({tuple(c.token_ids) for c in g}) > 1 for g in groups), "no group has two different samples")
+    return {"completions": len(lengths), "tokens": sum(lengths), "stopped": sum(c.finish_reason == "stop"
+                                                                               for g in groups for c in g)}
+
+
+def within(gap: dict, tolerance: tuple[float, float], what: str, untempered: dict | None = None) -> dict:
+    """Absolute tolerance, and (T != 1) a relative one: the gap must be well below what log-probs taken
+    without the temperature would give, so an engine returning raw log-probs cannot pass on a flat model."""
+    check(gap["max_abs_diff"] <= tolerance[0] and gap["mean_abs_diff"] <= tolerance[1],
+          f"{what}: log-prob gap max {gap['max_abs_diff']:.3g} / mean {gap['mean_abs_diff']:.3g} above "
+          f"tolerance {tolerance}")
+    out = {**gap, "tolerance": list(tolerance)}
+    if untempered is not None:
+        ratio = gap["mean_abs_diff"] / max(untempered["mean_abs_diff"], 1e-12)
+        check(ratio <= RELATIVE_TOLERANCE, f"{what}: mean gap {gap['mean_abs_diff']:.3g} is {ratio:.2f} of the gap "
+              f"to untempered log-probs ({untempered['mean_abs_diff']:.3g}); temperature not applied?")
+        out.update(untempered_mean_abs_diff=untempered["mean_abs_diff"], ratio_to_untempered=ratio)
+    return out
+
+
+def engine_gap(model, ctx, groups, temperature: float, args, tolerance, what: str) -> dict:
+    gap = logprob_gap(model, ctx["tokenizer"], ctx["prompts"], groups, temperature, args)
+    untempered = None
+    if temperature != 1.0:
+        untempered = logprob_gap(model, ctx["tokenizer"], ctx["prompts"], groups, 1.0, args)
+    return within(gap, tolerance, what, untempered)
+
+
+def run_generate(ctx, args) -> dict:
+    from trainer.rollout.base import SamplingParams
+    from trainer.rollout.hf_engine import HFEngine
+
+    engine = HFEngine(ctx["model"], ctx["tokenizer"])
+    engine.generate(ctx["prompts"][:1], 1, SamplingParams(max_tokens=2, temperature=1.0, seed=0))  # warm-up
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    sync(args.device)
+    t0 = time.perf_counter()
+    groups = engine.generate(ctx["prompts"], args.n, sampling)
+    sync(args.device)
+    seconds = time.perf_counter() - t0
+    ctx["groups"] = groups
+    stats = check_groups(groups, args.prompts, args.n, args.max_tokens, len(ctx["tokenizer"]))
+    return {**stats, "seconds": seconds, "tokens_per_s": stats["tokens"] / seconds}
+
+
+def run_logprobs(ctx, args) -> dict:
+    return engine_gap(ctx["model"], ctx, ctx["groups"], args.temperature, args, TOLERANCE[args.dtype],
+                      "HFEngine vs trainer forward")
+
+
+def run_train(ctx, args) -> dict:
+    from trainer import loss as L
+
+    model, tokenizer, groups = ctx["model"], ctx["tokenizer"], ctx["groups"]
+    rewards = torch.rand(sum(len(g) for g in groups), generator=torch.Generator().manual_seed(args.seed))
+    advantages, _, stats = L.group_advantages(rewards, args.n)
+    batch = rollout_batch(ctx["prompts"], groups, advantages)
+    total_tokens = sum(len(c.token_ids) for c in batch.completions)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    model.train()
+    sync(args.device)
+    t0 = time.perf_counter()
+    loss_sum = 0.0
+    for t in micro_batches(batch, args.micro, tokenizer.pad_token_id, args.device):
+        logps = completion_logps(model, t, args.temperature)
+        old = logps.detach()
+        weights = L.truncated_importance_weights(old, t["behaviour_logps"], cap=2.0)
+        per_token, _ = L.per_token_loss(logps, old, t["advantages"], epsilon_low=0.2, epsilon_high=0.28,
+                                        is_weights=weights)
+        loss = L.reduce_loss(per_token, t["completion_mask"], "dapo", total_sequences=len(batch),
+                             total_tokens=total_tokens, max_completion_length=args.max_tokens)
+        loss.backward()
+        loss_sum += loss.item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    sync(args.device)
+    seconds = time.perf_counter() - t0
+    check(math.isfinite(loss_sum), f"loss is {loss_sum}")
+    check(math.isfinite(grad_norm) and grad_norm > 0, f"gradient norm is {grad_norm}")
+    changed = 0
+    for name, p in model.named_parameters():
+        check(bool(torch.isfinite(p).all()), f"{name} has non-finite values after the step")
+        changed += int(not torch.equal(p.detach(), before[name]))
+    check(changed >= 0.95 * len(before), f"only {changed} of {len(before)} weight tensors changed")
+    return {"loss": loss_sum, "grad_norm": grad_norm, "changed_tensors": changed, "tensors": len(before),
+            "reward": stats["reward"], "seconds": seconds}
+
+
+def run_deepspeed(ctx, args) -> dict:
+    from trainer import loss as L
+    from trainer.deepspeed_setup import initialize, zero_config
+
+    model = type(ctx["model"])(ctx["model"].config).to(args.device)  # fresh fp32 weights; DeepSpeed casts them
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    t = next(micro_batches(rollout_batch(ctx["prompts"], ctx["groups"]), args.micro, ctx["tokenizer"].pad_token_id,
+                           args.device))
+    engine = initialize(model, optimizer, zero_config(stage=2, micro_batch_size=t["input_ids"].shape[0],
+                                                      bf16=args.dtype == "bfloat16"))
+    before = {name: p.detach().float().clone() for name, p in engine.module.named_parameters()}
+    t0 = time.perf_counter()
+    logps = completion_logps(engine, t, args.temperature)
+    advantages = torch.linspace(-1, 1, logps.shape[0], device=logps.device)
+    loss = L.masked_mean(-(logps * advantages[:, None]), t["completion_mask"])
+    engine.backward(loss)
+    engine.step()
+    sync(args.device)
+    check(math.isfinite(loss.item()), f"ZeRO-2 loss is {loss.item()}")
+    changed = sum(int(not torch.equal(p.detach().float(), before[n])) for n, p in engine.module.named_parameters())
+    check(changed > 0, "no weight changed under ZeRO-2")
+    return {"loss": loss.item(), "changed_tensors": changed, "seconds": time.perf_counter() - t0}
+
+
+def run_engine(ctx, args, name: str) -> dict:
+    """A GPU engine on the saved (untrained) model; weights are then synced from the trained model."""
+    from trainer.rollout.base import SamplingParams
+
+    temperature = args.temperature if name == "vllm" else 1.0  # LMDeploy-pytorch reports exact log-probs at T=1
+    if name == "vllm":
+        from trainer.rollout.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine(ctx["checkpoint"], gpu_memory_utilization=0.2, enable_sleep_mode=True, dtype=args.dtype,
+                            seed=args.seed, enforce_eager=True, max_model_len=1024)
+    else:
+        from trainer.rollout.lmdeploy_engine import LMDeployEngine
+
+        engine = LMDeployEngine(ctx["checkpoint"], backend="pytorch", gpu_memory_utilization=0.2, dtype=args.dtype,
+                                seed=args.seed, session_len=1024)
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, seed=args.seed)
+    t0 = time.perf_counter()
+    groups = engine.generate(ctx["prompts"], args.n, sampling)
+    seconds = time.perf_counter() - t0
+    stats = check_groups(groups, args.prompts, args.n, args.max_tokens, len(ctx["tokenizer"]))
+    gap = engine_gap(ctx["initial_model"], ctx, groups, temperature, args, ENGINE_TOLERANCE[args.dtype],
+                     f"{name} vs trainer forward")
+    result = {**stats, "seconds": seconds, "tokens_per_s": stats["tokens"] / seconds, "logprobs": gap}
+    ctx.setdefault("engines", {})[name] = (engine, sampling)
+    return result
+
+
+def run_engine_sync(ctx, args, name: str) -> dict:
+    engine, sampling = ctx["engines"][name]
+    t0 = time.perf_counter()
+    engine.sleep(1)
+    engine.wake_up(["weights"])
+    engine.update_weights(ctx["model"].named_parameters(), version=1)
+    engine.wake_up(["kv_cache"])
+    sync_seconds = time.perf_counter() - t0
+    groups = engine.generate(ctx["prompts"], args.n, sampling)
+    check(all(c.policy_version == 1 for g in groups for c in g), "completions after the sync must carry version 1")
+    gap = engine_gap(ctx["model"], ctx, groups, sampling.temperature, args, ENGINE_TOLERANCE[args.dtype],
+                     f"{name} after weight sync vs trained model")
+    return {"sleep_wake_sync_seconds": sync_seconds, "logprobs": gap}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.5)
+    parser.add_argument("--out", default=None, help="JSON result file (default $OUT/smoke.json when OUT is set)")
+    for key in ("hidden", "layers", "prompts", "n", "max_tokens", "micro"):
+        parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=None)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None)
+    parser.add_argument("--skip", default="", help="comma-separated optional checks not to run: vllm,lmdeploy,"
+                        "deepspeed (the engines share this process; run one at a time if both misbehave together)")
+    args = parser.parse_args(argv)
+    skipped = {name.strip() for name in args.skip.split(",") if name.strip()}
+    kind = "cuda" if args.device.startswith("cuda") else "cpu"
+    if kind == "cuda" and not torch.cuda.is_available():
+        print(f"smoke: --device {args.device} but torch {torch.__version__} sees no CUDA device", file=sys.stderr)
+        return 2
+    for key, value in SIZES[kind].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    result = {"device": args.device, "torch": torch.__version__, "dtype": args.dtype,
+              "gpu": torch.cuda.get_device_name() if kind == "cuda" else None, "checks": {}}
+    ctx = {}
+    t_start = time.perf_counter()
+    try:
+        tokenizer, model, prompts = build(args)
+    except ModuleNotFoundError as e:
+        print(f"smoke: cannot build the test model, {e}; infra/gpu/smoke.sh says how to bring pure-Python "
+              "packages (math-verify for trainer.bootstrap) to a bare GPU image", file=sys.stderr)
+        raise
+    ctx.update(tokenizer=tokenizer, model=model, prompts=prompts)
+
+    def optional(package: str, reason: str | None = None) -> str | None:
+        if package in skipped:
+            return "--skip"
+        if reason is None and importlib.util.find_spec(package) is None:
+            reason = "not installed"
+        return reason
+
+    gpu_only = None if kind == "cuda" else "needs cuda"
+    steps = [("generate", run_generate, None), ("logprobs", run_logprobs, None)]
+    for name in ("vllm", "lmdeploy"):
+        steps.append((name, lambda c, a, n=name: run_engine(c, a, n), optional(name, gpu_only)))
+    steps.append(("train", run_train, None))
+    for name in ("vllm", "lmdeploy"):
+        steps.append((f"{name}_weight_sync", lambda c, a, n=name: run_engine_sync(c, a, n), optional(name, gpu_only)))
+    steps.append(("deepspeed", run_deepspeed, optional("deepspeed")))
+
+    needs = {"logprobs": "generate", "train": "generate", "deepspeed": "generate", "vllm": "generate",
+             "lmdeploy": "generate", "vllm_weight_sync": "vllm", "lmdeploy_weight_sync": "lmdeploy"}
+    for name, fn, skip in steps:
+        dependency = needs.get(name)
+        if skip is None and dependency and not result["checks"].get(dependency, {}).get("ok"):
+            skip = f"{dependency} did not pass"
+        if skip is not None:
+            print(f"{name}: {skip}, skipped", flush=True)
+            result["checks"][name] = {"ok": None, "skipped": skip}
+            continue
+        if name in ("vllm", "lmdeploy") and "checkpoint" not in ctx:
+            ctx["checkpoint"] = tempfile.mkdtemp(prefix="grpoflow-smoke-")
+            model.save_pretrained(ctx["checkpoint"])
+            tokenizer.save_pretrained(ctx["checkpoint"])
+            ctx["initial_model"] = type(model)(model.config).to(args.device, DTYPES[args.dtype]).eval()
+            ctx["initial_model"].load_state_dict(model.state_dict())
+        try:
+            result["checks"][name] = {"ok": True, **fn(ctx, args)}
+            print(f"{name}: ok", flush=True)
+        except Exception as e:  # noqa: BLE001 - every failure is reported, then the exit status says so
+            result["checks"][name] = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                                      "traceback": traceback.format_exc(limit=8)}
+            print(f"{name}: FAILED {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    if kind == "cuda":
+        result["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+    result["seconds"] = time.perf_counter() - t_start
+    result["ok"] = all(c["ok"] is not False for c in result["checks"].values())
+    line = json.dumps(result, default=str)
+    print(line, flush=True)
+    out = args.out or (os.path.join(os.environ["OUT"], "smoke.json") if os.environ.get("OUT") else None)
+    if out:
+        Path(out).write_text(line + "\n")
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

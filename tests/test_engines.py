@@ -1,0 +1,154 @@
+"""Choosing a rollout engine, what happens without the GPU extra, and the GPU smoke script on CPU.
+
+vLLM, LMDeploy and DeepSpeed are not installed here, so their tests check the real behaviour of asking for
+them on such a machine: a clear ImportError naming the install command. Nothing here pretends they run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO_ROOT
+from trainer.recipe import RolloutConfig
+from trainer.rollout.base import SamplingParams
+from trainer.rollout.engines import MissingExtraError, make_engine
+from trainer.rollout.hf_engine import HFEngine
+
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from trainer.bootstrap import build_tokenizer
+
+    tokenizer = build_tokenizer([f"{a} + {b} = {a + b}" for a in range(30) for b in range(30)], vocab_size=300)
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    model = Qwen2ForCausalLM(config).eval()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model, tokenizer
+
+
+def _not_installed(package: str) -> None:
+    if importlib.util.find_spec(package) is not None:
+        pytest.skip(f"{package} is installed here; this test is about machines without it")
+
+
+def test_transformers_engine_wraps_the_given_model(tiny_lm):
+    model, tokenizer = tiny_lm
+    engine = make_engine(RolloutConfig(engine="transformers"), "never-read", model=model, tokenizer=tokenizer)
+    assert isinstance(engine, HFEngine) and engine.model is model
+    prompt = tokenizer("3 + 4 =", add_special_tokens=False)["input_ids"]
+    groups = engine.generate([prompt], 2, SamplingParams(max_tokens=5, temperature=1.0, seed=1))
+    assert [len(c.token_ids) for c in groups[0]] == [len(c.logprobs) for c in groups[0]]
+
+
+def test_transformers_engine_loads_from_a_checkpoint(tiny_lm, tmp_path):
+    model, tokenizer = tiny_lm
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    engine = make_engine(RolloutConfig(), str(tmp_path), dtype="float32")
+    assert isinstance(engine, HFEngine) and engine.model is not model
+    prompt = tokenizer("12 + 7 =", add_special_tokens=False)["input_ids"]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    loaded = engine.generate([prompt], 1, greedy)[0][0]
+    original = HFEngine(model, tokenizer).generate([prompt], 1, greedy)[0][0]
+    assert loaded.token_ids == original.token_ids
+    assert loaded.logprobs == pytest.approx(original.logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "lmdeploy"])
+def test_gpu_engine_without_the_extra_names_the_install_command(engine, tmp_path):
+    _not_installed(engine)
+    with pytest.raises(MissingExtraError) as info:
+        make_engine(RolloutConfig(engine=engine), str(tmp_path))
+    message = str(info.value)
+    assert isinstance(info.value, ImportError)
+    assert "pip install '.[gpu]'" in message and f"pip install {engine}" in message
+    assert f"'{engine}' rollout engine" in message
+
+
+def test_gpu_engine_classes_raise_the_same_error_when_built_directly(tmp_path):
+    _not_installed("vllm")
+    _not_installed("lmdeploy")
+    from trainer.rollout.lmdeploy_engine import LMDeployEngine
+    from trainer.rollout.vllm_engine import VLLMEngine
+
+    for cls in (VLLMEngine, LMDeployEngine):
+        with pytest.raises(MissingExtraError, match=r"pip install '\.\[gpu\]'"):
+            cls(str(tmp_path))
+
+
+def test_deepspeed_without_the_extra_names_the_install_command():
+    _not_installed("deepspeed")
+    from trainer.deepspeed_setup import initialize, zero_config
+
+    config = zero_config(stage=2, micro_batch_size=4)
+    assert config["zero_optimization"]["stage"] == 2 and config["train_micro_batch_size_per_gpu"] == 4
+    with pytest.raises(ValueError, match="stage"):
+        zero_config(stage=4)
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(MissingExtraError, match=r"pip install '\.\[gpu\]'.*deepspeed"):
+        initialize(model, torch.optim.AdamW(model.parameters()), config)
+
+
+def test_bad_engine_choices_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="transformers, vllm or lmdeploy"):
+        make_engine(RolloutConfig(engine="sglang"), str(tmp_path))
+    with pytest.raises(ValueError, match="server_url"):
+        make_engine(RolloutConfig(engine="lmdeploy", server_url="http://127.0.0.1:1"), str(tmp_path))
+
+
+def test_vllm_server_engine_names_an_unreachable_server():
+    from trainer.rollout.vllm_engine import VLLMServerEngine, VLLMServerError
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(VLLMServerError, match=f"127.0.0.1:{port}"):
+        VLLMServerEngine(f"http://127.0.0.1:{port}", timeout_s=5)
+
+
+def test_server_completions_are_grouped_by_prompt_from_an_openai_body():
+    """Our parser on a hand-written body in the OpenAI /v1/completions format that vLLM answers with
+    (choices prompt-major by `index`); it says nothing about a live server."""
+    from trainer.rollout.vllm_engine import VLLMServerError, completions_from_response
+
+    def choice(index, ids, logps, reason, with_ids=True):
+        c = {"index": index, "text": f"t{index}", "finish_reason": reason,
+             "logprobs": {"tokens": [f"token_id:{i}" for i in ids], "token_logprobs": logps}}
+        if with_ids:
+            c["token_ids"] = ids
+        return c
+
+    body = {"choices": [choice(3, [9], [-0.5], "length"), choice(0, [5, 2], [-1.0, -0.25], "stop"),
+                        choice(2, [8, 8], [-2.0, None], "length", with_ids=False), choice(1, [7], [-0.1], "stop")]}
+    groups = completions_from_response(body, n_prompts=2, n=2, version=4)
+    assert [[c.token_ids for c in g] for g in groups] == [[[5, 2], [7]], [[8, 8], [9]]]
+    assert groups[0][0].logprobs == [-1.0, -0.25] and groups[1][0].logprobs[1] != groups[1][0].logprobs[1]  # nan
+    assert [c.finish_reason for c in groups[0]] == ["stop", "stop"] and groups[1][1].policy_version == 4
+    with pytest.raises(VLLMServerError, match="expected 6 choices"):
+        completions_from_response(body, n_prompts=3, n=2)
+
+
+def test_gpu_smoke_script_passes_on_cpu(tmp_path):
+    out = tmp_path / "smoke.json"
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "infra" / "gpu" / "smoke.py"), "--device", "cpu",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["ok"] is True
+    for name in ("generate", "logprobs", "train"):
+        assert result["checks"][name]["ok"] is True, result["checks"][name]
+    assert result["checks"]["logprobs"]["ratio_to_untempered"] < 0.01
+    assert "deepspeed: " in proc.stdout
