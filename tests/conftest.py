@@ -36,3 +36,12 @@ def tiny_base(tiny_recipe) -> dict:
     from trainer.bootstrap import bootstrap
     out = REPO_ROOT / tiny_recipe.bootstrap.out
     return bootstrap(tiny_recipe.bootstrap, out=out, system_prompt=tiny_recipe.data.system_prompt, progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory, tiny_recipe) -> Path:
+    """A small prepared copy of the embedded default's data (600 synthetic addition problems)."""
+    from data.prepare import prepare
+    out = tmp_path_factory.mktemp("data") / "addition"
+    prepare(**{**tiny_recipe.data.prepare_kwargs(), "out": out, "synthetic_rows": 600})
+    return out

@@ -14,19 +14,11 @@ import pytest
 import torch
 
 from conftest import REPO_ROOT
-from data.prepare import prepare
 from trainer import loss as L
 from trainer.grpo import GRPOTrainer, prompt_indices
 from trainer.recipe import load_recipe
 
 TINY = REPO_ROOT / "configs" / "tiny-cpu.yaml"
-
-
-@pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory, tiny_recipe):
-    out = tmp_path_factory.mktemp("data") / "addition"
-    prepare(**{**tiny_recipe.data.prepare_kwargs(), "out": out, "synthetic_rows": 600})
-    return out
 
 
 def small_recipe(tmp_path: Path, tiny_base: dict, data: Path, *overrides: str):
