@@ -10,8 +10,9 @@ Layout of `work_dir` after a successful run:
                     output), `spec.json` (the TaskConfig it ran; never the API key) and `status.json`.
 
 Calling it again on a finished `work_dir` with the same settings returns the recorded result (a retried
-task does not evaluate twice); with other settings it raises `FileExistsError`. Raises `ValueError` /
-`FileNotFoundError` / `NotADirectoryError` for bad inputs (a missing checkpoint, a missing local dataset
+task does not evaluate twice); with other settings it raises `FileExistsError`. The port of a loopback
+`api_url` is no setting: a model served for one evaluation gets a fresh port each time. Raises `ValueError`
+/ `FileNotFoundError` / `NotADirectoryError` for bad inputs (a missing checkpoint, a missing local dataset
 directory, an unknown benchmark) and `RuntimeError` naming the benchmark and quoting the log tail when
 EvalScope fails.
 """
@@ -28,13 +29,16 @@ import time
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from data.manifest import write_json_atomic
-from evaluation.evalscope_reports import read_report, report_path, sample_paths
+from evaluation.evalscope_reports import BenchmarkReport, read_report, report_path, sample_paths
 
 REPORT = "report.json"
 OUTPUTS = "evalscope"
 DTYPES = ("float32", "bfloat16", "float16", "auto")
+COLLECTION = "data_collection"  # EvalScope's benchmark for a collection JSONL (see `evaluation.collection`)
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 # Set for the child only, and only when no benchmark needs a dataset hub: then nothing may touch the network.
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 _WORKER = Path(__file__).with_name("evalscope_worker.py")
@@ -72,6 +76,7 @@ def run_evalscope(
     temperature: float = 0.0,
     api_url: str | None = None,
     api_key_env: str | None = None,
+    dataset_ids: dict[str, str] | None = None,
     eval_batch_size: int = 1,
     dtype: str = "float32",
     seed: int = 0,
@@ -84,6 +89,8 @@ def run_evalscope(
       (EvalScope `openai_api`; the key is read from the environment variable named by `api_key_env`).
     - `local_paths`: benchmark -> directory with its data (`test.jsonl` for math_500 / aime24; one CSV or
       JSONL file for gpqa_diamond). A benchmark without one is loaded from EvalScope's dataset hub.
+    - `dataset_ids`: benchmark -> the dataset to load from the hub instead of the benchmark's own, e.g.
+      `{"data_collection": "evalscope/R1-Distill-Math-Test-v2"}` (a collection has no dataset of its own).
     - `limit`: EvalScope's limit, which applies per subset: `limit=2` on math_500 scores 2 problems from
       each of its 5 levels. `repeats > 1` samples each problem that often (needs `temperature > 0`)
       and adds EvalScope's pass@k for k = 1..repeats.
@@ -92,12 +99,13 @@ def run_evalscope(
     """
     checkpoint = api_url is None
     model, local_paths = _check_inputs(model, benchmarks, dict(local_paths or {}), api_url, api_key_env)
+    dataset_ids = _check_dataset_ids(dict(dataset_ids or {}), benchmarks, local_paths)
     _check_settings(limit, repeats, max_tokens, temperature, eval_batch_size, dtype)
     model_id = _model_id(model, checkpoint)
     settings = {  # everything that decides the scores; report.json records it
         "model": model, "model_id": model_id, "eval_type": "llm_ckpt" if checkpoint else "openai_api",
         "api_url": api_url, "api_key_env": api_key_env, "benchmarks": list(benchmarks),
-        "local_paths": local_paths, "limit": limit, "repeats": repeats,
+        "local_paths": local_paths, "dataset_ids": dataset_ids or None, "limit": limit, "repeats": repeats,
         "generation_config": _generation_config(max_tokens, temperature, checkpoint),
         "eval_batch_size": eval_batch_size, "dtype": dtype if checkpoint else None, "seed": seed,
         "offline": all(b in local_paths for b in benchmarks), "evalscope_version": version("evalscope"),
@@ -112,7 +120,7 @@ def run_evalscope(
     task_config = {
         "model": model, "model_id": model_id, "eval_type": settings["eval_type"],
         "datasets": _hub_first(benchmarks, local_paths),
-        "dataset_args": _dataset_args(benchmarks, local_paths, repeats),
+        "dataset_args": _dataset_args(benchmarks, local_paths, dataset_ids, repeats),
         "limit": limit, "repeats": repeats, "generation_config": settings["generation_config"],
         "eval_batch_size": eval_batch_size, "seed": seed, "work_dir": str(outputs), "no_timestamp": True,
         **({"model_args": {"precision": dtype}} if checkpoint else {"api_url": api_url}),
@@ -127,16 +135,16 @@ def run_evalscope(
         if not path.is_file():
             raise RuntimeError(f"EvalScope finished without a report for benchmark {bench!r} (expected {path})"
                                + _log_tail(log_path))
-        reports[bench] = read_report(path)
+        reports[bench] = _read_report(bench, path)
     result = EvalResult(
         scores={b: r.score for b, r in reports.items()},
         subsets={b: r.subsets for b, r in reports.items()},
         num_samples={b: r.num_generations // repeats for b, r in reports.items()},
         pass_at_k={b: r.pass_at_k for b, r in reports.items() if r.pass_at_k},
         report_paths={b: report_path(outputs, model_id, b) for b in benchmarks},
-        predictions_paths={b: sample_paths(outputs, "predictions", model_id, b, list(r.subsets))
+        predictions_paths={b: sample_paths(outputs, "predictions", model_id, b, _sample_subsets(b, r))
                            for b, r in reports.items()},
-        review_paths={b: sample_paths(outputs, "reviews", model_id, b, list(r.subsets))
+        review_paths={b: sample_paths(outputs, "reviews", model_id, b, _sample_subsets(b, r))
                       for b, r in reports.items()},
         work_dir=work_dir,
         log_path=log_path,
@@ -151,12 +159,35 @@ def run_evalscope(
 def _finished(work_dir: Path, settings: dict) -> EvalResult:
     """The finished evaluation in `work_dir` if it was made with `settings`; refuses to mix two runs."""
     recorded = json.loads((work_dir / REPORT).read_text())
-    differs = {k: (recorded.get(k), v) for k, v in settings.items() if recorded.get(k) != v}
+    differs = {k: (recorded.get(k), v) for k, v in settings.items()
+               if _comparable(k, recorded.get(k)) != _comparable(k, v)}
     if differs:
         detail = "; ".join(f"{k}: {old!r} there, {new!r} now" for k, (old, new) in differs.items())
         raise FileExistsError(f"{work_dir} already holds an evaluation made with other settings ({detail}); "
                               "use a new work_dir")
     return load_result(work_dir)
+
+
+def _comparable(key: str, value):
+    """A setting as compared between runs: a loopback `api_url` without its port, which is picked afresh
+    each time a model is served for an evaluation and so decides nothing about the scores."""
+    if key == "api_url" and isinstance(value, str):
+        url = urlsplit(value)
+        if url.hostname in LOOPBACK_HOSTS:
+            return url._replace(netloc=url.hostname).geturl()
+    return value
+
+
+def _read_report(bench: str, path: Path) -> BenchmarkReport:
+    if bench == COLLECTION:  # its scores are in EvalScope's collection report, per dataset of the collection
+        from evaluation.collection import read_collection_report  # (collection.py builds on this module)
+        return read_collection_report(path)
+    return read_report(path)
+
+
+def _sample_subsets(bench: str, report: BenchmarkReport) -> list[str]:
+    """The subsets EvalScope writes sample files for: a collection's samples all go to its one subset."""
+    return ["default"] if bench == COLLECTION else list(report.subsets)
 
 
 def load_result(work_dir: str | os.PathLike) -> EvalResult:
@@ -225,6 +256,18 @@ def _check_inputs(model, benchmarks, local_paths, api_url, api_key_env) -> tuple
     return model, resolved
 
 
+def _check_dataset_ids(dataset_ids: dict, benchmarks, local_paths: dict) -> dict[str, str]:
+    for bench, dataset_id in dataset_ids.items():
+        if bench not in benchmarks:
+            raise ValueError(f"dataset_ids names benchmark {bench!r}, which is not among {benchmarks}")
+        if bench in local_paths:
+            raise ValueError(f"benchmark {bench!r} has both a local path and a dataset id; give one")
+        if not isinstance(dataset_id, str) or not dataset_id:
+            raise ValueError(f"dataset_ids[{bench!r}] must be a hub dataset id such as 'owner/name', "
+                             f"got {dataset_id!r}")
+    return dataset_ids
+
+
 def _check_settings(limit, repeats, max_tokens, temperature, eval_batch_size, dtype) -> None:
     def positive_int(name, value):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -269,10 +312,12 @@ def _hub_first(benchmarks, local_paths: dict[str, str]) -> list[str]:
     return [b for b in benchmarks if b not in local_paths] + [b for b in benchmarks if b in local_paths]
 
 
-def _dataset_args(benchmarks, local_paths: dict[str, str], repeats: int) -> dict:
+def _dataset_args(benchmarks, local_paths: dict[str, str], dataset_ids: dict[str, str], repeats: int) -> dict:
     args: dict = {b: {} for b in benchmarks}
     for bench, path in local_paths.items():
         args[bench]["local_path"] = path
+    for bench, dataset_id in dataset_ids.items():
+        args[bench]["dataset_id"] = dataset_id
     if repeats > 1:
         for bench in benchmarks:
             args[bench]["aggregation"] = "mean_and_pass_at_k"

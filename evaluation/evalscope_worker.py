@@ -6,7 +6,9 @@ loaded checkpoint is only truly freed when its process ends. The parent (`evalsc
 process's output into a log file and reads back what it wrote.
 
 The spec is `{"task_config": {...TaskConfig fields...}, "api_key_env": name or null}`. The API key is read
-here from the named environment variable, so it is never written to a file. The status file receives
+here from the named environment variable, so it is never written to a file. A spec `{"build_collection":
+{"schema": ..., "count": n, "seed": s, "out": path}}` instead samples a collection JSONL with EvalScope's own
+collection machinery (see `evaluation.collection`). The status file receives
 `{"ok": true}`, or `{"unknown_benchmark": name, "suggestions": [...]}` (exit code 2), or
 `{"error": type, "message": text}` (exit code 1). This module imports nothing from grpoflow.
 """
@@ -74,12 +76,25 @@ def run(spec: dict) -> dict:
     return {"ok": True}
 
 
+def build_collection(spec: dict) -> dict:
+    """Sample a collection with EvalScope's schema, sampler and benchmark loaders; write its JSONL."""
+    import random
+
+    from evalscope.collections import CollectionSchema, UniformSampler
+    from evalscope.utils.io_utils import dump_jsonl_data
+
+    random.seed(spec["seed"])  # EvalScope's samplers draw with the module-level generator
+    rows = UniformSampler(CollectionSchema.from_dict(spec["schema"])).sample(spec["count"])
+    dump_jsonl_data(rows, spec["out"])
+    return {"ok": True, "rows": len(rows)}
+
+
 def main(argv: list[str]) -> int:
     spec_path, status_path = argv
     with open(spec_path) as f:
         spec = json.load(f)
     try:
-        status = run(spec)
+        status = build_collection(spec["build_collection"]) if "build_collection" in spec else run(spec)
     except BaseException as exc:  # the parent needs a status for every way this process can end
         traceback.print_exc()
         _write_status(status_path, {"error": type(exc).__name__, "message": str(exc)[-2000:]})
