@@ -229,3 +229,20 @@ def _build_in_child(tmp: Path, build: dict) -> None:
                            + _log_tail(log))
     for path in (spec, status, log):
         path.unlink()
+
+
+COLLECTION_NAME = "r1_distill_math_test"
+
+
+def run_benchmarks(model: str, benchmarks: list[str], *, work_dir, local_paths: dict[str, str] | None = None,
+                   limit: int | None = None, **run_kwargs) -> EvalResult:
+    """`run_evalscope` for individual benchmarks, or the combined collection when `benchmarks` is
+    `["r1_distill_math_test"]` (then `limit` is taken per benchmark of the collection)."""
+    if COLLECTION_NAME not in benchmarks:
+        return run_evalscope(model, benchmarks, work_dir=work_dir, local_paths=local_paths, limit=limit,
+                             **run_kwargs)
+    if benchmarks != [COLLECTION_NAME]:
+        raise ValueError(f"'{COLLECTION_NAME}' is the combined collection of {', '.join(R1_DISTILL_MATH_TEST)}: "
+                         "evaluate it on its own, or list the benchmarks individually")
+    paths = {b: p for b, p in (local_paths or {}).items() if b in R1_DISTILL_MATH_TEST} or None
+    return evaluate_collection(model, work_dir, local_paths=paths, per_benchmark_limit=limit, **run_kwargs)

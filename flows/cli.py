@@ -98,7 +98,7 @@ def cmd_eval(args) -> dict:
 
     services = configure(args.state_dir)
     recipe = _recipe(args)
-    from evaluation import run_evalscope
+    from evaluation.collection import run_benchmarks
     from tasks import tracking
     from tasks.evaluation import heldout_accuracy, record_evaluation, resolve_model
 
@@ -108,7 +108,7 @@ def cmd_eval(args) -> dict:
     name = ref.model_name and f"{ref.model_name}-v{ref.model_version}" or Path(ref.local_path or "endpoint").name
     with _served_for_eval(args, ref, name) as served:  # --serve: the checkpoint behind a local endpoint
         api_url = served.url if served else ref.api_url
-        result = run_evalscope(
+        result = run_benchmarks(
             served.model_name if served else ref.local_path or args.served_model_name or "default", e.benchmarks,
             work_dir=Path(e.out).resolve() / (f"{name}-served" if served else name),
             local_paths=e.local_paths or None, limit=e.limit, repeats=e.repeats, max_tokens=e.max_tokens,

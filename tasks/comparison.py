@@ -263,11 +263,11 @@ def _fresh_work_dir(eval_cfg: dict, name: str) -> Path:
 
 
 def _evaluate(model: ModelRef, work_dir: Path, client: MlflowClient, experiment_id: str, eval_cfg: dict) -> str:
-    from evaluation import run_evalscope
+    from evaluation.collection import run_benchmarks
 
     log.info("%s: no evaluation with these settings yet; running EvalScope into %s", model.text, work_dir)
     try:
-        result = run_evalscope(model.local_path, eval_cfg["benchmarks"], work_dir=work_dir,
+        result = run_benchmarks(model.local_path, eval_cfg["benchmarks"], work_dir=work_dir,
                                local_paths=eval_cfg.get("local_paths") or None, limit=eval_cfg.get("limit"),
                                repeats=eval_cfg.get("repeats", 1), max_tokens=eval_cfg["max_tokens"],
                                temperature=eval_cfg["temperature"])

@@ -139,11 +139,11 @@ def register_model(trained: dict, prepared: dict, base: dict, recipe_sha256: str
 
 @task(name="evaluate-model", cache_policy=CACHE, persist_result=True, **RETRY)
 def evaluate_model(registered: dict, trained: dict, eval_cfg: dict, ctx: dict) -> dict:
-    from evaluation import run_evalscope
+    from evaluation.collection import run_benchmarks
     from tasks.evaluation import ModelRef, record_evaluation
 
     work_dir = Path(eval_cfg["out"]).resolve() / f"{registered['model_name']}-v{registered['model_version']}"
-    result = run_evalscope(trained["checkpoint"], eval_cfg["benchmarks"], work_dir=work_dir,
+    result = run_benchmarks(trained["checkpoint"], eval_cfg["benchmarks"], work_dir=work_dir,
                            local_paths=eval_cfg.get("local_paths") or None, limit=eval_cfg.get("limit"),
                            repeats=eval_cfg.get("repeats", 1), max_tokens=eval_cfg["max_tokens"],
                            temperature=eval_cfg["temperature"], progress=False)
