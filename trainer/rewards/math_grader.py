@@ -89,8 +89,11 @@ def grade_answer(gold: str, predicted: str) -> float | None:
     "25"), and most answers in arithmetic tasks are such integers, so most calls skip the worker trip.
     """
     g, p = gold.strip(), predicted.strip()
-    if _PLAIN_INT.fullmatch(g) and _PLAIN_INT.fullmatch(p):
-        return 1.0 if int(g) == int(p) else 0.0
+    if _PLAIN_INT.fullmatch(g):
+        if not p:  # no answer at all against a readable gold: nothing to verify
+            return 0.0
+        if _PLAIN_INT.fullmatch(p):
+            return 1.0 if int(g) == int(p) else 0.0
     return _WORKER.grade(gold, predicted)
 
 
