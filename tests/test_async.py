@@ -93,8 +93,10 @@ def test_killed_rollout_worker_fails_the_run_naming_it_and_rerun_resumes(tmp_pat
     assert again.returncode == 0, again.stderr[-3000:]
     summary = json.loads(again.stdout.strip().splitlines()[-1])
     assert summary["resumed_from_step"] == checkpoint_step >= 2 and summary["steps"] == 40
-    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, 41))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    # the first batch after resuming comes from the checkpoint's own weights: not stale
+    assert rows[checkpoint_step]["staleness"] == 0.0 and rows[checkpoint_step + 1]["staleness"] == 1.0
 
 
 DDP_SCRIPT = """

@@ -21,7 +21,8 @@ class AsyncRollout:
         devices = [f"cuda:{d}" for d in r.rollout_devices] if r.rollout_devices and torch.cuda.is_available() else None
         self.trainer, self.overlap = trainer, r.max_staleness >= 1
         self.remote = RemoteRollout(str(trainer.checkpoint or trainer.model_path), trainer.recipe.model.dtype,
-                                    devices, r.num_engines, r.sync_timeout_s, cpu_threads_per_side(r.num_engines))
+                                    devices, r.num_engines, r.sync_timeout_s, cpu_threads_per_side(r.num_engines),
+                                    version=trainer.version)
         self.synced_version = trainer.version
         self.inflight = None
 

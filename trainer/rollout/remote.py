@@ -39,6 +39,7 @@ class WorkerSpec:
     device: str
     threads: int
     timeout_s: float
+    version: int = 0  # the policy version of the weights it loads (a resumed run's step)
 
 
 def _free_port() -> int:
@@ -62,6 +63,7 @@ def _worker_main(spec: WorkerSpec, commands, results) -> None:
         tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
         model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=DTYPES[spec.dtype]).to(spec.device).eval()
         engine = HFEngine(model, tokenizer)
+        engine.version = spec.version
         results.put(("ready", spec.rank, None))
         parent = os.getppid()
         while True:
@@ -93,7 +95,7 @@ class RemoteRollout:
     """Trainer-side handle on N rollout worker processes (ranks 1..N of the sync group)."""
 
     def __init__(self, model_path: str, dtype: str = "float32", devices: list[str] | None = None,
-                 num_engines: int = 1, timeout_s: float = 600.0, threads_per_worker: int = 1):
+                 num_engines: int = 1, timeout_s: float = 600.0, threads_per_worker: int = 1, version: int = 0):
         from trainer.rollout.weight_sync import SyncGroup
 
         self.timeout_s = timeout_s
@@ -105,7 +107,7 @@ class RemoteRollout:
         self.commands, self.procs = [], []
         for rank, device in enumerate(devices, start=1):
             q = ctx.Queue()
-            spec = WorkerSpec(rank, world, port, model_path, dtype, device, threads_per_worker, timeout_s)
+            spec = WorkerSpec(rank, world, port, model_path, dtype, device, threads_per_worker, timeout_s, version)
             p = ctx.Process(target=_worker_main, args=(spec, q, self.results), name=f"rollout-worker-{rank}",
                             daemon=True)
             p.start()
