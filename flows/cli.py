@@ -308,7 +308,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # `key=value` overrides may come after options too (`eval CKPT --serve eval.limit=1`)
+    late = [t for t in extra if "=" in t and not t.startswith("-")]
+    if len(late) != len(extra) or (late and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(t for t in extra if t not in late or not hasattr(args, 'overrides'))}")
+    if late:
+        args.overrides = [*args.overrides, *late]
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     for noisy in ("httpx", "httpcore", "alembic", "urllib3"):
