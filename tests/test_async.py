@@ -108,9 +108,15 @@ trainer = GRPOTrainer(recipe, sys.argv[2], recipe.data.out, progress=False)
 trainer.setup()
 batch, _ = trainer.generate_and_score(0)
 batch.advantages = torch.linspace(-1, 1, len(batch))
+grads = {}
+def keep_grads(optimizer, args, kwargs):  # the gradient the optimizer steps with (after DDP's all-reduce)
+    for name, p in trainer.model.named_parameters():
+        grads[name] = p.grad.detach().clone()
+trainer.optimizer.register_step_pre_hook(keep_grads)
 trainer.optimize(batch)
 if trainer.rank == 0:
-    torch.save({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}, sys.argv[3])
+    torch.save({"grads": grads, "weights": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}},
+               sys.argv[3])
 """
 
 
@@ -129,11 +135,15 @@ def test_two_rank_gloo_ddp_update_equals_one_rank(tmp_path, tiny_base, tiny_data
         results[ranks] = torch.load(out)
     from safetensors.torch import load_file
     base = load_file(Path(tiny_base["path"]) / "model.safetensors")
-    moved = [n for n in base if not torch.equal(base[n], results[1][n])]
-    assert moved, "the update changed nothing"
-    # Compare the updates. Adam's first step is about lr * g / |g|, which turns summation-order noise in
-    # near-zero gradients into differences of ~1e-5 at lr 1e-3: allow 1% of the step size.
-    for name in results[1]:
-        if name in base:
-            torch.testing.assert_close(results[2][name] - base[name], results[1][name] - base[name],
-                                       rtol=1e-2, atol=1e-5)
+    one, two = results[1], results[2]
+    assert any(not torch.equal(base[n], one["weights"][n]) for n in base), "the update changed nothing"
+    # The same gradient reaches the optimizer: summed over two ranks' halves of the batch (DDP) it equals
+    # the one-rank gradient up to float summation order.
+    assert one["grads"].keys() == two["grads"].keys()
+    for name, g in one["grads"].items():
+        torch.testing.assert_close(two["grads"][name], g, rtol=1e-4, atol=1e-7)
+    # and so the weights move alike. Adam's first step is about lr * g / |g|: a gradient component that is
+    # mathematically zero (e.g. k_proj.bias: softmax ignores a bias shared by all keys) is pure float noise
+    # and may step anywhere in [-lr, lr], so all but such components must agree to 1e-6.
+    close = [torch.isclose(two["weights"][n], one["weights"][n], rtol=1e-5, atol=1e-6).flatten() for n in base]
+    assert torch.cat(close).float().mean() > 0.999

@@ -111,7 +111,7 @@ def test_manifest_records_source_hash_and_settings(tmp_path):
     assert m["kind"] == "prepared-dataset"
     assert m["sha256"] == result["sha256"] == sha256_dir(tmp_path / "out")
     assert m["rows"] == result["rows"] == {"train": 240, "heldout": 16}
-    assert m["source"]["files"] == [{"path": str(COUNTDOWN), "sha256": sha256_file(COUNTDOWN)}]
+    assert m["source"]["files"] == [{"path": str(COUNTDOWN.resolve()), "sha256": sha256_file(COUNTDOWN)}]
     assert (m["task"], m["seed"], m["heldout"], m["split"], m["split_by"]) == (
         "countdown", 3, 16, "train", "seeded shuffle")
     assert m["dropped"] == {} and m["dropped_examples"] == []

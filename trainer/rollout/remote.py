@@ -125,10 +125,23 @@ class RemoteRollout:
         p = self.procs[rank - 1]
         return f"rollout worker {rank} (pid {p.pid})"
 
-    def _check_alive(self) -> None:
-        for rank, p in enumerate(self.procs, start=1):
-            if not p.is_alive():
-                raise RolloutWorkerError(f"{self._name(rank)} died with exit code {p.exitcode}")
+    def _check_alive(self, grace_s: float = 0.0) -> None:
+        deadline = time.monotonic() + grace_s
+        while True:
+            for rank, p in enumerate(self.procs, start=1):
+                if not p.is_alive():
+                    raise RolloutWorkerError(f"{self._name(rank)} died with exit code {p.exitcode}")
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
+
+    def _named_failure(self, what: str, error: Exception) -> RolloutWorkerError:
+        """A collective failed (gloo/NCCL say only 'connection closed'): name the worker that died, if one did."""
+        try:
+            self._check_alive(grace_s=2.0)
+        except RolloutWorkerError as dead:
+            return RolloutWorkerError(f"{dead} during {what}")
+        return RolloutWorkerError(f"{what} failed: {type(error).__name__}: {error}")
 
     def _get(self, what: str):
         deadline = time.monotonic() + self.timeout_s
@@ -187,7 +200,10 @@ class RemoteRollout:
         started = time.perf_counter()
         for q in self.commands:
             q.put(("sync", version))
-        broadcast_weights(sync_order(model), self.group)
+        try:
+            broadcast_weights(sync_order(model), self.group)
+        except RuntimeError as e:
+            raise self._named_failure(f"the weight sync to version {version}", e) from e
         for _ in self.procs:
             self._expect("synced")
         return time.perf_counter() - started
