@@ -323,11 +323,12 @@ def main(argv: list[str] | None = None) -> int:
     from data.errors import DataError
     from trainer.plugins import PluginError
     from trainer.rewards import RewardSpecError
+    from trainer.rollout.engines import MissingExtraError
     from trainer.typed_config import ConfigError
 
     try:
         result = args.func(args)
-    except (ConfigError, DataError, RewardSpecError, PluginError, UsageError, FileNotFoundError) as e:
+    except (ConfigError, DataError, RewardSpecError, PluginError, MissingExtraError, UsageError, FileNotFoundError) as e:
         print(f"grpoflow {args.command}: error: {e}", file=sys.stderr)
         if args.json:
             print(json.dumps({"error": str(e), "exit_code": 2}))

@@ -152,3 +152,19 @@ def test_gpu_smoke_script_passes_on_cpu(tmp_path):
         assert result["checks"][name]["ok"] is True, result["checks"][name]
     assert result["checks"]["logprobs"]["ratio_to_untempered"] < 0.01
     assert "deepspeed: " in proc.stdout
+
+
+def test_train_with_a_missing_gpu_engine_exits_2_naming_the_install(tmp_path, tiny_base, tiny_data):
+    """Real behaviour on a machine without vLLM: a clear error before any training, not a traceback."""
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT
+
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "train", "rollout.engine=vllm",
+                           f"bootstrap.out={tiny_base['path']}", f"data.out={tiny_data}",
+                           f"train.output_dir={tmp_path / 'run'}", "train.max_steps=1"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "pip install '.[gpu]'" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "latest").exists()

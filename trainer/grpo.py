@@ -23,6 +23,7 @@ not stop training: those completions get no reward and are counted in `rewards/<
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -46,7 +47,8 @@ from trainer.progress import Progress
 from trainer.recipe import Recipe
 from trainer.rewards import RewardRunner, accuracy_reward, format_reward, resolve_reward
 from trainer.rollout.base import SamplingParams
-from trainer.rollout.hf_engine import HFEngine
+from trainer.rollout.engines import make_engine
+from trainer.rollout.hf_engine import HFEngine, cache_kwarg
 from trainer.rollout.remote import cpu_threads_per_side
 from trainer.rollout_batch import RolloutBatch
 
@@ -118,7 +120,12 @@ class GRPOTrainer:
         if cfg.beta > 0:  # the reference is the starting policy, never the resumed one
             self.ref_model, _ = load_policy(self.model_path, self.recipe)
             self.ref_model.eval().requires_grad_(False)
-        self.engine = HFEngine(self.model, self.tokenizer)
+        # transformers: the engine shares this module, so it always samples the current policy. vLLM /
+        # LMDeploy hold their own copy: it is refreshed before each generation (see `_engine_awake`).
+        self.engine = make_engine(self.recipe.rollout, str(self.checkpoint or self.model_path), model=self.model,
+                                  tokenizer=self.tokenizer, dtype=self.recipe.model.dtype, seed=cfg.seed)
+        self._engine_shares_weights = isinstance(self.engine, HFEngine)
+        self._cache_kw = cache_kwarg(self.model)
         self.callbacks += [load_plugin(spec, what="training callback")() for spec in cfg.callbacks]
         self.rewards = RewardRunner([(s.name.rsplit(":", 1)[-1], resolve_reward(s.name, s.args), s.weight)
                                      for s in self.recipe.rewards], timeout_s=cfg.reward_timeout_s)
@@ -138,6 +145,7 @@ class GRPOTrainer:
         elif self.metrics.path.exists():
             self.metrics.path.unlink()  # a fresh run in a reused directory without a checkpoint
         self.version = self.start_step
+        self.engine_version = self.start_step  # the policy version the engine's own weights hold
 
     def _lr_factor(self, update: int) -> float:
         cfg, total = self.cfg, self.cfg.max_steps * self.cfg.num_iterations
@@ -220,9 +228,34 @@ class GRPOTrainer:
         """Synchronous rollout: generate with the policy being trained, in this process, then score."""
         rows, prompt_ids, sampling = self.rows_for(step)
         t0 = time.perf_counter()
-        self.engine.version = self.version
-        groups = self.engine.generate(prompt_ids, self.cfg.num_generations, sampling)
+        with self._engine_awake():
+            groups = self.engine.generate(prompt_ids, self.cfg.num_generations, sampling)
         return self.score(rows, prompt_ids, groups, {"timing/rollout_s": time.perf_counter() - t0})
+
+    @contextlib.contextmanager
+    def _engine_awake(self):
+        """The engine holding the current policy for the duration of the block.
+
+        Colocated engines sleep while the trainer uses the devices: wake the weights, send the new ones,
+        then wake the KV cache (so the cache is not allocated while the weights are copied), and sleep again.
+        """
+        if self._engine_shares_weights:
+            self.engine.version = self.version
+            yield
+            return
+        colocate = self.recipe.rollout.colocate
+        if colocate:
+            self.engine.wake_up(["weights"])
+        if self.engine_version != self.version:
+            self.engine.update_weights(self.model.named_parameters(), self.version)
+            self.engine_version = self.version
+        if colocate:
+            self.engine.wake_up(["kv_cache"])
+        try:
+            yield
+        finally:
+            if colocate:
+                self.engine.sleep(self.recipe.rollout.sleep_level)
 
     def score(self, rows: list[dict], prompt_ids: list[list[int]], groups: list, metrics: dict
               ) -> tuple[RolloutBatch, dict]:
@@ -323,13 +356,13 @@ class GRPOTrainer:
         firsts, inverse = t["prompt_rows"], t["prompt_inverse"]
         cache = DynamicCache(config=model.config)
         out = model(input_ids=ids[firsts, :P], attention_mask=mask[firsts, :P], position_ids=pos[firsts, :P],
-                    use_cache=True, logits_to_keep=1, **{self.engine._cache_kw: cache})
+                    use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
         first_logits = out.logits[:, -1][inverse]
         cache.batch_select_indices(inverse)
         completion = t["completion_ids"]
         if completion.shape[1] > 1:
             rest = model(input_ids=completion[:, :-1], attention_mask=mask[:, :-1], position_ids=pos[:, P:-1],
-                         use_cache=True, **{self.engine._cache_kw: cache}).logits
+                         use_cache=True, **{self._cache_kw: cache}).logits
             logits = torch.cat([first_logits[:, None], rest], dim=1)
         else:
             logits = first_logits[:, None]
@@ -360,9 +393,10 @@ class GRPOTrainer:
     def evaluate_heldout(self) -> dict:
         if not self.heldout_rows:
             return {}
-        return evaluate_greedy(self.engine, self.tokenizer, self.heldout_rows, accuracy_reward, format_reward,
-                               max_tokens=self.cfg.max_completion_length,
-                               max_prompt_length=self.cfg.max_prompt_length)
+        with self._engine_awake():
+            return evaluate_greedy(self.engine, self.tokenizer, self.heldout_rows, accuracy_reward, format_reward,
+                                   max_tokens=self.cfg.max_completion_length,
+                                   max_prompt_length=self.cfg.max_prompt_length)
 
     def save(self, step: int) -> Path:
         state = {"step": step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),

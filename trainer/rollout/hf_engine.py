@@ -17,7 +17,7 @@ import torch
 from trainer.rollout.base import Completion, SamplingParams
 
 
-def _cache_kwarg(model) -> str:
+def cache_kwarg(model) -> str:
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
@@ -62,7 +62,7 @@ class HFEngine:
         self.eos = torch.tensor(sorted(set(eos)), dtype=torch.long)
         self.pad_id = pad_token_id if pad_token_id is not None else (tokenizer.pad_token_id or eos[0])
         self.version = 0
-        self._cache_kw = _cache_kwarg(model)
+        self._cache_kw = cache_kwarg(model)
 
     @property
     def device(self):
