@@ -50,7 +50,8 @@ class AsyncRollout:
         rows, prompt_ids = self.inflight
         t0, busy_before = time.perf_counter(), self.remote.busy_s
         groups = self.remote.collect(step)
-        busy = self.remote.busy_s - busy_before
+        # workers generate their shards in parallel: the batch kept each of them busy this long on average
+        busy = (self.remote.busy_s - busy_before) / len(self.remote.procs)
         metrics = {"timing/wait_s": time.perf_counter() - t0, "timing/rollout_s": busy,
                    "timing/generate_busy_s": busy, "timing/weight_sync_s": 0.0}
         if self.overlap:

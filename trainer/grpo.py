@@ -24,6 +24,7 @@ not stop training: those completions get no reward and are counted in `rewards/<
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -60,10 +61,16 @@ def prompt_indices(step: int, n_rows: int, per_step: int, seed: int) -> list[int
     out = []
     for k in range(step * per_step, (step + 1) * per_step):
         epoch, pos = divmod(k, n_rows)
-        perm = list(range(n_rows))
-        random.Random(seed * 1_000_003 + epoch).shuffle(perm)
-        out.append(perm[pos])
+        out.append(_epoch_order(n_rows, seed, epoch)[pos])
     return out
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_order(n_rows: int, seed: int, epoch: int) -> tuple[int, ...]:
+    """One epoch's seeded permutation, shuffled once rather than once per prompt per step."""
+    perm = list(range(n_rows))
+    random.Random(seed * 1_000_003 + epoch).shuffle(perm)
+    return tuple(perm)
 
 
 @dataclass
@@ -118,7 +125,7 @@ class GRPOTrainer:
             self.policy = DistributedDataParallel(self.model)
         self.ref_model = None
         if cfg.beta > 0:  # the reference is the starting policy, never the resumed one
-            self.ref_model, _ = load_policy(self.model_path, self.recipe)
+            self.ref_model, _ = load_policy(self.model_path, self.recipe, device)
             self.ref_model.eval().requires_grad_(False)
         # transformers: the engine shares this module, so it always samples the current policy. vLLM /
         # LMDeploy hold their own copy: it is refreshed before each generation (see `_engine_awake`).
@@ -191,7 +198,7 @@ class GRPOTrainer:
                         metrics["trainer_idle_fraction"] = metrics["timing/wait_s"] / metrics["timing/step_s"]
                         metrics["rollout_idle_fraction"] = max(0.0, 1 - metrics.pop("timing/generate_busy_s")
                                                                / metrics["timing/step_s"])
-                    tokens = sum(len(p) + len(c.token_ids) for p, c in zip(batch.prompt_ids, batch.completions, strict=False))
+                    tokens = sum(len(p) + len(c.token_ids) for p, c in zip(batch.prompt_ids, batch.completions, strict=True))
                     metrics["tokens_per_s"] = tokens / metrics["timing/step_s"]
                     step_times.append(metrics["timing/step_s"])
                     if self.rank != 0:

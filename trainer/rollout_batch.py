@@ -45,9 +45,15 @@ class RolloutBatch:
                 behaviour[r, :n] = torch.tensor(c.logprobs)
         positions = (attn.cumsum(-1) - 1).clamp(min=0)
         # rows that share a prompt (a GRPO group): the prompt's forward can be computed once for all of them
-        first: dict[tuple, int] = {}
-        inverse = [first.setdefault(tuple(self.prompt_ids[i]), len(first)) for i in rows]
-        unique_rows = [inverse.index(u) for u in range(len(first))]
-        return {"prompt_rows": torch.tensor(unique_rows), "prompt_inverse": torch.tensor(inverse),"input_ids": ids, "attention_mask": attn, "position_ids": positions, "completion_mask": cmask,
+        unique_of: dict[tuple, int] = {}
+        unique_rows, inverse = [], []  # first row of each distinct prompt; each row's distinct prompt
+        for r, i in enumerate(rows):
+            key = tuple(self.prompt_ids[i])
+            if key not in unique_of:
+                unique_of[key] = len(unique_rows)
+                unique_rows.append(r)
+            inverse.append(unique_of[key])
+        return {"prompt_rows": torch.tensor(unique_rows), "prompt_inverse": torch.tensor(inverse),
+                "input_ids": ids, "attention_mask": attn, "position_ids": positions, "completion_mask": cmask,
                 "behaviour_logps": behaviour, "advantages": self.advantages[index], "prompt_width": p_len,
                 "completion_ids": ids[:, p_len:]}

@@ -176,10 +176,7 @@ class RemoteRollout:
     def submit(self, step: int, prompts: list[list[int]], n: int, sampling: SamplingParams) -> None:
         """Start generating batch `step`; prompts are sharded across workers in contiguous slices."""
         self._check_alive()
-        shards = _shard(len(prompts), len(self.procs))
-        self._shards = getattr(self, "_shards", {})
-        self._shards[step] = shards
-        for q, (lo, hi) in zip(self.commands, shards, strict=True):
+        for q, (lo, hi) in zip(self.commands, _shard(len(prompts), len(self.procs)), strict=True):
             q.put(("generate", (step, prompts[lo:hi], n, sampling)))
 
     def collect(self, step: int) -> list:
