@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from evaluation.evalscope_reports import review_score
+
 log = logging.getLogger("grpoflow.compare")
 
 DEFAULT_MAX_DROP = 0.02  # the gate's allowed drop in a benchmark's score (absolute, e.g. 2 points of accuracy)
@@ -89,7 +91,9 @@ def load_samples(work_dir: str | os.PathLike) -> Samples:
             for lineno, rec in _jsonl(path):
                 try:
                     key = _review_id(rec, subset)
-                    value = _review_score(rec["sample_score"]["score"]["value"])
+                    value = review_score(rec)
+                    if value is None:
+                        raise KeyError(f"no accuracy among the sample's scores {rec['sample_score']['score']['value']}")
                 except (KeyError, TypeError, ValueError) as e:
                     raise ValueError(f"{path}:{lineno}: not an EvalScope review ({type(e).__name__}: {e}); "
                                      "expected sample_score.score.value and sample_id or index") from e
@@ -215,16 +219,6 @@ def _review_id(rec: dict, subset: str) -> str:
     if sample_id is None:
         raise KeyError("sample_id")
     return f"{subset}/{sample_id}"
-
-
-def _review_score(value: dict) -> float:
-    """The sample's correctness: its only score, else the one named `accuracy` or `acc` (adapters differ)."""
-    if len(value) == 1:
-        return float(next(iter(value.values())))
-    for key in (SCORE, "acc"):
-        if key in value:
-            return float(value[key])
-    raise KeyError(f"no accuracy among the sample's scores {sorted(value)}")
 
 
 def _thinking_samples(path: Path) -> Samples:

@@ -65,3 +65,21 @@ def read_report(path: Path) -> BenchmarkReport:
         subset_sizes={s["name"]: int(s["num"]) for s in subsets},
         pass_at_k=dict(sorted(pass_at_k.items())),
     )
+
+
+def review_score(review: dict) -> float | None:
+    """A reviewed sample's correctness as EvalScope scored it, or None when the review holds no usable score.
+
+    Adapters name the per-sample score differently (aime24 `acc`, math_500 `accuracy`): take the score the
+    review names as its main one, else its only score, else `accuracy` or `acc`.
+    """
+    score = (review.get("sample_score") or {}).get("score") or {}
+    values = score.get("value")
+    if not isinstance(values, dict) or not values:
+        return None
+    name = score.get("main_score_name")
+    for key in ([name] if name in values else []) + ([next(iter(values))] if len(values) == 1 else []) + [
+            "accuracy", "acc"]:
+        if key in values and isinstance(values[key], (int, float)):
+            return float(values[key])
+    return None

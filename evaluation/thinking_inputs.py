@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from data.errors import DataError
+from evaluation.evalscope_reports import review_score
 from evaluation.evalscope_runner import REPORT, load_result
 
 
@@ -66,7 +67,7 @@ def _work_dir_samples(work_dir: Path) -> Iterator[Sample]:
                     raise DataError(f"{where}: field 'messages': expected a non-empty list of messages")
                 yield Sample(bench, subset, _field(review, "index", object, where),
                              _golds(_field(review, "target", object, where), where, "target"), dict(message[-1]),
-                             _evalscope_score(review))
+                             review_score(review))
 
 
 def _jsonl_samples(path: Path) -> Iterator[Sample]:
@@ -108,15 +109,3 @@ def _golds(value: object, where: str, name: str) -> list[str]:
         raise DataError(f"{where}: field '{name}': expected a non-empty answer (string or number, or a list of "
                         f"them), got {value!r}")
     return golds
-
-
-def _evalscope_score(review: dict) -> float | None:
-    # The per-sample key is the adapter's own spelling (aime24 "acc", math_500 "accuracy"): take the main
-    # score if named, else the only one.
-    score = (review.get("sample_score") or {}).get("score") or {}
-    values = score.get("value")
-    if not isinstance(values, Mapping) or not values:
-        return None
-    name = score.get("main_score_name")
-    value = values.get(name) if name in values else next(iter(values.values())) if len(values) == 1 else None
-    return float(value) if isinstance(value, (int, float)) else None
