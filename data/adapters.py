@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from data.answers import last_boxed
 from data.errors import DataError, FieldError
 
 
@@ -62,22 +63,6 @@ def _text(raw: Mapping, *names: str, expected: str = "non-empty text") -> str:
 
 def _optional(raw: Mapping, *names: str) -> dict:
     return {n: raw[n] for n in names if raw.get(n) is not None and raw[n] != ""}
-
-
-def last_boxed(text: str) -> str | None:
-    """The content of the last `\\boxed{...}` in `text`, braces balanced, or None."""
-    start = len(text)
-    while (start := text.rfind("\\boxed", 0, start)) != -1:
-        i = start + len("\\boxed")
-        while i < len(text) and text[i] == " ":
-            i += 1
-        if i < len(text) and text[i] == "{":
-            depth = 0
-            for j in range(i, len(text)):
-                depth += {"{": 1, "}": -1}.get(text[j], 0)
-                if depth == 0:
-                    return text[i + 1 : j].strip()
-    return None
 
 
 def gsm8k(raw: Mapping, base_dir: Path | None = None) -> Example:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from data.adapters import COUNTDOWN_PROMPT, last_boxed, numina
+from data.adapters import COUNTDOWN_PROMPT, numina
 from data.prepare import DataError, load_prepared, prepare
 from data.schema import SYSTEM_PROMPT, user_text
 from data.synthetic import in_eval_pool
@@ -352,13 +352,6 @@ def test_synthetic_countdown_through_the_countdown_adapter(tmp_path):
 
 
 # --- adapters, directly ---
-
-def test_last_boxed_balances_braces():
-    assert last_boxed("so $\\boxed{\\frac{1}{2}}$") == "\\frac{1}{2}"
-    assert last_boxed("\\boxed{1} then \\boxed{ {a}{b} }") == "{a}{b}"
-    assert last_boxed("no box here") is None
-    assert last_boxed("\\boxed{unclosed") is None
-
 
 def test_numina_ignores_messages_and_reads_the_boxed_answer():
     ex = numina({"problem": "2+2?", "solution": "Thus \\boxed{4}.",

@@ -22,9 +22,7 @@ from trainer.rewards import (
     countdown_reward,
     counting_reward,
     evaluate_expression,
-    extract_answer,
     format_reward,
-    last_boxed,
     math_grader,
     repetition,
     resolve_reward,
@@ -40,35 +38,6 @@ def chat(text: str) -> list[dict]:
 
 
 # ---------------------------------------------------------------- parsing
-
-
-@pytest.mark.parametrize(
-    "text, expected",
-    [
-        ("<answer>18</answer>", "18"),
-        ("<answer> 18 \n</answer>", "18"),
-        ("<answer>1</answer> then <answer>2</answer>", "2"),  # the last block is the final word
-        ("<answer>a<answer>b</answer>", "b"),  # innermost well-formed block
-        ("<answer>18", None),  # truncated: no answer
-        ("18", None),
-    ],
-)
-def test_extract_answer(text, expected):
-    assert extract_answer(text) == expected
-
-
-@pytest.mark.parametrize(
-    "text, expected",
-    [
-        ("so \\boxed{\\frac{1}{2}}.", "\\frac{1}{2}"),
-        ("\\boxed{1} and \\boxed{2}", "2"),
-        ("\\boxed{\\{1,2\\}}", "\\{1,2\\}"),
-        ("\\boxed{7} then \\boxed{8", "7"),  # the last box is cut off: the earlier complete one counts
-        ("no box", None),
-    ],
-)
-def test_last_boxed(text, expected):
-    assert last_boxed(text) == expected
 
 
 def test_completion_text_accepts_strings_messages_and_parts():

@@ -5,10 +5,11 @@ Built-ins by name (`resolve_reward`): format, accuracy, countdown, counting, cos
 This package is also the one answer checker `evaluation/` uses for scoring.
 """
 
+from data.answers import extract_answer, final_answer, last_boxed
 from trainer.rewards.countdown import countdown_reward, evaluate_expression
 from trainer.rewards.math_grader import grade_answer, parse_math
 from trainer.rewards.math_rewards import accuracy_reward, counting_reward, format_reward, grade_math_answer
-from trainer.rewards.parsing import completion_text, extract_answer, final_answer, last_boxed
+from trainer.rewards.parsing import completion_text
 from trainer.rewards.registry import REWARD_NAMES, RewardSpecError, available_rewards, resolve_reward
 from trainer.rewards.runner import RewardResult, RewardRunner, reward_metrics
 from trainer.rewards.shaping import cosine, repetition, soft_overlong

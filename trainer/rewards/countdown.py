@@ -24,7 +24,8 @@ from collections import Counter
 from collections.abc import Sequence
 from fractions import Fraction
 
-from trainer.rewards.parsing import completion_texts, extract_answer
+from data.answers import extract_answer
+from trainer.rewards.parsing import completion_texts
 
 MAX_EXPRESSION_CHARS = 256
 MAX_ABS = 10**12

@@ -13,8 +13,9 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from data.answers import final_answer
 from trainer.rewards.math_grader import grade_answer
-from trainer.rewards.parsing import completion_texts, final_answer
+from trainer.rewards.parsing import completion_texts
 
 # Longer "answers" are not graded (0.0): no gold answer is this long, and each costs a trip to the worker.
 MAX_ANSWER_CHARS = 1000
