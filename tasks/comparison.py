@@ -32,7 +32,7 @@ from evaluation.compare import (
     markdown_table,
     setting_differences,
 )
-from evaluation.compare_plots import plot_comparison
+from evaluation.plots import plot_comparison
 from tasks import tracking
 from tasks.evaluation import ModelRef, is_registered_ref, lookup_version, record_evaluation, resolve_model
 

@@ -25,9 +25,8 @@ from pathlib import Path
 from trainer.plugins import PluginError, load_plugin
 from trainer.rewards.countdown import countdown_reward
 from trainer.rewards.math_rewards import accuracy_reward, counting_reward, format_reward
+from trainer.rewards.runner import RewardFn
 from trainer.rewards.shaping import cosine, repetition, soft_overlong
-
-RewardFn = Callable[..., list]
 
 
 class RewardSpecError(ValueError):

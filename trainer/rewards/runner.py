@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 logger = logging.getLogger("grpoflow.rewards")
 
+# TRL's reward signature: f(prompts, completions, **columns) -> one float (or None: no reward) per completion.
 RewardFn = Callable[..., list]
 
 

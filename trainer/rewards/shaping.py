@@ -18,12 +18,11 @@ Each is a factory: called with its parameters, it checks them and returns a TRL-
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from trainer.rewards.math_rewards import grade_math_answer
 from trainer.rewards.parsing import completion_texts
-
-RewardFn = Callable[..., list]
+from trainer.rewards.runner import RewardFn
 
 
 def completion_lengths(completions: Sequence, completion_ids: Sequence | None = None) -> list[int]:
