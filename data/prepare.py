@@ -10,6 +10,10 @@ Decisions a user can rely on:
 - Without `skip_invalid`, the first bad record stops the run with its location, field and expectation; with it,
   bad records are dropped and counted by reason. Nothing is written either way until every row is good, and the
   directory appears only complete (`atomic_dir`): a failed run leaves no directory, or the old one untouched.
+- `out` may be new, empty, or a previous prepared-dataset directory (which is replaced whole); anything else
+  (a directory with other files, `.`, a project with `.git`, a file) is refused before any work, untouched.
+- `load_prepared` checks each split's file against the sha256 in the manifest: edited data is an error
+  naming the file, never read as if it were what the manifest describes.
 - Exact duplicate prompts (same question, same images) are always dropped and counted as "duplicate prompt":
   a copy on each side of the split would make the held-out score a training score.
 - Ids are `<task>-<n>`, n the record's 0-based position in the source (so ids do not move with the seed or when
@@ -32,7 +36,15 @@ from pathlib import Path
 
 from data.adapters import Adapter, Example, get_adapter
 from data.errors import DataError, FieldError
-from data.manifest import MANIFEST, atomic_dir, code_version, read_manifest, sha256_dir, sha256_file
+from data.manifest import (
+    MANIFEST,
+    atomic_dir,
+    check_replaceable,
+    code_version,
+    read_manifest,
+    sha256_dir,
+    sha256_file,
+)
 from data.schema import make_row, resolve_system_prompt
 from data.sources import Source, open_source
 
@@ -57,6 +69,7 @@ def prepare(task: str, source: str, out: str | Path, *, seed: int = 0, heldout: 
     src = open_source(str(source), split=split, hub_config=hub_config, seed=seed, synthetic_rows=synthetic_rows)
     final = Path(out).resolve()
     _refuse_overwriting_source(final, src)
+    check_replaceable(final, KIND)  # before any work: an unrelated --out is refused, untouched
 
     drops = _Drops(task, skip_invalid)
     rows, presplit = _collect(task, adapter, src, drops, limit, resolve_system_prompt(system_prompt))
@@ -67,7 +80,7 @@ def prepare(task: str, source: str, out: str | Path, *, seed: int = 0, heldout: 
     else:
         (train, held), split_by = split_rows(rows, heldout, seed), "seeded shuffle"
 
-    with atomic_dir(final) as tmp:
+    with atomic_dir(final, kind=KIND) as tmp:
         for name, part in (("train", train), ("heldout", held)):
             _write_jsonl(tmp / f"{name}.jsonl", part)
         digest = sha256_dir(tmp)
@@ -110,6 +123,10 @@ def load_prepared(directory: str | Path, split: str = "train") -> list[dict]:
     if split not in manifest.get("rows", {}):
         raise DataError(f"{directory}: no split '{split}'; it has {', '.join(manifest.get('rows', {}))}")
     path = directory / f"{split}.jsonl"
+    expected = manifest.get("files", {}).get(path.name)
+    if expected and path.is_file() and sha256_file(path) != expected:
+        raise DataError(f"{path}: its sha256 differs from the one in {directory / MANIFEST}: the file was "
+                        f"changed after it was prepared; prepare the data again (grpoflow prep) or restore it")
     rows = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):

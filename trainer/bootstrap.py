@@ -8,7 +8,9 @@ Features, in the order `bootstrap()` builds them:
   stopped as soon as greedy held-out accuracy enters `target_accuracy`, so GRPO gets a base that is
   neither hopeless nor finished;
 - `save_pretrained` for model and tokenizer, so every later stage loads it like a hub model;
-- a `manifest.json` holding the config hash: a second call with the same config returns at once.
+- a `manifest.json` holding the config hash: a second call with the same config returns at once, once the
+  files are checked against the manifest's sha256 (a corrupt copy is warned about and made again);
+- `out` is refused (OutputDirError, before any work) unless it is new, empty or a previous base model.
 
 Raises RuntimeError when the warm-up ends outside the target band (say so rather than hand GRPO a base
 that cannot show learning).
@@ -26,11 +28,15 @@ import torch
 from data import synthetic
 from data.manifest import (
     MANIFEST,
+    IntegrityError,
     atomic_dir,
+    check_replaceable,
     code_version,
+    combined_sha256,
+    file_hashes,
     read_manifest,
-    sha256_dir,
     sha256_json,
+    verify_output,
     write_json_atomic,
 )
 from data.schema import make_row, resolve_system_prompt
@@ -40,6 +46,7 @@ from trainer.recipe import BootstrapConfig
 from trainer.rewards import accuracy_reward, format_reward
 from trainer.rollout.hf_engine import HFEngine
 
+KIND = "base-model"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 log = logging.getLogger("grpoflow.bootstrap")
 TAG_TOKENS = ["<think>", "</think>", "<answer>", "</answer>"]
@@ -132,7 +139,12 @@ def bootstrap(cfg: BootstrapConfig, out: str | Path | None = None, system_prompt
     if (out / MANIFEST).is_file():
         manifest = read_manifest(out)
         if manifest.get("config_hash") == digest:
-            return {**_summary(manifest, out), "cached": True}
+            try:
+                verify_output(out, KIND)
+                return {**_summary(manifest, out), "cached": True}
+            except IntegrityError as e:
+                log.warning("cached base model is corrupt, making it again: %s", e)
+    check_replaceable(out, KIND)  # before minutes of warm-up: an unrelated --out is refused, untouched
 
     started = time.time()
     torch.manual_seed(cfg.seed)
@@ -175,18 +187,19 @@ def bootstrap(cfg: BootstrapConfig, out: str | Path | None = None, system_prompt
         raise RuntimeError(f"bootstrap: warm-up ended at step {step} with held-out accuracy {accuracy:.3f}, "
                            f"outside target_accuracy [{lo}, {hi}]; adjust bootstrap.eval_every, "
                            "bootstrap.learning_rate or bootstrap.max_steps")
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, kind=KIND) as tmp:
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        files = file_hashes(tmp)
         manifest = {
-            "kind": "base-model", "config_hash": digest, "config": dataclasses.asdict(cfg),
+            "kind": KIND, "config_hash": digest, "config": dataclasses.asdict(cfg),
             "heldout_accuracy": accuracy, "heldout_format_rate": final["format_rate"],
             "heldout_rows": len(heldout_rows), "warmup_steps": step, "history": history,
             "parameters": sum(p.numel() for p in model.parameters()),
             "seconds": round(time.time() - started, 1), "code_version": code_version(),
-            "sha256": sha256_dir(tmp),
+            "sha256": combined_sha256(files), "files": files,
         }
         write_json_atomic(Path(tmp) / MANIFEST, manifest)
     return {**_summary(manifest, out), "cached": False}
