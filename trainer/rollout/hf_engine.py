@@ -70,63 +70,22 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Completion]]:
-        from transformers import DynamicCache
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            decoding = self.start(prompts, n, sampling)
+            decoding.step()
+            return decoding.results()
+        finally:
+            if was_training:
+                self.model.train()
 
-        model, device = self.model, self.device
-        was_training = model.training
-        model.eval()
-        generator = None
-        if sampling.seed is not None:
-            generator = torch.Generator(device=device).manual_seed(sampling.seed)
-        ids, mask = left_pad(prompts, self.pad_id, device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=model.config)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                    logits_to_keep=1, **{self._cache_kw: cache})
-        logits = out.logits[:, -1]
-        if n > 1:  # one prefill per prompt, shared by its n completions
-            cache.batch_repeat_interleave(n)
-            logits = logits.repeat_interleave(n, dim=0)
-            mask = mask.repeat_interleave(n, dim=0)
-            positions = positions.repeat_interleave(n, dim=0)
-        batch = logits.shape[0]
-        next_pos = positions[:, -1] + 1
-        eos = self.eos.to(device)
-        done = torch.zeros(batch, dtype=torch.bool, device=device)
-        tokens_out = torch.full((batch, sampling.max_tokens), self.pad_id, dtype=torch.long, device=device)
-        logps_out = torch.zeros((batch, sampling.max_tokens), device=device)
-        lengths = torch.full((batch,), sampling.max_tokens, dtype=torch.long, device=device)
-        for t in range(sampling.max_tokens):
-            tok, logp = sample_next(logits, sampling, generator)
-            tok = torch.where(done, self.pad_id, tok)
-            tokens_out[:, t] = tok
-            logps_out[:, t] = torch.where(done, 0.0, logp)
-            hit = ~done & torch.isin(tok, eos)
-            lengths = torch.where(hit, t + 1, lengths)
-            done |= hit
-            if bool(done.all()) or t == sampling.max_tokens - 1:
-                break
-            mask = torch.cat([mask, (~done).long()[:, None]], dim=1)
-            out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                        use_cache=True, **{self._cache_kw: cache})
-            logits = out.logits[:, -1]
-            next_pos = next_pos + 1
-        if was_training:
-            model.train()
-        tokens_cpu, logps_cpu, lengths_cpu = tokens_out.cpu(), logps_out.cpu(), lengths.cpu()
-        eos_set = set(self.eos.tolist())
-        results: list[list[Completion]] = []
-        for p in range(len(prompts)):
-            group = []
-            for j in range(n):
-                row = p * n + j
-                k = int(lengths_cpu[row])
-                ids_row = tokens_cpu[row, :k].tolist()
-                reason = "stop" if ids_row and ids_row[-1] in eos_set else "length"
-                text = self.tokenizer.decode(ids_row, skip_special_tokens=True)
-                group.append(Completion(ids_row, logps_cpu[row, :k].tolist(), reason, self.version, text))
-            results.append(group)
-        return results
+    def start(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> Decoding:
+        """A generation that the caller advances a few tokens at a time (the model must be in eval mode).
+
+        A server interleaves several of these so that a long request does not hold the model until it ends.
+        """
+        return Decoding(self, prompts, n, sampling)
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -144,6 +103,96 @@ class HFEngine:
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         pass
+
+
+class Decoding:
+    """One batched generation in progress: the prefill is done on creation, `step(k)` decodes up to k tokens.
+
+    Running `step()` to the end gives exactly what `HFEngine.generate` returns; its KV cache lives here.
+    """
+
+    @torch.no_grad()
+    def __init__(self, engine: HFEngine, prompts: list[list[int]], n: int, sampling: SamplingParams):
+        from transformers import DynamicCache
+
+        model, device = engine.model, engine.device
+        self.engine, self.n, self.sampling, self.num_prompts = engine, n, sampling, len(prompts)
+        self.generator = None
+        if sampling.seed is not None:
+            self.generator = torch.Generator(device=device).manual_seed(sampling.seed)
+        ids, mask = left_pad(prompts, engine.pad_id, device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        self.cache = DynamicCache(config=model.config)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                    logits_to_keep=1, **{engine._cache_kw: self.cache})
+        logits = out.logits[:, -1]
+        if n > 1:  # one prefill per prompt, shared by its n completions
+            self.cache.batch_repeat_interleave(n)
+            logits = logits.repeat_interleave(n, dim=0)
+            mask = mask.repeat_interleave(n, dim=0)
+            positions = positions.repeat_interleave(n, dim=0)
+        batch = logits.shape[0]
+        self.logits, self.mask, self.next_pos = logits, mask, positions[:, -1] + 1
+        self.eos = engine.eos.to(device)
+        self.done_rows = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.tokens_out = torch.full((batch, sampling.max_tokens), engine.pad_id, dtype=torch.long, device=device)
+        self.logps_out = torch.zeros((batch, sampling.max_tokens), device=device)
+        self.lengths = torch.full((batch,), sampling.max_tokens, dtype=torch.long, device=device)
+        self.t = 0  # tokens decoded so far
+        self.done = sampling.max_tokens < 1
+
+    @property
+    def rows(self) -> int:
+        return self.tokens_out.shape[0]
+
+    @torch.no_grad()
+    def step(self, tokens: int | None = None) -> None:
+        """Decode up to `tokens` more tokens (all that remain when None); sets `done` at EOS everywhere or max_tokens."""
+        engine, sampling = self.engine, self.sampling
+        for _ in range(sampling.max_tokens if tokens is None else tokens):
+            if self.done:
+                return
+            t, done = self.t, self.done_rows
+            tok, logp = sample_next(self.logits, sampling, self.generator)
+            tok = torch.where(done, engine.pad_id, tok)
+            self.tokens_out[:, t] = tok
+            self.logps_out[:, t] = torch.where(done, 0.0, logp)
+            hit = ~done & torch.isin(tok, self.eos)
+            self.lengths = torch.where(hit, t + 1, self.lengths)
+            done |= hit
+            self.t = t + 1
+            if bool(done.all()) or t == sampling.max_tokens - 1:
+                self.done = True
+                self.cache = self.logits = None  # the memory goes back before the results are read
+                return
+            self.mask = torch.cat([self.mask, (~done).long()[:, None]], dim=1)
+            out = engine.model(input_ids=tok[:, None], attention_mask=self.mask,
+                               position_ids=self.next_pos[:, None], use_cache=True,
+                               **{engine._cache_kw: self.cache})
+            self.logits = out.logits[:, -1]
+            self.next_pos = self.next_pos + 1
+
+    def stop_rows(self, start: int, end: int) -> None:
+        """Decode no more tokens for rows [start, end) (their caller went away); the rest go on."""
+        self.done_rows[start:end] = True
+
+    def results(self) -> list[list[Completion]]:
+        """`n` completions per prompt, in prompt order (call once `done`)."""
+        engine = self.engine
+        tokens_cpu, logps_cpu, lengths_cpu = self.tokens_out.cpu(), self.logps_out.cpu(), self.lengths.cpu()
+        eos_set = set(engine.eos.tolist())
+        results: list[list[Completion]] = []
+        for p in range(self.num_prompts):
+            group = []
+            for j in range(self.n):
+                row = p * self.n + j
+                k = int(lengths_cpu[row])
+                ids_row = tokens_cpu[row, :k].tolist()
+                reason = "stop" if ids_row and ids_row[-1] in eos_set else "length"
+                text = engine.tokenizer.decode(ids_row, skip_special_tokens=True)
+                group.append(Completion(ids_row, logps_cpu[row, :k].tolist(), reason, engine.version, text))
+            results.append(group)
+        return results
 
 
 def _eos_ids(model, tokenizer) -> list[int]:
