@@ -24,9 +24,7 @@ from tasks.stages import (
     register_model,
     train_policy,
 )
-
-# The sections that decide what checkpoint comes out; eval and registry settings do not.
-TRAINING_SECTIONS = ("model", "bootstrap", "data", "train", "rollout", "rewards")
+from trainer.checkpoint import TRAINING_SECTIONS  # the sections that decide what checkpoint comes out
 
 
 def training_fingerprint(recipe: dict) -> str:

@@ -1,14 +1,33 @@
-"""Checkpoints that a crashed run resumes from exactly.
+"""Checkpoints that a crashed run resumes from exactly, and only when they are intact and compatible.
 
 A checkpoint is `output_dir/checkpoint-<step>/`: the policy in HF `save_pretrained` format (loadable by
-any later stage), the tokenizer, and `trainer_state.pt` with optimizer, scheduler, RNG states and the
-training position. It is written to a temporary directory and renamed; then `output_dir/latest` (a
-one-line file naming the newest complete checkpoint) is replaced atomically. A crash at any moment leaves
-`latest` pointing at a complete checkpoint.
+any later stage), the tokenizer, `trainer_state.pt` with optimizer, scheduler, RNG states and the
+training position, and a `manifest.json` with the sha256 of every file, the recipe and the prepared data's
+sha256. It is written to a temporary directory and renamed; then `output_dir/latest` (a one-line file
+naming the newest complete checkpoint) is replaced atomically.
+
+Resuming (`resume_checkpoint`) takes the newest checkpoint whose files match its manifest. One that does
+not (zeroed or truncated weights, a missing file), or a `latest` naming a directory that is gone, is
+warned about by name and set aside as `checkpoint-<step>.corrupt` (kept for inspection, never trained
+on); the next older intact one is used, or the run starts fresh with a warning when none is left.
+
+A run directory belongs to one training configuration (`config_changes`): resuming it with a recipe that
+differs in anything that decides the checkpoint is refused, naming the keys. These may change on resume,
+because they say how long, how often or where, not what is trained:
+- `train.max_steps`: train longer (or stop earlier, but not before the checkpoint's step); only with
+  `train.lr_scheduler_type: constant`, since a linear or cosine schedule is defined by it;
+- `train.save_steps`, `train.save_total_limit`: when checkpoints are written and how many are kept;
+- `train.callbacks`: observers of training;
+- `train.output_dir`: the run directory itself (moved, or spelled differently);
+- `rollout.sync_timeout_s`, `rollout.gpu_memory_utilization`: operational limits.
+The recipe's `name`, `description`, `eval` and `registry` sections do not decide the checkpoint and are
+not compared; progress bars and logging are not part of the recipe.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import random
 import re
@@ -17,10 +36,26 @@ from pathlib import Path
 
 import torch
 
-from data.manifest import MANIFEST, atomic_dir, code_version, sha256_dir, write_json_atomic
+from data.manifest import (
+    MANIFEST,
+    IntegrityError,
+    atomic_dir,
+    code_version,
+    combined_sha256,
+    file_hashes,
+    verify_output,
+    write_json_atomic,
+)
 
 LATEST = "latest"
+KIND = "checkpoint"
+# The recipe sections that decide what a checkpoint holds (the pipeline's run-directory fingerprint).
+TRAINING_SECTIONS = ("model", "bootstrap", "data", "train", "rollout", "rewards")
+RESUMABLE_CHANGES = frozenset({"train.max_steps", "train.save_steps", "train.save_total_limit", "train.callbacks",
+                               "train.output_dir", "rollout.sync_timeout_s", "rollout.gpu_memory_utilization"})
+_UNSET = object()
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+log = logging.getLogger("grpoflow.train")
 
 
 def rng_state() -> dict:
@@ -41,36 +76,121 @@ def save_checkpoint(output_dir: Path, step: int, model, tokenizer, trainer_state
                     keep: int) -> Path:
     output_dir = Path(output_dir)
     final = output_dir / f"checkpoint-{step}"
-    with atomic_dir(final) as tmp:
+    with atomic_dir(final, kind=KIND) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         torch.save({**trainer_state, "rng": rng_state()}, tmp / "trainer_state.pt")
-        write_json_atomic(tmp / MANIFEST, {**manifest, "kind": "checkpoint", "step": step,
-                                           "code_version": code_version(), "sha256": sha256_dir(tmp)})
-    tmp_latest = output_dir / f".{LATEST}.tmp-{os.getpid()}"
-    tmp_latest.write_text(final.name + "\n")
-    os.replace(tmp_latest, output_dir / LATEST)
+        files = file_hashes(tmp)
+        write_json_atomic(tmp / MANIFEST, {**manifest, "kind": KIND, "step": step, "code_version": code_version(),
+                                           "sha256": combined_sha256(files), "files": files})
+    _point_latest(output_dir, final.name)
     _prune(output_dir, keep, final)
     return final
 
 
-def latest_checkpoint(output_dir: Path) -> Path | None:
-    pointer = Path(output_dir) / LATEST
-    if not pointer.is_file():
+def resume_checkpoint(output_dir: Path, repair: bool = True) -> Path | None:
+    """The newest intact checkpoint in `output_dir` (None: start fresh); see the module docstring.
+
+    With `repair` (one process per run: trainer rank 0), corrupt checkpoints are set aside and `latest` is
+    pointed at the one returned; other ranks only read.
+    """
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
         return None
-    path = Path(output_dir) / pointer.read_text().strip()
+    pointer = output_dir / LATEST
+    named = pointer.read_text().strip() if pointer.is_file() else None
+    found = _checkpoints(output_dir)
+    if named is not None and named not in {p.name for _, p in found}:
+        log.warning("%s names %s, which is missing; looking for the newest intact checkpoint instead",
+                    pointer, output_dir / named)
+    bad = []
+    for _, path in reversed(found):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            if repair and named != path.name:
+                _point_latest(output_dir, path.name)
+            return path
+        bad.append(path)
+        if repair:
+            log.warning("checkpoint %s is corrupt and will not be trained on (%s); moved to %s", path, problem,
+                        _set_aside(path).name)
+    if (bad or named is not None) and repair:
+        pointer.unlink(missing_ok=True)
+        log.warning("no intact checkpoint left in %s: starting fresh from the base model", output_dir)
+    return None
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why `path` cannot be resumed from (a file missing or differing from its manifest), or None."""
+    try:
+        verify_output(path, KIND)
+    except (IntegrityError, FileNotFoundError) as e:
+        return str(e)
     if not (path / "trainer_state.pt").is_file():
-        raise FileNotFoundError(f"{pointer} names {path.name}, which is incomplete or missing; remove "
-                                f"{pointer} to start over")
-    return path
+        return f"{path / 'trainer_state.pt'} is missing"
+    return None
+
+
+def config_changes(saved: dict, current: dict) -> list[str]:
+    """`key: old -> new` for each training setting that differs and may not change on resume."""
+    flat_saved, flat_now = _flatten(_json(saved), TRAINING_SECTIONS), _flatten(_json(current), TRAINING_SECTIONS)
+    allowed = set(RESUMABLE_CHANGES)
+    if flat_now.get("train.lr_scheduler_type") != "constant":
+        allowed.discard("train.max_steps")  # a decaying schedule is defined by max_steps
+
+    def show(flat: dict, key: str) -> str:
+        return repr(flat[key]) if key in flat else "(unset)"
+
+    return [f"{key}: {show(flat_saved, key)} -> {show(flat_now, key)}"
+            for key in sorted(set(flat_saved) | set(flat_now))
+            if key not in allowed and flat_saved.get(key, _UNSET) != flat_now.get(key, _UNSET)]
 
 
 def load_trainer_state(checkpoint: Path) -> dict:
     return torch.load(Path(checkpoint) / "trainer_state.pt", weights_only=False)
 
 
+def _json(obj):
+    return json.loads(json.dumps(obj, default=str))
+
+
+def _flatten(tree: dict, sections: tuple[str, ...]) -> dict:
+    out = {}
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict) and value:
+            for k, v in value.items():
+                walk(f"{prefix}.{k}", v)
+        else:
+            out[prefix] = value
+
+    for section in sections:
+        if section in tree:
+            walk(section, tree[section])
+    return out
+
+
+def _checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
+    return sorted((int(m.group(1)), p) for p in output_dir.iterdir() if (m := _CHECKPOINT.match(p.name)))
+
+
+def _point_latest(output_dir: Path, name: str) -> None:
+    tmp_latest = output_dir / f".{LATEST}.tmp-{os.getpid()}"
+    tmp_latest.write_text(name + "\n")
+    os.replace(tmp_latest, output_dir / LATEST)
+
+
+def _set_aside(path: Path) -> Path:
+    aside, n = path.with_name(path.name + ".corrupt"), 1
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.name}.corrupt{n}")
+    os.replace(path, aside)
+    return aside
+
+
 def _prune(output_dir: Path, keep: int, newest: Path) -> None:
-    steps = sorted((int(m.group(1)), p) for p in output_dir.iterdir() if (m := _CHECKPOINT.match(p.name)))
+    steps = _checkpoints(output_dir)
     for _, path in steps[:-keep] if keep > 0 else []:
         if path != newest:
             shutil.rmtree(path, ignore_errors=True)

@@ -11,13 +11,21 @@ Features:
 - DAPO's dynamic sampling (drop groups whose rewards all match), truncated-completion masking;
 - checkpoints every `save_steps` with exact resume (data order and sampling seeds derive from
   (seed, step), optimizer / scheduler / RNG states are restored, metrics.jsonl is cut back to the
-  checkpoint), held-out greedy accuracy before and after.
+  checkpoint, a torn last line of it dropped), held-out greedy accuracy before and after;
+- resume only from what can be trusted: the newest checkpoint whose files match its manifest's sha256
+  (corrupt ones are set aside with a warning, see `trainer.checkpoint`), recorded with the same training
+  configuration (a changed one is refused naming the keys) and the same prepared data (its files are
+  checked against their manifest, and its sha256 against the one the checkpoint recorded);
+- a non-finite loss or gradient norm stops the run before the update is applied; non-finite weights, or
+  weights whose forward overflows, right after it (NonFiniteError naming the step); nothing of that step is
+  saved.
 
 One "step" is one generated batch (`prompts_per_step` x `num_generations` completions) and mu optimizer
 updates on it.
 
-Raises: FileNotFoundError / DataError for missing or malformed prepared data, ConfigError for bad
-recipes, RewardSpecError for unknown reward functions. A reward function that raises or times out does
+Raises: FileNotFoundError / DataError for missing, malformed or edited prepared data, ConfigError for bad
+recipes or a run directory trained with another configuration, RewardSpecError for unknown reward
+functions, NonFiniteError when training diverges. A reward function that raises or times out does
 not stop training: those completions get no reward and are counted in `rewards/<fn>/errors`.
 """
 
@@ -36,10 +44,18 @@ from pathlib import Path
 
 import torch
 
+from data.manifest import read_manifest
 from data.prepare import load_prepared
 from trainer import loss as L
 from trainer.async_rollout import AsyncRollout
-from trainer.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint, set_rng_state
+from trainer.checkpoint import (
+    RESUMABLE_CHANGES,
+    config_changes,
+    load_trainer_state,
+    resume_checkpoint,
+    save_checkpoint,
+    set_rng_state,
+)
 from trainer.heldout import columns_of, encode_prompts, evaluate_greedy
 from trainer.metrics import MetricsFile, TrainerCallback
 from trainer.model_loading import load_policy
@@ -52,8 +68,13 @@ from trainer.rollout.engines import make_engine
 from trainer.rollout.hf_engine import HFEngine, cache_kwarg
 from trainer.rollout.remote import cpu_threads_per_side
 from trainer.rollout_batch import RolloutBatch
+from trainer.typed_config import ConfigError
 
 log = logging.getLogger("grpoflow.train")
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced a non-finite loss, gradient norm or weights; nothing of that step is saved."""
 
 
 def prompt_indices(step: int, n_rows: int, per_step: int, seed: int) -> list[int]:
@@ -104,17 +125,24 @@ class GRPOTrainer:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
-        self.checkpoint = latest_checkpoint(self.output_dir)
+        self.rank, self.world = init_distributed(self.recipe.rollout.sync_timeout_s)
+        self.checkpoint = resume_checkpoint(self.output_dir, repair=self.rank == 0)
         self.start_step, state = 0, None
         if self.recipe.rollout.async_ and not torch.cuda.is_available():
             torch.set_num_threads(cpu_threads_per_side(self.recipe.rollout.num_engines))
+        # the data is checked against its manifest (and the checkpoint's record of it) before any model loads
+        self.train_rows = load_prepared(self.data_dir, "train")
+        self.heldout_rows = load_prepared(self.data_dir, "heldout")[: cfg.eval_heldout]
+        self.data_sha256 = read_manifest(self.data_dir).get("sha256")
         if self.checkpoint is not None:
+            self._check_resumable(read_manifest(self.checkpoint))
             state = load_trainer_state(self.checkpoint)
             self.start_step = state["step"]
             log.info("resuming from %s (step %d)", self.checkpoint, self.start_step)
-        self.rank, self.world = init_distributed(self.recipe.rollout.sync_timeout_s)
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
-        self.model, self.tokenizer = load_policy(str(self.checkpoint or self.model_path), self.recipe, device)
+        # a resumed checkpoint was verified just now; the base model is verified when it is loaded
+        self.model, self.tokenizer = load_policy(str(self.checkpoint or self.model_path), self.recipe, device,
+                                                 verify=self.checkpoint is None)
         self.model.train()
         # Trainer ranks under torchrun: gradients are averaged across ranks by DDP; `policy` is what
         # the loss runs through, `model` the plain module (engine, checkpoints).
@@ -125,7 +153,7 @@ class GRPOTrainer:
             self.policy = DistributedDataParallel(self.model)
         self.ref_model = None
         if cfg.beta > 0:  # the reference is the starting policy, never the resumed one
-            self.ref_model, _ = load_policy(self.model_path, self.recipe, device)
+            self.ref_model, _ = load_policy(self.model_path, self.recipe, device, verify=self.checkpoint is not None)
             self.ref_model.eval().requires_grad_(False)
         # transformers: the engine shares this module, so it always samples the current policy. vLLM /
         # LMDeploy hold their own copy: it is refreshed before each generation (see `_engine_awake`).
@@ -139,8 +167,6 @@ class GRPOTrainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.learning_rate,
                                            weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
-        self.train_rows = load_prepared(self.data_dir, "train")
-        self.heldout_rows = load_prepared(self.data_dir, "heldout")[: cfg.eval_heldout]
         self.metrics = MetricsFile(self.output_dir / "metrics.jsonl")
         self.heldout_before = None
         if state is not None:
@@ -153,6 +179,24 @@ class GRPOTrainer:
             self.metrics.path.unlink()  # a fresh run in a reused directory without a checkpoint
         self.version = self.start_step
         self.engine_version = self.start_step  # the policy version the engine's own weights hold
+
+    def _check_resumable(self, manifest: dict) -> None:
+        """Refuse (ConfigError) a checkpoint made with another training configuration or other data."""
+        where = f"train.output_dir {self.output_dir} holds {self.checkpoint.name}"
+        saved = manifest.get("recipe")
+        changes = config_changes(saved, self.recipe.to_dict()) if isinstance(saved, dict) else []
+        if changes:
+            raise ConfigError(f"{where}, trained with a different configuration: {'; '.join(changes)}. Resuming "
+                              "would half-apply it: use a new train.output_dir, or the recipe it was trained with "
+                              f"(only {', '.join(sorted(RESUMABLE_CHANGES))} may change on resume)")
+        recorded = manifest.get("data_sha256")
+        if recorded and recorded != self.data_sha256:
+            raise ConfigError(f"{where}, trained on other data: {self.data_dir / 'manifest.json'} has sha256 "
+                              f"{self.data_sha256}, the checkpoint recorded {recorded}. Use a new train.output_dir, "
+                              "or restore the data it was trained on")
+        if manifest.get("step", 0) > self.cfg.max_steps:
+            raise ConfigError(f"{where}, past train.max_steps={self.cfg.max_steps}; use train.max_steps >= "
+                              f"{manifest['step']} or a new train.output_dir")
 
     def _lr_factor(self, update: int) -> float:
         cfg, total = self.cfg, self.cfg.max_steps * self.cfg.num_iterations
@@ -305,6 +349,7 @@ class GRPOTrainer:
         sums: dict[str, float] = {}
         grad_norms, entropy = [], 0.0
         for iteration in range(cfg.num_iterations):
+            pass_loss = None  # this pass's loss, summed on the device: checked once, at the update
             for k, t in enumerate(tensors):
                 logps, logits = self._logps(self.policy, t)
                 if iteration == 0:  # the policy that starts this update is the proximal ("old") policy
@@ -324,6 +369,7 @@ class GRPOTrainer:
                     beta=cfg.beta, ref_logps=ref_logps[k], is_weights=is_weights[k])
                 loss = L.reduce_loss(per_token, t["completion_mask"], cfg.loss_type, **totals)
                 (loss * self.world).backward()
+                pass_loss = loss.detach() if pass_loss is None else pass_loss + loss.detach()
                 if iteration == cfg.num_iterations - 1:  # report the last pass, where clipping can act
                     weight = t["completion_mask"].sum().item() / totals["total_tokens"]
                     for name, value in L.clip_metrics(stats, t["completion_mask"]).items():
@@ -332,7 +378,8 @@ class GRPOTrainer:
                     if is_weights[k] is not None:
                         w = is_weights[k][t["completion_mask"] > 0]
                         sums["importance_ratio/mean"] = sums.get("importance_ratio/mean", 0.0) + w.sum().item() / totals["total_tokens"]
-            grad_norms.append(self._update())
+            grad_norms.append(self._update(pass_loss))
+        self._check_updated_policy(tensors)
         if self.world > 1:  # the ranks' shares of the batch metrics add up
             keys = sorted(sums)
             packed = torch.tensor([sums[k] for k in keys] + [entropy], dtype=torch.float64)
@@ -382,14 +429,47 @@ class GRPOTrainer:
         logits = out.logits[:, :-1]
         return L.sequence_logps(logits, t["completion_ids"], self.cfg.temperature), logits
 
-    def _update(self) -> float:
+    def _update(self, loss: torch.Tensor | None) -> float:
+        """One optimizer update, refused (NonFiniteError) when the loss or gradient norm is not finite."""
         cfg = self.cfg
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        checked = {"gradient norm": norm} if loss is None else {"loss": loss.to(norm.device), "gradient norm": norm}
+        self._stop_unless_finite(checked, "before its optimizer update")
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
+
+    @torch.no_grad()
+    def _check_updated_policy(self, tensors: list[dict]) -> None:
+        """NonFiniteError when the updated weights, or the logits they give on two of this step's sequences,
+        are not finite: huge but finite weights can overflow in the forward, and the next rollout would fail
+        on them. The probe forward runs in eval mode and draws no random numbers."""
+        largest = torch.stack([p.abs().amax() for p in self.model.parameters()]).amax()  # NaN propagates
+        probe = torch.zeros((), device=largest.device)
+        if tensors:
+            t, device = tensors[0], self.model.device
+            was_training = self.model.training
+            self.model.eval()
+            logits = self.model(input_ids=t["input_ids"][:2].to(device), attention_mask=t["attention_mask"][:2].to(device),
+                                position_ids=t["position_ids"][:2].to(device), use_cache=False).logits
+            self.model.train(was_training)
+            probe = logits.float().abs().amax().to(largest.device)
+        self._stop_unless_finite({"largest |weight|": largest, "largest |logit|": probe},
+                                 "after its optimizer update")
+
+    def _stop_unless_finite(self, values: dict[str, torch.Tensor], when: str) -> None:
+        """NonFiniteError naming the step and the values that are not finite; under DDP all ranks stop together."""
+        flags = torch.stack([torch.isfinite(v.detach()).all() for v in values.values()]).to(torch.int32)
+        if self.world > 1:
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN)
+        if bool(flags.all()):
+            return
+        bad = [f"{name} {v.item():g}" for (name, v), ok in zip(values.items(), flags.tolist(), strict=True) if not ok]
+        raise NonFiniteError(f"step {self.version + 1}: non-finite {' and '.join(bad)} {when}; training stopped "
+                             f"before anything of this step was saved to {self.output_dir}. Lower "
+                             "train.learning_rate, or check the rewards and the data")
 
     def _notify(self, event: str, *args) -> None:
         for cb in self.callbacks:
@@ -409,7 +489,7 @@ class GRPOTrainer:
         state = {"step": step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                  "heldout_before": self.heldout_before}
         manifest = {"base_model": self.model_path, "data": str(self.data_dir),
-                    "data_sha256": _manifest_field(self.data_dir, "sha256"), "recipe": self.recipe.to_dict()}
+                    "data_sha256": self.data_sha256, "recipe": self.recipe.to_dict()}
         path = save_checkpoint(self.output_dir, step, self.model, self.tokenizer, state, manifest,
                                self.cfg.save_total_limit)
         self._notify("on_checkpoint", step, path)
@@ -427,11 +507,6 @@ def init_distributed(timeout_s: float) -> tuple[int, int]:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
-
-
-def _manifest_field(directory: Path, key: str):
-    from data.manifest import read_manifest
-    return read_manifest(directory).get(key)
 
 
 def _fmt(result: dict) -> str:

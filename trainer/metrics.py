@@ -6,9 +6,14 @@ Callbacks are how the pipeline binds training to MLflow and Prefect without the 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Protocol
+
+from data.errors import DataError
+
+log = logging.getLogger("grpoflow.train")
 
 
 class TrainerCallback(Protocol):
@@ -20,7 +25,11 @@ class TrainerCallback(Protocol):
 
 
 class MetricsFile:
-    """Appends one JSON object per step; on resume, drops lines past the checkpoint so no step repeats."""
+    """Appends one JSON object per step; on resume, drops lines past the checkpoint so no step repeats.
+
+    A last line without its newline is a write the run did not finish (a crash, a full disk): it is dropped
+    with a warning. Any other line that is not a JSON object with a `step` is a DataError naming the line.
+    """
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -29,8 +38,7 @@ class MetricsFile:
     def truncate_after(self, step: int) -> None:
         if not self.path.is_file():
             return
-        keep = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] <= step]
+        keep = [line for line, row in self._rows(warn=True) if row["step"] <= step]
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in keep))
         os.replace(tmp, self.path)
@@ -44,4 +52,29 @@ class MetricsFile:
     def read(self) -> list[dict]:
         if not self.path.is_file():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return [row for _, row in self._rows(warn=False)]
+
+    def _rows(self, warn: bool) -> list[tuple[str, dict]]:
+        """(line, parsed row) for each complete line; a torn last line is left out."""
+        text = self.path.read_text(encoding="utf-8", errors="replace")
+        lines = text.splitlines(keepends=True)
+        out = []
+        for lineno, raw in enumerate(lines, 1):
+            line = raw.rstrip("\r\n")
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                if lineno == len(lines) and not raw.endswith("\n"):
+                    if warn:
+                        log.warning("%s:%d: dropping a partial last line (a write the run did not finish)",
+                                    self.path, lineno)
+                    break
+                raise DataError(f"{self.path}:{lineno}: not valid JSON ({e.msg}); the file was edited or "
+                                "corrupted: fix or remove that line to resume") from None
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise DataError(f"{self.path}:{lineno}: expected a JSON object with an integer 'step', got "
+                                f"{line[:80]!r}; fix or remove that line to resume")
+            out.append((line, row))
+        return out

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
+from data.manifest import MANIFEST, verify_output
 from trainer.recipe import Recipe
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
@@ -23,9 +25,16 @@ def resolve_model_path(recipe: Recipe, make_bootstrap: bool = True) -> str:
     return bootstrap(recipe.bootstrap, system_prompt=recipe.data.system_prompt)["path"]
 
 
-def load_policy(name_or_path: str, recipe: Recipe, device: str | torch.device = "cpu"):
-    """Model and tokenizer through transformers' Auto classes, exactly as for any hub model."""
+def load_policy(name_or_path: str, recipe: Recipe, device: str | torch.device = "cpu", verify: bool = True):
+    """Model and tokenizer through transformers' Auto classes, exactly as for any hub model.
+
+    A grpoflow checkpoint or base model (a directory with our manifest) is first checked against the sha256
+    its manifest recorded (`verify=False` when the caller has just done so): IntegrityError names the file.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if verify and _grpoflow_model(name_or_path):
+        verify_output(name_or_path)
 
     kwargs = {"dtype": DTYPES[recipe.model.dtype], "trust_remote_code": recipe.model.trust_remote_code}
     if recipe.model.attn_implementation:
@@ -40,3 +49,12 @@ def load_policy(name_or_path: str, recipe: Recipe, device: str | torch.device = 
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return model.to(device), tokenizer
+
+
+def _grpoflow_model(name_or_path: str) -> bool:
+    manifest = Path(name_or_path) / MANIFEST
+    try:
+        found = json.loads(manifest.read_text()) if manifest.is_file() else None
+    except (OSError, ValueError):
+        return True  # unreadable: let verify_output name the problem
+    return isinstance(found, dict) and found.get("kind") in ("checkpoint", "base-model")
