@@ -1,4 +1,11 @@
-"""The two errors of dataset preparation: `DataError` for the user, `FieldError` inside an adapter.
+"""The one base class of every error that is the user's to fix, and the errors of dataset preparation.
+
+`GrpoflowUserError` is what the command line turns into exit status 2 with a one-line message: every error
+that means "your input (config, data, flag) or a service you named is wrong" derives from it, wherever it is
+raised (`ConfigError`, `DataError`, `RewardSpecError`, `PluginError`, `MissingExtraError`, `UsageError`,
+`ServiceUnavailable`, ...). It lives here, in the bottom layer, so that every package can raise one.
+
+Dataset preparation has two: `DataError` for the user, `FieldError` inside an adapter.
 
 An adapter sees one raw record and knows nothing of where it came from, so it raises `FieldError` (which field,
 what was expected, what it got). `data.prepare` adds the location (`train.jsonl:17`) and either raises a
@@ -8,7 +15,16 @@ what was expected, what it got). `data.prepare` adds the location (`train.jsonl:
 from __future__ import annotations
 
 
-class DataError(ValueError):
+class GrpoflowUserError(Exception):
+    """Bad input or an unusable service named by the user: exit status 2, one line naming file, field or URL."""
+
+
+class ServiceUnavailable(GrpoflowUserError):
+    """A service the command needs (MLflow, Prefect, an evaluation endpoint) did not answer within its timeout;
+    the message names it (credentials masked), what was tried, and the setting that bounds the wait."""
+
+
+class DataError(GrpoflowUserError, ValueError):
     """Bad input to dataset preparation; the message names the source, row or field and what was expected."""
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +38,7 @@ from urllib.parse import urlparse
 
 from data.errors import DataError
 from data.manifest import MANIFEST, sha256_file
+from data.reachability import probe_tcp
 
 # Read by huggingface_hub when it is first imported; only defaults, a user's own setting wins.
 os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "5")
@@ -192,9 +192,29 @@ def _as_record(where: str, item: object, base: Path | None) -> Record:
 
 def _read_csv(path: Path) -> Iterator[Record]:
     base = path.resolve().parent
-    with open(path, encoding="utf-8", newline="") as f:
-        for i, row in enumerate(csv.DictReader(f), 1):
-            yield Record(f"{path} row {i}", dict(row), base)
+    # utf-8-sig: a byte-order mark (Excel writes one) is not part of the first column's name
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        rows = csv.DictReader(f)
+        i = 0
+        try:
+            for i, row in enumerate(rows, 1):
+                yield Record(f"{path} row {i}", dict(row), base)
+        except UnicodeDecodeError:  # the rest of the file cannot be read: no row-level recovery
+            raise DataError(_not_utf8(path)) from None
+        except csv.Error as e:
+            raise DataError(f"{path} row {i + 1}: not valid CSV ({e})") from None
+
+
+def _not_utf8(path: Path) -> str:
+    """Where a text file stops being UTF-8: its line and byte (the decoder only saw one read block)."""
+    data = path.read_bytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        return (f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}: {e.reason}); "
+                "save the file as UTF-8 (it may be Latin-1 or Windows-1252)")
+    return f"{path}: not UTF-8 text"
 
 
 def _read_parquet(path: Path) -> Iterator[Record]:
@@ -206,7 +226,15 @@ def _read_parquet(path: Path) -> Iterator[Record]:
     except Exception as e:  # pyarrow raises several types for a corrupt file
         raise DataError(f"{path}: not a readable Parquet file ({e})") from None
     i = 0
-    for batch in parquet.iter_batches(batch_size=1024):
+    batches = parquet.iter_batches(batch_size=1024)
+    while True:
+        try:
+            batch = next(batches, None)
+        except Exception as e:  # noqa: BLE001 - a corrupt page: pyarrow raises OSError, ArrowInvalid, ...
+            raise DataError(f"{path}: unreadable Parquet data after row {i} ({type(e).__name__}: {e}); "
+                            "the file is damaged or truncated") from None
+        if batch is None:
+            return
         for row in batch.to_pylist():
             i += 1
             yield Record(f"{path} row {i}", row, base)
@@ -251,11 +279,8 @@ def _probe_hub(timeout: float = 5.0) -> str | None:
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
     url = urlparse(endpoint)
     port = url.port or (443 if url.scheme == "https" else 80)
-    try:
-        socket.create_connection((url.hostname, port), timeout=timeout).close()
-    except OSError as e:
-        return f"{endpoint}: {e.strerror or e}"
-    return None
+    reason = probe_tcp(url.hostname, port, timeout)
+    return f"{endpoint}: {reason}" if reason else None
 
 
 # --- the generator ---

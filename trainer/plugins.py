@@ -13,8 +13,10 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+from data.errors import GrpoflowUserError
 
-class PluginError(ValueError):
+
+class PluginError(GrpoflowUserError, ValueError):
     """A plug-in reference cannot be resolved; the message names the module or file and the attribute."""
 
 

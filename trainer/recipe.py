@@ -36,22 +36,24 @@ class BootstrapConfig:
     """The embedded default's tiny base model: a small Qwen2 LM + local tokenizer + short SFT warm-up."""
     out: str = _f(".state/models/tiny-base", "where the model is saved (a cache keyed by this config's hash)")
     task: str = _f("addition", "synthetic task kind it is warmed up on")
-    vocab_size: int = _f(384, "byte-level BPE vocabulary size, trained locally")
-    hidden_size: int = _f(128, "model width")
-    num_layers: int = _f(4, "transformer blocks")
-    num_heads: int = _f(4, "attention heads")
-    intermediate_size: int = _f(384, "MLP width")
-    sft_rows: int = _f(20000, "synthetic worked solutions for the warm-up")
-    heldout_rows: int = _f(256, "held-out problems for the accuracy check")
-    batch_size: int = _f(64, "warm-up batch size")
-    learning_rate: float = _f(3e-3, "warm-up peak learning rate (AdamW, linear decay)")
-    max_steps: int = _f(700, "upper bound on warm-up steps (the learning rate decays linearly to 0 there)")
-    eval_every: int = _f(25, "held-out greedy accuracy is measured every this many steps")
+    vocab_size: int = _f(384, "byte-level BPE vocabulary size, trained locally", ge=1)
+    hidden_size: int = _f(128, "model width", ge=1)
+    num_layers: int = _f(4, "transformer blocks", ge=1)
+    num_heads: int = _f(4, "attention heads", ge=1)
+    intermediate_size: int = _f(384, "MLP width", ge=1)
+    sft_rows: int = _f(20000, "synthetic worked solutions for the warm-up", ge=1)
+    heldout_rows: int = _f(256, "held-out problems for the accuracy check", ge=1)
+    batch_size: int = _f(64, "warm-up batch size", ge=1)
+    learning_rate: float = _f(3e-3, "warm-up peak learning rate (AdamW, linear decay)", gt=0)
+    max_steps: int = _f(700, "upper bound on warm-up steps (the learning rate decays linearly to 0 there)", ge=1)
+    eval_every: int = _f(25, "held-out greedy accuracy is measured every this many steps", ge=1)
     target_accuracy: list[float] = _f([0.3, 0.6], "the warm-up stops once greedy held-out accuracy is in "
-                                                  "this band: a base that GRPO can still improve")
+                                                  "this band: a base that GRPO can still improve", ge=0, le=1)
     seed: int = _f(0, "seed for data, init and training")
 
     def __post_init__(self):
+        if len(self.target_accuracy) != 2:
+            raise ValueError(f"target_accuracy must be [lo, hi], got {self.target_accuracy}")
         lo, hi = self.target_accuracy
         if not 0 <= lo < hi <= 1:
             raise ValueError(f"target_accuracy must be [lo, hi] with 0 <= lo < hi <= 1, got {self.target_accuracy}")
@@ -59,18 +61,30 @@ class BootstrapConfig:
 
 @dataclass
 class DataConfig:
-    task: str = _f("synthetic", "task adapter: gsm8k, math, numina, countdown, counting, synthetic")
+    task: str | None = _f(None, "task adapter: gsm8k, math, numina, countdown, counting, synthetic; unset, "
+                                "'synthetic' for a synthetic source and required for any other")
     source: str = _f("synthetic:addition", "local JSONL/Parquet/CSV file or directory, HF hub id, or synthetic[:kind]")
     out: str = _f(".state/data/prepared", "prepared output directory")
     split: str = _f("train", "split to read from a hub dataset or a directory")
     hub_config: str | None = _f(None, "hub dataset configuration name")
-    heldout: float = _f(0.1, "held-out set: a fraction in (0, 1) or a row count (>= 1)")
+    heldout: float = _f(0.1, "held-out set: 0, a fraction in (0, 1) or a whole row count (>= 1)", ge=0)
     seed: int = _f(0, "seed of the train/held-out split and of synthetic generation")
     skip_invalid: bool = _f(False, "drop malformed rows (recorded in the manifest) instead of failing")
-    limit: int | None = _f(None, "read at most this many source rows")
-    synthetic_rows: int = _f(4000, "rows generated for a synthetic source")
+    limit: int | None = _f(None, "read at most this many source rows", ge=1)
+    synthetic_rows: int = _f(4000, "rows generated for a synthetic source", ge=1)
     system_prompt: str = _f("r1", "system prompt preset (r1, brief, none) or literal text; the tiny base model "
                                   "is warmed up with this one too")
+
+    def __post_init__(self):
+        if self.task is None:  # a guessed adapter would store a gsm8k worked solution as the "answer"
+            if self.source != "synthetic" and not self.source.startswith("synthetic:"):
+                from data.adapters import ADAPTERS
+                raise ValueError(f"task: required for source {self.source!r} (prep --task, or data.task); "
+                                 f"one of {', '.join(ADAPTERS)}")
+            self.task = "synthetic"
+        if self.heldout >= 1 and not float(self.heldout).is_integer():
+            raise ValueError(f"heldout: {self.heldout!r} is neither a fraction in (0, 1) nor a whole number "
+                             "of rows")
 
     def prepare_kwargs(self) -> dict:
         """Arguments of `data.prepare.prepare` (a held-out value >= 1 is a row count)."""
@@ -91,63 +105,56 @@ class RewardSpec:
 @dataclass
 class TrainConfig:
     output_dir: str = _f(".state/runs/train", "checkpoints and metrics.jsonl; rerunning with the same dir resumes")
-    max_steps: int = _f(100, "optimizer steps (one generated batch each)")
-    prompts_per_step: int = _f(4, "distinct prompts per generated batch")
+    max_steps: int = _f(100, "optimizer steps (one generated batch each)", ge=1)
+    prompts_per_step: int = _f(4, "distinct prompts per generated batch", ge=1)
     num_generations: int = _f(8, "completions per prompt (the GRPO group size)")
-    num_iterations: int = _f(1, "optimisation passes over each generated batch (mu)")
-    micro_batch_size: int = _f(32, "completions per forward/backward; the batch is accumulated over micro-batches")
-    beta: float = _f(0.0, "KL weight against the reference model; 0 loads no reference model")
-    epsilon: float = _f(0.2, "lower clipping bound of the ratio (1 - epsilon)")
-    epsilon_high: float | None = _f(None, "upper clipping bound (1 + epsilon_high); None uses epsilon")
+    num_iterations: int = _f(1, "optimisation passes over each generated batch (mu)", ge=1)
+    micro_batch_size: int = _f(32, "completions per forward/backward; the batch is accumulated over micro-batches", ge=1)
+    beta: float = _f(0.0, "KL weight against the reference model; 0 loads no reference model", ge=0)
+    epsilon: float = _f(0.2, "lower clipping bound of the ratio (1 - epsilon)", gt=0)
+    epsilon_high: float | None = _f(None, "upper clipping bound (1 + epsilon_high); None uses epsilon", gt=0)
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = _f("dapo", "loss normalisation, as TRL defines them")
     scale_rewards: Literal["group", "batch", "none"] = _f("group", "divide advantages by the group's std, the batch's, or not at all")
     dynamic_sampling: bool = _f(False, "drop groups whose rewards all match (DAPO's dynamic sampling)")
-    temperature: float = _f(1.0, "sampling temperature; the loss uses the same temperature")
-    top_p: float = _f(1.0, "nucleus sampling")
-    max_prompt_length: int = _f(512, "prompts are left-truncated to this many tokens")
-    max_completion_length: int = _f(256, "completion tokens generated at most")
+    temperature: float = _f(1.0, "sampling temperature; the loss uses the same temperature", gt=0)
+    top_p: float = _f(1.0, "nucleus sampling", gt=0, le=1)
+    max_prompt_length: int = _f(512, "prompts are left-truncated to this many tokens", ge=1)
+    max_completion_length: int = _f(256, "completion tokens generated at most", ge=1)
     mask_truncated_completions: bool = _f(False, "exclude completions that hit max_completion_length from the loss")
-    learning_rate: float = _f(1e-6, "peak learning rate (AdamW)")
+    learning_rate: float = _f(1e-6, "peak learning rate (AdamW)", gt=0)
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = _f("constant", "schedule after warm-up")
-    warmup_steps: int = _f(0, "linear warm-up steps")
-    weight_decay: float = _f(0.0, "AdamW weight decay")
-    max_grad_norm: float = _f(1.0, "gradient clipping (0 disables)")
-    save_steps: int = _f(50, "checkpoint every this many steps (and at the end)")
-    save_total_limit: int = _f(2, "checkpoints kept on disk")
-    eval_heldout: int = _f(256, "held-out problems for the before/after greedy accuracy (0 skips)")
-    reward_timeout_s: float = _f(10.0, "a reward function call longer than this gives None")
+    warmup_steps: int = _f(0, "linear warm-up steps", ge=0)
+    weight_decay: float = _f(0.0, "AdamW weight decay", ge=0)
+    max_grad_norm: float = _f(1.0, "gradient clipping (0 disables)", ge=0)
+    save_steps: int = _f(50, "checkpoint every this many steps (and at the end)", ge=1)
+    save_total_limit: int = _f(2, "checkpoints kept on disk (0 keeps all)", ge=0)
+    eval_heldout: int = _f(256, "held-out problems for the before/after greedy accuracy (0 skips)", ge=0)
+    reward_timeout_s: float = _f(10.0, "a reward function call longer than this gives None", gt=0)
     callbacks: list[str] = _f([], "extra training callbacks, 'module:factory' or 'file.py:factory'; each factory "
                                   "returns an object with on_step / on_checkpoint / on_train_end")
     seed: int = _f(0, "seed for sampling and data order")
 
     def __post_init__(self):
+        # Ranges and finiteness of single values are the fields' metadata (typed_config checks them).
         if self.num_generations < 2:
             raise ValueError("num_generations must be >= 2: GRPO compares completions within a group")
-        for name in ("max_steps", "prompts_per_step", "num_iterations", "micro_batch_size", "save_steps",
-                     "max_completion_length", "max_prompt_length"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.epsilon <= 0 or (self.epsilon_high is not None and self.epsilon_high <= 0):
-            raise ValueError("epsilon and epsilon_high must be > 0")
-        if not 0 < self.top_p <= 1 or self.temperature <= 0:
-            raise ValueError("need 0 < top_p <= 1 and temperature > 0")
 
 
 @dataclass
 class RolloutConfig:
     engine: Literal["transformers", "vllm", "lmdeploy"] = _f("transformers", "generation engine")
     async_: bool = _f(False, "generate batch t+1 while batch t trains (one-step off-policy)", key="async")
-    max_staleness: int = _f(1, "how many policy versions a batch may lag behind the trainer")
-    importance_ratio_cap: float = _f(2.0, "truncation of the importance ratio against the behaviour policy")
+    max_staleness: int = _f(1, "how many policy versions a batch may lag behind the trainer", ge=0)
+    importance_ratio_cap: float = _f(2.0, "truncation of the importance ratio against the behaviour policy", ge=1)
     colocate: bool = _f(False, "train and generate on the same devices; the engine sleeps during training")
     sleep_level: Literal[1, 2] = _f(1, "vLLM sleep level in colocate mode")
-    train_devices: list[int] = _f([], "device ids of the trainer ranks (empty: all not used for rollout)")
-    rollout_devices: list[int] = _f([], "device ids of the rollout engines")
-    num_engines: int = _f(1, "data-parallel engine instances; prompts are sharded across them")
-    tensor_parallel_size: int = _f(1, "tensor-parallel size of each engine")
-    gpu_memory_utilization: float = _f(0.9, "fraction of GPU memory the engine may take")
+    train_devices: list[int] = _f([], "device ids of the trainer ranks (empty: all not used for rollout)", ge=0)
+    rollout_devices: list[int] = _f([], "device ids of the rollout engines", ge=0)
+    num_engines: int = _f(1, "data-parallel engine instances; prompts are sharded across them", ge=1)
+    tensor_parallel_size: int = _f(1, "tensor-parallel size of each engine", ge=1)
+    gpu_memory_utilization: float = _f(0.9, "fraction of GPU memory the engine may take", gt=0, le=1)
     server_url: str | None = _f(None, "an already-running engine server (vLLM) instead of starting one")
-    sync_timeout_s: float = _f(600.0, "timeout of every weight sync and rollout request")
+    sync_timeout_s: float = _f(600.0, "timeout of every weight sync and rollout request", gt=0)
 
     def __post_init__(self):
         if self.colocate and self.rollout_devices and self.train_devices and \
@@ -160,19 +167,20 @@ class RolloutConfig:
         if n and n != self.num_engines * self.tensor_parallel_size:
             raise ValueError(f"{n} rollout devices cannot host num_engines={self.num_engines} x "
                              f"tensor_parallel_size={self.tensor_parallel_size}")
-        if self.max_staleness < 0 or self.importance_ratio_cap < 1:
-            raise ValueError("max_staleness must be >= 0 and importance_ratio_cap >= 1")
 
 
 @dataclass
 class EvalConfig:
-    benchmarks: list[str] = _f(["math_500", "aime24"], "EvalScope benchmarks (math_500, aime24, gpqa_diamond)")
+    benchmarks: list[str] = _f(["math_500", "aime24"], "EvalScope benchmarks (math_500, aime24, gpqa_diamond)",
+                               min_len=1)
     local_paths: dict[str, str] = _f({}, "benchmark -> local directory (EvalScope local_path); else the hub")
     limit: int | None = _f(None, "problems per benchmark subset, as EvalScope applies it (MATH-500 has 5 level "
-                                 "subsets, so limit 2 scores 10 problems); None: all")
-    repeats: int = _f(1, "samples per problem (pass@k)")
-    max_tokens: int = _f(1024, "generation budget per answer")
-    temperature: float = _f(0.0, "0 is greedy")
+                                 "subsets, so limit 2 scores 10 problems); None: all", ge=1)
+    repeats: int = _f(1, "samples per problem (pass@k)", ge=1)
+    max_tokens: int = _f(1024, "generation budget per answer", ge=1)
+    temperature: float = _f(0.0, "0 is greedy", ge=0)
+    request_timeout_s: float = _f(600.0, "an endpoint's longest wait for one answer (and its pre-flight check's "
+                                         "connect timeout); a request that takes longer fails", gt=0)
     out: str = _f(".state/eval", "evaluation outputs")
 
 

@@ -3,12 +3,19 @@
 Every error names the file, the dotted key and what was expected, and an unknown key lists the valid
 keys with the closest match first. Values are checked against the dataclass type hints (bool, int,
 float, str, Literal choices, Optional, list[...], dict[str, ...], nested dataclasses).
+
+Numbers are checked for meaning too, so that a NaN learning rate or a negative temperature never reaches
+the trainer: a float must be finite (`.nan`, `.inf` are refused) unless its field says
+`metadata={"finite": False}`, and a field may bound its value (and each item of a list of numbers) with
+`metadata` keys `gt`, `ge`, `lt`, `le`, and a list or mapping its length with `min_len`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import operator
 import types
 import typing
 from pathlib import Path
@@ -16,8 +23,10 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from data.errors import GrpoflowUserError
 
-class ConfigError(ValueError):
+
+class ConfigError(GrpoflowUserError, ValueError):
     """A configuration value or key is wrong; the message names the file and the key."""
 
 
@@ -52,7 +61,9 @@ def build(cls: type, data: Any, source: str = "<config>", prefix: str = ""):
     kwargs = {}
     for key, value in data.items():
         f = fields[key]
-        kwargs[f.name] = _coerce(hints[f.name], value, source, f"{prefix}{key}")
+        kwargs[f.name] = _coerce(hints[f.name], value, source, f"{prefix}{key}",
+                                 finite=f.metadata.get("finite", True))
+        _check_bounds(f, kwargs[f.name], source, f"{prefix}{key}")
     try:
         return cls(**kwargs)
     except ConfigError:
@@ -61,13 +72,49 @@ def build(cls: type, data: Any, source: str = "<config>", prefix: str = ""):
         raise ConfigError(f"{_where(source, prefix[:-1])}: {e}") from None
 
 
+_BOUNDS = {"gt": (operator.gt, ">"), "ge": (operator.ge, ">="), "lt": (operator.lt, "<"), "le": (operator.le, "<=")}
+
+
+def _check_bounds(f: dataclasses.Field, value: Any, source: str, key: str) -> None:
+    """A field's `gt`/`ge`/`lt`/`le` (on a number, or each number of a list) and `min_len` metadata."""
+    min_len = f.metadata.get("min_len")
+    if min_len is not None and isinstance(value, (list, tuple, dict)) and len(value) < min_len:
+        raise ConfigError(f"{_where(source, key)}: needs at least {min_len} "
+                          f"{'entry' if min_len == 1 else 'entries'}, got {value!r}")
+    bounds = [(name, f.metadata[name]) for name in _BOUNDS if name in f.metadata]
+    if not bounds:
+        return
+    items = list(enumerate(value)) if isinstance(value, (list, tuple)) else [(None, value)]
+    for i, item in items:
+        if not isinstance(item, (int, float)) or isinstance(item, bool):
+            continue  # None (an optional field left unset) or a non-number: the type check had its say
+        for name, limit in bounds:
+            compare, symbol = _BOUNDS[name]
+            if not compare(item, limit):
+                where = key if i is None else f"{key}[{i}]"
+                raise ConfigError(f"{_where(source, where)}: must be {symbol} {limit}, got {item!r}")
+
+
+def _refuse_nonfinite(value: Any, source: str, key: str) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{_where(source, key)}: must be a finite number, got {value!r}")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _refuse_nonfinite(v, source, f"{key}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _refuse_nonfinite(v, source, f"{key}[{i}]")
+
+
 def _show(value: Any) -> str:
     return f"{type(value).__name__} {value!r}"
 
 
-def _coerce(tp: Any, value: Any, source: str, key: str):
+def _coerce(tp: Any, value: Any, source: str, key: str, finite: bool = True):
     origin, args = get_origin(tp), get_args(tp)
     if tp is Any:
+        if finite:  # free-form values (a reward's args) are numbers for someone too
+            _refuse_nonfinite(value, source, key)
         return value
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
@@ -75,7 +122,7 @@ def _coerce(tp: Any, value: Any, source: str, key: str):
         errors = []
         for arg in (a for a in args if a is not type(None)):
             try:
-                return _coerce(arg, value, source, key)
+                return _coerce(arg, value, source, key, finite)
             except ConfigError as e:
                 errors.append(str(e))
         raise ConfigError(errors[0] if len(errors) == 1 else
@@ -91,12 +138,12 @@ def _coerce(tp: Any, value: Any, source: str, key: str):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{_where(source, key)}: expected a list, got {_show(value)}")
         item = args[0] if args else Any
-        return [_coerce(item, v, source, f"{key}[{i}]") for i, v in enumerate(value)]
+        return [_coerce(item, v, source, f"{key}[{i}]", finite) for i, v in enumerate(value)]
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{_where(source, key)}: expected a mapping, got {_show(value)}")
         vt = args[1] if args else Any
-        return {str(k): _coerce(vt, v, source, f"{key}.{k}") for k, v in value.items()}
+        return {str(k): _coerce(vt, v, source, f"{key}.{k}", finite) for k, v in value.items()}
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -107,6 +154,8 @@ def _coerce(tp: Any, value: Any, source: str, key: str):
             return int(value)
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if finite and not math.isfinite(value):
+                raise ConfigError(f"{_where(source, key)}: must be a finite number, got {value!r}")
             return float(value)
     elif tp is str:
         if isinstance(value, str):

@@ -22,6 +22,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from data.errors import GrpoflowUserError
 from trainer.plugins import PluginError, load_plugin
 from trainer.rewards.countdown import countdown_reward
 from trainer.rewards.math_rewards import accuracy_reward, counting_reward, format_reward
@@ -29,7 +30,7 @@ from trainer.rewards.runner import RewardFn
 from trainer.rewards.shaping import cosine, repetition, soft_overlong
 
 
-class RewardSpecError(ValueError):
+class RewardSpecError(GrpoflowUserError, ValueError):
     """A reward spec that names no reward, or one that cannot be built with the given args."""
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from data.errors import GrpoflowUserError
 from trainer.recipe import RolloutConfig
 from trainer.rollout.base import RolloutEngine
 
@@ -20,7 +21,7 @@ INSTALL_HINTS = {
 }
 
 
-class MissingExtraError(ImportError):
+class MissingExtraError(GrpoflowUserError, ImportError):
     """A GPU engine (or DeepSpeed) was asked for but its package is not installed."""
 
 
