@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -166,11 +167,18 @@ def compare(a_samples: Samples, b_samples: Samples, n_resamples: int = 10000, se
     return rows
 
 
+def check_max_drop(max_drop: float) -> None:
+    """A gate's allowed drop must be a finite number >= 0: NaN compares false with everything and would
+    pass any regression, infinity would too."""
+    if isinstance(max_drop, bool) or not isinstance(max_drop, (int, float)) or not (
+            math.isfinite(max_drop) and max_drop >= 0):
+        raise ValueError(f"max_drop must be a finite number >= 0, got {max_drop!r}")
+
+
 def gate(rows: list[Row], max_drop: float = DEFAULT_MAX_DROP) -> GateResult:
     """Fail a benchmark only when it dropped by more than `max_drop` with confidence: its CI's upper bound
     of candidate - baseline is below -max_drop. Thinking-metric rows are not gated."""
-    if max_drop < 0:
-        raise ValueError(f"max_drop must be >= 0, got {max_drop}")
+    check_max_drop(max_drop)
     checked = [r for r in rows if r.gated]
     if not checked:
         raise ValueError("nothing to gate: the comparison has no benchmark scores")
