@@ -7,26 +7,36 @@
   its ready line and `/health` (bounded), yields a `ServedModel`, and stops the child on exit (SIGTERM,
   then SIGKILL to its process group). `grpoflow eval --serve` evaluates through it.
 
+Listening: the address is checked and the socket bound before the model loads, so a port in use or an
+unknown host is a `ServingInputError` naming host:port. A non-loopback address needs an API key
+(`--api-key-env VAR`; clients send `Authorization: Bearer <value>`); the key is never printed or logged,
+and vLLM gets it through its environment (`VLLM_API_KEY`), not its command line.
+
 vLLM is a GPU extra (`pip install .[gpu]`); it is only ever run as a child process, never imported here.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib.util
+import ipaddress
 import json
+import logging
+import math
 import os
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 ENGINES = ("auto", "transformers", "vllm")
@@ -35,7 +45,97 @@ _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loop
 
 
 class ServingInputError(ValueError):
-    """A checkpoint or engine that cannot be served (bad input, or a missing extra)."""
+    """A checkpoint, engine, address or limit that cannot be served (bad input, or a missing extra)."""
+
+
+def _limit(default, flag: str, help: str, kind=int):
+    return field(default=default, metadata={"flag": flag, "help": help, "type": kind})
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one request may ask of the transformers server; each field is a `serve-model` flag.
+
+    A request over a limit gets HTTP 400 naming the field (413 for the body). vLLM applies its own.
+    """
+    max_body_bytes: int = _limit(1_000_000, "--max-body-bytes", "largest request body in bytes (HTTP 413 beyond)")
+    max_sequences: int = _limit(64, "--max-sequences", "most completions one request may ask for: prompts x n")
+    max_tokens: int | None = _limit(None, "--max-tokens", "largest max_tokens a request may ask for, and the "
+                                                          "default when it asks for none (default: what the "
+                                                          "model's context leaves after the prompt)")
+    max_stop: int = _limit(16, "--max-stop", "most stop strings per request")
+    max_stop_length: int = _limit(256, "--max-stop-length", "longest stop string, in characters")
+    request_timeout_s: float = _limit(600.0, "--request-timeout", "seconds a request may take, its upload "
+                                                                  "included, before it is cancelled (HTTP 504)",
+                                      float)
+    max_active_sequences: int = _limit(256, "--max-active-sequences", "completions generated at once across "
+                                                                      "requests; later requests wait their turn")
+    max_connections: int = _limit(128, "--max-connections", "connections served at once (HTTP 503 beyond)")
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.default is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+                raise ServingInputError(f"{f.metadata['flag']} must be a positive finite number, got {value!r}")
+        if self.max_sequences > self.max_active_sequences:
+            raise ServingInputError(f"--max-sequences ({self.max_sequences}) cannot exceed --max-active-sequences "
+                                    f"({self.max_active_sequences})")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServerLimits:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name, None) is not None})
+
+
+def bind_socket(host: str, port: int, api_key: str | None = None, resolve_timeout_s: float = 10.0) -> socket.socket:
+    """A listening TCP socket on host:port; `ServingInputError` naming host:port if that cannot be.
+
+    An address other machines can reach is refused without an `api_key`.
+    """
+    where = f"{host}:{port}"
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ServingInputError(f"cannot listen on {where}: --port must be 0..65535")
+    answer: dict = {}
+
+    def resolve() -> None:
+        try:
+            answer["found"] = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
+                                                 flags=socket.AI_PASSIVE)
+        except (OSError, UnicodeError) as e:
+            answer["error"] = e
+
+    resolver = threading.Thread(target=resolve, daemon=True)  # getaddrinfo has no timeout of its own
+    resolver.start()
+    resolver.join(resolve_timeout_s)
+    if not answer.get("found"):
+        why = answer.get("error") or f"no answer within {resolve_timeout_s:g} s"
+        raise ServingInputError(f"cannot listen on {where}: {host!r} is not an address or a known host name "
+                                f"({why})")
+    family, kind, proto, _, address = answer["found"][0]
+    if not api_key and not ipaddress.ip_address(address[0].split("%")[0]).is_loopback:
+        raise ServingInputError(f"--host {host} is reachable from other machines: give an API key with "
+                                "--api-key-env VAR (clients then send 'Authorization: Bearer <value>'), or "
+                                f"listen on {LOOPBACK}")
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        reason = "the port is already in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e)).lower()
+        raise ServingInputError(f"cannot listen on {where}: {reason}") from None
+    return sock
+
+
+def api_key_from_env(var: str | None) -> str | None:
+    if var is None:
+        return None
+    value = os.environ.get(var, "")
+    if not value.strip():
+        raise ServingInputError(f"--api-key-env {var}: the environment variable {var} is not set or empty")
+    return value
 
 
 @dataclass
@@ -84,15 +184,23 @@ def vllm_command(checkpoint: Path, host: str, port: int, model_name: str, max_ba
 
 
 def serve(checkpoint: str | os.PathLike, *, host: str = LOOPBACK, port: int = 0, served_model_name: str | None = None,
-          engine: str = "auto", max_batch_size: int = 16, on_ready: Callable[[dict], None] | None = None) -> dict:
+          engine: str = "auto", max_batch_size: int = 16, limits: ServerLimits | None = None,
+          api_key: str | None = None, on_ready: Callable[[dict], None] | None = None) -> dict:
     """Serve `checkpoint` until SIGTERM/SIGINT; `on_ready({"url", "model", "pid", "engine"})` once it answers.
 
+    `api_key`, when given, is required of every `/v1` request; it is required for a non-loopback `host`.
     Returns the ready dict plus what was served (`batches`, `requests` for the transformers engine).
     """
     path = check_checkpoint(checkpoint)
-    engine = choose_engine(engine)
-    if max_batch_size < 1:
-        raise ServingInputError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+        raise ServingInputError(f"--max-batch-size must be >= 1, got {max_batch_size}")
+    limits = limits or ServerLimits()
+    sock = bind_socket(host, port, api_key)  # before torch and the model load: a taken port is refused at once
+    try:
+        engine = choose_engine(engine)
+    except BaseException:
+        sock.close()
+        raise
     name = served_model_name or path.name
     info = {"url": None, "model": name, "pid": os.getpid(), "engine": engine}
 
@@ -102,19 +210,22 @@ def serve(checkpoint: str | os.PathLike, *, host: str = LOOPBACK, port: int = 0,
             on_ready(dict(info))
 
     if engine == "vllm":
-        served = _run_vllm(path, host, port, name, max_batch_size, ready)
+        port = sock.getsockname()[1]
+        sock.close()  # vLLM binds it itself
+        served = _run_vllm(path, host, port, name, max_batch_size, api_key, ready)
     else:
         from evaluation.server_app import run_server
-        served = run_server(str(path), host=host, port=port, model_name=name, max_batch_size=max_batch_size,
-                            on_ready=ready)
+        served = run_server(str(path), sock=sock, host=host, model_name=name, max_batch_size=max_batch_size,
+                            limits=limits, api_key=api_key, on_ready=ready)
     return {**info, **served}
 
 
-def _run_vllm(path: Path, host: str, port: int, name: str, max_batch_size: int, ready) -> dict:
+def _run_vllm(path: Path, host: str, port: int, name: str, max_batch_size: int, api_key: str | None,
+              ready) -> dict:
     """vLLM's OpenAI server as a child (its output on our stderr); SIGTERM/SIGINT are passed on to it."""
-    port = port or _free_port(host)
+    env = {**os.environ, "VLLM_API_KEY": api_key} if api_key else None  # not on a command line: ps shows those
     proc = subprocess.Popen(vllm_command(path, host, port, name, max_batch_size), stdout=sys.stderr,
-                            stdin=subprocess.DEVNULL)
+                            stdin=subprocess.DEVNULL, env=env)
     previous = {sig: signal.signal(sig, lambda *_: proc.terminate()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         base = f"http://{host}:{port}"
@@ -135,12 +246,6 @@ def _run_vllm(path: Path, host: str, port: int, name: str, max_batch_size: int, 
     if code not in (0, -signal.SIGTERM, -signal.SIGINT):
         raise RuntimeError(f"vLLM's server for {path} exited with code {code} (its log is above on stderr)")
     return {"exit_code": code}
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 # ---- a server for the length of a `with` block ------------------------------------------------------------
@@ -244,6 +349,14 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=ENGINES, default="auto",
                         help="auto: vLLM when installed and a GPU is visible, else transformers")
     parser.add_argument("--max-batch-size", type=int, default=16, help="requests generated together at most")
+    parser.add_argument("--api-key-env", metavar="VAR",
+                        help="environment variable holding the API key that /v1 requests must send as "
+                             "'Authorization: Bearer <key>' (required for a non-loopback --host)")
+    limits = parser.add_argument_group("per-request limits (transformers engine)")
+    for f in fields(ServerLimits):
+        default = "" if f.default is None else f" (default {f.default:g})"
+        limits.add_argument(f.metadata["flag"], dest=f.name, type=f.metadata["type"],
+                            help=f.metadata["help"] + default)
     parser.add_argument("--json", action="store_true",
                         help='print {"url", "model", "pid", "engine"} once ready, and a summary on exit')
 
@@ -256,13 +369,16 @@ def serve_from_args(args: argparse.Namespace, say: Callable[[str], None]) -> dic
             "SIGTERM or Ctrl-C stops it")
 
     return serve(args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
-                 engine=args.engine, max_batch_size=args.max_batch_size, on_ready=announce)
+                 engine=args.engine, max_batch_size=args.max_batch_size, limits=ServerLimits.from_args(args),
+                 api_key=api_key_from_env(args.api_key_env), on_ready=announce)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m evaluation.serving", description=__doc__.splitlines()[0])
     add_server_arguments(parser)
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
     try:
         summary = serve_from_args(args, lambda text: print(text, file=sys.stderr, flush=True))
     except (ServingInputError, FileNotFoundError) as e:
