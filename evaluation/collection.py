@@ -48,8 +48,10 @@ from evaluation.evalscope_runner import (
     COLLECTION,
     OFFLINE_ENV,
     REPORT,
+    EvalInputError,
     EvalResult,
     _log_tail,
+    check_inputs,
     run_evalscope,
 )
 
@@ -88,7 +90,7 @@ def build_local_collection(local_paths: dict[str, str], out: str | os.PathLike, 
     paths = _check_local_paths(local_paths)
     limit = per_benchmark_limit
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise ValueError(f"per_benchmark_limit must be a positive integer or None, got {per_benchmark_limit!r}")
+        raise EvalInputError(f"per_benchmark_limit must be a positive integer or None, got {per_benchmark_limit!r}")
     schema = r1_distill_math_test_schema(paths)
     # The uniform sampler gives each benchmark count // 3 rows (all of them, when it has fewer).
     count = _ALL if per_benchmark_limit is None else per_benchmark_limit * len(R1_DISTILL_MATH_TEST)
@@ -134,8 +136,8 @@ def evaluate_collection(model: str, work_dir: str | os.PathLike, *, local_paths:
     work_dir = Path(work_dir).resolve()
     if local_paths is None:
         if per_benchmark_limit is not None:
-            raise ValueError("per_benchmark_limit samples a locally built collection: it needs local_paths "
-                             f"(the hub's {R1_DISTILL_MATH_TEST_ID} is evaluated whole)")
+            raise EvalInputError("per_benchmark_limit samples a locally built collection: it needs local_paths "
+                                 f"(the hub's {R1_DISTILL_MATH_TEST_ID} is evaluated whole)")
         return run_evalscope(model, [COLLECTION], work_dir=work_dir, seed=seed,
                              dataset_ids={COLLECTION: R1_DISTILL_MATH_TEST_ID}, **run_kwargs)
     collection = work_dir / "collection"
@@ -186,8 +188,8 @@ def _check_local_paths(local_paths: dict[str, str]) -> dict[str, str]:
     """Each benchmark's directory, resolved; names the benchmark whose directory is missing."""
     extra = sorted(set(local_paths) - set(R1_DISTILL_MATH_TEST))
     if extra:
-        raise ValueError(f"local_paths names {extra}, which are not in R1-Distill-Math-Test "
-                         f"{list(R1_DISTILL_MATH_TEST)}")
+        raise EvalInputError(f"local_paths names {extra}, which are not in R1-Distill-Math-Test "
+                             f"{list(R1_DISTILL_MATH_TEST)}")
     paths = {}
     for bench in R1_DISTILL_MATH_TEST:
         if bench not in local_paths:
@@ -241,8 +243,30 @@ def run_benchmarks(model: str, benchmarks: list[str], *, work_dir, local_paths: 
     if COLLECTION_NAME not in benchmarks:
         return run_evalscope(model, benchmarks, work_dir=work_dir, local_paths=local_paths, limit=limit,
                              **run_kwargs)
-    if benchmarks != [COLLECTION_NAME]:
-        raise ValueError(f"'{COLLECTION_NAME}' is the combined collection of {', '.join(R1_DISTILL_MATH_TEST)}: "
-                         "evaluate it on its own, or list the benchmarks individually")
-    paths = {b: p for b, p in (local_paths or {}).items() if b in R1_DISTILL_MATH_TEST} or None
+    paths = _collection_paths(benchmarks, local_paths)
     return evaluate_collection(model, work_dir, local_paths=paths, per_benchmark_limit=limit, **run_kwargs)
+
+
+def check_benchmarks(benchmarks: list[str], *, local_paths: dict[str, str] | None = None, limit: int | None = None,
+                     **settings) -> None:
+    """What `run_benchmarks` would refuse, checked before any model is at hand: settings, benchmark names,
+    local paths, an API key variable (`settings`: repeats, max_tokens, temperature, api_url, api_key_env,
+    eval_batch_size). Raises `EvalInputError` or `FileNotFoundError` naming the benchmark or setting."""
+    if COLLECTION_NAME not in benchmarks:
+        return check_inputs(benchmarks, local_paths=local_paths, limit=limit, **settings)
+    paths = _collection_paths(benchmarks, local_paths)
+    if paths is not None:
+        _check_local_paths(paths)
+    elif limit is not None:
+        raise EvalInputError(f"limit={limit} samples a locally built {NAME}: it needs local_paths for "
+                             f"{', '.join(R1_DISTILL_MATH_TEST)} (the hub's {R1_DISTILL_MATH_TEST_ID} is "
+                             "evaluated whole)")
+    check_inputs([COLLECTION], limit=limit, **settings)
+
+
+def _collection_paths(benchmarks: list[str], local_paths: dict[str, str] | None) -> dict[str, str] | None:
+    """The local paths of the collection's benchmarks (None: the hub's collection)."""
+    if benchmarks != [COLLECTION_NAME]:
+        raise EvalInputError(f"'{COLLECTION_NAME}' is the combined collection of {', '.join(R1_DISTILL_MATH_TEST)}: "
+                             "evaluate it on its own, or list the benchmarks individually")
+    return {b: p for b, p in (local_paths or {}).items() if b in R1_DISTILL_MATH_TEST} or None

@@ -31,7 +31,9 @@ from importlib.metadata import version
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from data.errors import GrpoflowUserError, ServiceUnavailable
 from data.manifest import write_json_atomic
+from data.redact import mask_uri
 from evaluation.evalscope_reports import BenchmarkReport, read_report, report_path, sample_paths
 
 REPORT = "report.json"
@@ -43,6 +45,11 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 _WORKER = Path(__file__).with_name("evalscope_worker.py")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class EvalInputError(GrpoflowUserError, ValueError):
+    """An evaluation input that cannot work (a setting, a benchmark name, a local path, a missing API key);
+    raised before any model is loaded or any process started."""
 
 
 @dataclass
@@ -81,6 +88,7 @@ def run_evalscope(
     dtype: str = "float32",
     seed: int = 0,
     progress: bool | None = None,
+    request_timeout_s: float = 600.0,
 ) -> EvalResult:
     """Evaluate `model` on EvalScope `benchmarks` (e.g. `math_500`, `aime24`, `gpqa_diamond`).
 
@@ -96,11 +104,16 @@ def run_evalscope(
       and adds EvalScope's pass@k for k = 1..repeats.
     - `temperature=0` is greedy decoding; above 0 it is plain temperature sampling (top_p 1, no top_k).
     - `progress`: echo EvalScope's own log and progress bars to stderr; by default only in a terminal.
+    - `request_timeout_s`: an endpoint's longest wait for one answer; a request is retried
+      `ENDPOINT_RETRIES` times. The endpoint is probed first (`ENDPOINT_PROBE_TIMEOUT_S` at most): one
+      that does not answer raises `ServiceUnavailable` before EvalScope starts.
     """
     checkpoint = api_url is None
     model, local_paths = _check_inputs(model, benchmarks, dict(local_paths or {}), api_url, api_key_env)
     dataset_ids = _check_dataset_ids(dict(dataset_ids or {}), benchmarks, local_paths)
     _check_settings(limit, repeats, max_tokens, temperature, eval_batch_size, dtype)
+    if not isinstance(request_timeout_s, (int, float)) or not 0 < request_timeout_s < float("inf"):
+        raise EvalInputError(f"request_timeout_s must be a positive number of seconds, got {request_timeout_s!r}")
     model_id = _model_id(model, checkpoint)
     settings = {  # everything that decides the scores; report.json records it
         "model": model, "model_id": model_id, "eval_type": "llm_ckpt" if checkpoint else "openai_api",
@@ -113,6 +126,8 @@ def run_evalscope(
     work_dir = Path(work_dir).resolve()
     if (work_dir / REPORT).exists():  # a retried pipeline task lands here: same settings, same answer
         return _finished(work_dir, settings)
+    if not checkpoint:
+        check_endpoint(api_url, request_timeout_s)
     outputs = work_dir / OUTPUTS
     shutil.rmtree(outputs, ignore_errors=True)  # what a failed earlier attempt left
     outputs.mkdir(parents=True)
@@ -121,9 +136,12 @@ def run_evalscope(
         "model": model, "model_id": model_id, "eval_type": settings["eval_type"],
         "datasets": _hub_first(benchmarks, local_paths),
         "dataset_args": _dataset_args(benchmarks, local_paths, dataset_ids, repeats),
-        "limit": limit, "repeats": repeats, "generation_config": settings["generation_config"],
+        "limit": limit, "repeats": repeats,
+        "generation_config": {**settings["generation_config"], **({} if checkpoint else _endpoint_waits(request_timeout_s))},
         "eval_batch_size": eval_batch_size, "seed": seed, "work_dir": str(outputs), "no_timestamp": True,
-        **({"model_args": {"precision": dtype}} if checkpoint else {"api_url": api_url}),
+        # an endpoint's requests are retried by EvalScope (`_endpoint_waits`), not again inside its OpenAI client
+        **({"model_args": {"precision": dtype}} if checkpoint else {"api_url": api_url,
+                                                                    "model_args": {"max_retries": 0}}),
     }
     started = time.time()
     echo = progress if progress is not None else sys.stderr.isatty() and not os.getenv("CI")
@@ -222,36 +240,36 @@ def _result_json(result: EvalResult) -> dict:
 def _check_inputs(model, benchmarks, local_paths, api_url, api_key_env) -> tuple[str, dict[str, str]]:
     """Fail before any process starts; returns the model (absolute path for a checkpoint) and local paths."""
     if isinstance(benchmarks, str) or not benchmarks or not all(isinstance(b, str) and b for b in benchmarks):
-        raise ValueError(f"benchmarks must be a non-empty list of EvalScope benchmark names, "
-                         f"got {benchmarks!r}")
+        raise EvalInputError(f"benchmarks must be a non-empty list of EvalScope benchmark names, "
+                             f"got {benchmarks!r}")
     if len(set(benchmarks)) != len(benchmarks):
-        raise ValueError(f"benchmarks lists a name twice: {benchmarks}")
-    if api_url is None:
+        raise EvalInputError(f"benchmarks lists a name twice: {benchmarks}")
+    if api_url is None and model is not None:  # None: checking the rest before the model is at hand
         path = Path(model).expanduser().resolve()
         if not path.exists():
             raise FileNotFoundError(f"model checkpoint directory not found: {path} (pass a save_pretrained "
                                     "directory, or api_url=... to evaluate a served model)")
         if not (path / "config.json").is_file():
-            raise ValueError(f"model {path} is not a save_pretrained checkpoint directory: "
-                             "no config.json in it")
+            raise EvalInputError(f"model {path} is not a save_pretrained checkpoint directory: "
+                                 "no config.json in it")
         model = str(path)
-    elif not re.match(r"https?://", api_url):
-        raise ValueError(f"api_url must be an http(s) URL such as http://host:8000/v1, got {api_url!r}")
+    elif api_url is not None and not re.match(r"https?://", api_url):
+        raise EvalInputError(f"api_url must be an http(s) URL such as http://host:8000/v1, got {api_url!r}")
     if api_key_env is not None:
         if api_url is None:
-            raise ValueError("api_key_env is only used with api_url (a served model)")
+            raise EvalInputError("api_key_env is only used with api_url (a served model)")
         if not os.environ.get(api_key_env):
-            raise ValueError(f"api_key_env={api_key_env!r}: the environment variable {api_key_env} is not set")
+            raise EvalInputError(f"api_key_env={api_key_env!r}: the environment variable {api_key_env} is not set")
     resolved = {}
     for bench, raw in local_paths.items():
         if bench not in benchmarks:
-            raise ValueError(f"local_paths names benchmark {bench!r}, which is not among {benchmarks}")
+            raise EvalInputError(f"local_paths names benchmark {bench!r}, which is not among {benchmarks}")
         path = Path(raw).expanduser().resolve()
         if not path.exists():
             raise FileNotFoundError(f"local_path for benchmark {bench!r} not found: {path}")
         if not path.is_dir():
-            raise NotADirectoryError(f"local_path for benchmark {bench!r} must be a directory holding its "
-                                     f"data file (e.g. test.jsonl), got the file {path}")
+            raise EvalInputError(f"local_path for benchmark {bench!r} must be a directory holding its "
+                                 f"data file (e.g. test.jsonl), got the file {path}")
         resolved[bench] = str(path)
     return model, resolved
 
@@ -259,19 +277,19 @@ def _check_inputs(model, benchmarks, local_paths, api_url, api_key_env) -> tuple
 def _check_dataset_ids(dataset_ids: dict, benchmarks, local_paths: dict) -> dict[str, str]:
     for bench, dataset_id in dataset_ids.items():
         if bench not in benchmarks:
-            raise ValueError(f"dataset_ids names benchmark {bench!r}, which is not among {benchmarks}")
+            raise EvalInputError(f"dataset_ids names benchmark {bench!r}, which is not among {benchmarks}")
         if bench in local_paths:
-            raise ValueError(f"benchmark {bench!r} has both a local path and a dataset id; give one")
+            raise EvalInputError(f"benchmark {bench!r} has both a local path and a dataset id; give one")
         if not isinstance(dataset_id, str) or not dataset_id:
-            raise ValueError(f"dataset_ids[{bench!r}] must be a hub dataset id such as 'owner/name', "
-                             f"got {dataset_id!r}")
+            raise EvalInputError(f"dataset_ids[{bench!r}] must be a hub dataset id such as 'owner/name', "
+                                 f"got {dataset_id!r}")
     return dataset_ids
 
 
 def _check_settings(limit, repeats, max_tokens, temperature, eval_batch_size, dtype) -> None:
     def positive_int(name, value):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            raise EvalInputError(f"{name} must be a positive integer, got {value!r}")
 
     if limit is not None:
         positive_int("limit", limit)
@@ -279,12 +297,90 @@ def _check_settings(limit, repeats, max_tokens, temperature, eval_batch_size, dt
     positive_int("max_tokens", max_tokens)
     positive_int("eval_batch_size", eval_batch_size)
     if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+        raise EvalInputError(f"temperature must be >= 0, got {temperature}")
     if repeats > 1 and temperature == 0:
-        raise ValueError(f"repeats={repeats} with temperature=0 (greedy) would score identical answers; "
-                         "set temperature > 0")
+        raise EvalInputError(f"repeats={repeats} with temperature=0 (greedy) would score identical answers; "
+                             "set temperature > 0")
     if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        raise EvalInputError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+
+
+def check_inputs(benchmarks, *, local_paths: dict[str, str] | None = None, limit: int | None = None,
+                 repeats: int = 1, max_tokens: int = 1024, temperature: float = 0.0, api_url: str | None = None,
+                 api_key_env: str | None = None, eval_batch_size: int = 1) -> None:
+    """Everything `run_evalscope` checks that does not need the model, benchmark names included: a command
+    calls this before it resolves, downloads or serves a model. Raises `EvalInputError`/`FileNotFoundError`."""
+    _check_inputs(None, benchmarks, dict(local_paths or {}), api_url, api_key_env)
+    _check_settings(limit, repeats, max_tokens, temperature, eval_batch_size, "float32")
+    check_benchmark_names(benchmarks)
+
+
+def check_benchmark_names(names: list[str]) -> None:
+    """Raise `EvalInputError` for a name EvalScope has no benchmark of, with the closest names.
+
+    EvalScope's generated index (`evalscope/benchmarks/_index.json`) answers without importing EvalScope; a
+    name it lacks is looked up in EvalScope's full registry in a child process, as the worker does it (the
+    index may be stale)."""
+    missing = [n for n in names if n not in _indexed_benchmarks()]
+    if not missing:
+        return
+    code = ("import json, sys; from evalscope_worker import _unknown_benchmark; "
+            "print(json.dumps(_unknown_benchmark(json.loads(sys.argv[1])) or {}))")
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(missing)], cwd=_WORKER.parent,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **OFFLINE_ENV})
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"could not read EvalScope's benchmark registry (exit {proc.returncode}): "
+                           f"{proc.stderr.strip()[-2000:]}")
+    status = json.loads(lines[-1])
+    if status:
+        raise _unknown_benchmark_error(status)
+
+
+def _indexed_benchmarks() -> set[str]:
+    import importlib.util
+
+    spec = importlib.util.find_spec("evalscope")  # finds the package without importing it
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        index = Path(root) / "benchmarks" / "_index.json"
+        if index.is_file():
+            try:
+                return set(json.loads(index.read_text()))
+            except (OSError, ValueError):
+                break
+    return set()
+
+
+def _unknown_benchmark_error(status: dict) -> EvalInputError:
+    close = " or ".join(map(repr, status.get("suggestions", [])))
+    hint = f"; did you mean {close}?" if close else ""
+    return EvalInputError(f"unknown benchmark {status['unknown_benchmark']!r}: EvalScope {version('evalscope')} "
+                          f"has no benchmark of that name{hint}")
+
+
+ENDPOINT_RETRIES = 2  # EvalScope retries a failed request 5 times, 10 s apart, by default
+# The OpenAI client's errors for an endpoint that did not answer (EvalScope gives up after ENDPOINT_RETRIES)
+ENDPOINT_GAVE_UP = ("APITimeoutError", "APIConnectionError")
+ENDPOINT_RETRY_INTERVAL_S = 5
+ENDPOINT_PROBE_TIMEOUT_S = 15.0  # the check before EvalScope starts (never longer than request_timeout_s)
+
+
+def check_endpoint(api_url: str, request_timeout_s: float = 600.0) -> None:
+    """Raise `ServiceUnavailable` unless the endpoint answers `GET <api_url>/models` (any HTTP status counts;
+    credentials are never sent) within `ENDPOINT_PROBE_TIMEOUT_S`, or `request_timeout_s` when shorter."""
+    from urllib.parse import urlunsplit
+
+    from data.reachability import require_reachable
+
+    parts = urlsplit(api_url)
+    models = urlunsplit(parts._replace(path=parts.path.rstrip("/") + "/models"))
+    require_reachable(models, "the evaluation endpoint", min(ENDPOINT_PROBE_TIMEOUT_S, request_timeout_s))
+
+
+def _endpoint_waits(request_timeout_s: float) -> dict:
+    """EvalScope's generation settings that bound the wait on an endpoint (not scores: report.json omits them)."""
+    return {"timeout": request_timeout_s, "retries": ENDPOINT_RETRIES, "retry_interval": ENDPOINT_RETRY_INTERVAL_S}
 
 
 def _model_id(model: str, checkpoint: bool) -> str:
@@ -348,12 +444,15 @@ def _run_worker(outputs: Path, spec: dict, offline: bool, echo: bool) -> Path:
     if status.get("ok"):
         return log_path
     if "unknown_benchmark" in status:
-        close = " or ".join(map(repr, status["suggestions"]))
-        hint = f"; did you mean {close}?" if close else ""
         shutil.rmtree(outputs, ignore_errors=True)
-        raise ValueError(f"unknown benchmark {status['unknown_benchmark']!r}: EvalScope {version('evalscope')} "
-                         f"has no benchmark of that name{hint}")
+        raise _unknown_benchmark_error(status)
     failed = _first_without_report(outputs, spec["task_config"])
+    waits = spec["task_config"]["generation_config"]
+    if status.get("error") in ENDPOINT_GAVE_UP and spec["task_config"].get("api_url"):  # the endpoint, not us
+        raise ServiceUnavailable(
+            f"the evaluation endpoint at {mask_uri(spec['task_config']['api_url'])} stopped answering on benchmark "
+            f"{failed!r}: {status['error']} after {waits.get('retries', 0) + 1} attempts of up to "
+            f"{waits.get('timeout'):g} s (eval.request_timeout_s); EvalScope's log: {log_path}")
     local = spec["task_config"].get("dataset_args", {}).get(failed, {}).get("local_path")
     hint = "" if failed is None or local else (
         f"\n{failed!r} has no local path, so EvalScope loads it from its dataset hub (ModelScope by default); "

@@ -1,23 +1,59 @@
 """The `grpoflow` command line: one subcommand per stage, each with `--json` for scripts and CI.
 
-With `--json`, the last line printed on stdout is one JSON object whose keys are stable; progress and
-logs go to stderr. Exit status: 0 success, 1 a failure while running, 2 bad input (config, data, usage).
+With `--json`, the last line printed on stdout is one JSON object whose keys are stable, on every exit
+(`{"error": ..., "exit_code": N}` when the command did not finish); progress and logs go to stderr.
+Exit status: 0 success, 1 a failure while running, 2 bad input (config, data, flags, usage) or a service
+that cannot be reached (one line naming it), 130 interrupted. Inputs are checked before any model is loaded.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
+import math
+import os
 import sys
 from pathlib import Path
+
+from data.errors import GrpoflowUserError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "tiny-cpu.yaml"
 
 
-class UsageError(ValueError):
+class UsageError(GrpoflowUserError, ValueError):
     """Bad input from the user: exit status 2."""
+
+
+class _ArgumentError(Exception):
+    """An argparse error, raised instead of argparse's own exit so that `--json` still prints its object."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        raise _ArgumentError(f"{self.prog}: error: {message}")
+
+
+def number(kind: type = float, *, gt: float | None = None, ge: float | None = None, le: float | None = None):
+    """An argparse `type` for a numeric flag: finite, and within the bounds given."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'a whole number' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        for bound, ok, symbol in ((gt, lambda v, b: v > b, ">"), (ge, lambda v, b: v >= b, ">="),
+                                  (le, lambda v, b: v <= b, "<=")):
+            if bound is not None and not ok(value, bound):
+                raise argparse.ArgumentTypeError(f"must be {symbol} {bound:g}, got {text!r}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
 
 
 def _recipe(args, extra_overrides: list[str] = ()):
@@ -38,16 +74,34 @@ def cmd_prep(args) -> dict:
     overrides = [f"data.{k}={json.dumps(v)}" for k, v in flags.items() if v is not None]
     if args.skip_invalid:
         overrides.append("data.skip_invalid=true")
-    result = prepare(**_recipe(args, overrides).data.prepare_kwargs())
+    kwargs = _recipe(args, overrides).data.prepare_kwargs()
+    _check_writable(kwargs["out"], "--out" if args.out else "data.out")
+    result = prepare(**kwargs)
     _say(args, f"prepared {result['rows']['train']} train + {result['rows']['heldout']} held-out rows "
                f"into {result['out']}" + (f" (dropped: {result['dropped']})" if result["dropped"] else ""))
     return result
+
+
+def _check_writable(path: str | Path, setting: str) -> None:
+    """Refuse an output path whose nearest existing folder cannot be written (read-only file system, no
+    permission) before any work; an output is written next to its final place and renamed there."""
+    path = Path(path).expanduser().resolve()
+    folder = path.parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UsageError(f"{setting} {path}: {folder} is a file, not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+        raise UsageError(f"{setting} {path}: cannot write in {folder} "
+                         f"({'read-only file system' if read_only else 'permission denied'})")
 
 
 def cmd_bootstrap(args) -> dict:
     from trainer.bootstrap import bootstrap
 
     recipe = _recipe(args, [f"bootstrap.out={json.dumps(args.out)}"] if args.out else [])
+    _check_writable(recipe.bootstrap.out, "--out" if args.out else "bootstrap.out")
     result = bootstrap(recipe.bootstrap, system_prompt=recipe.data.system_prompt)
     _say(args, f"tiny base model at {result['path']}: held-out greedy accuracy {result['heldout_accuracy']:.3f} "
                f"after {result['warmup_steps']} warm-up steps" + (" (cached)" if result["cached"] else ""))
@@ -80,6 +134,7 @@ def cmd_run(args) -> dict:
 
     services = configure(args.state_dir)
     recipe = _recipe(args)
+    _check_before_run(args, services, recipe)
     from flows.pipeline import grpo_pipeline  # after configure(): Prefect reads its settings at import
 
     summary = grpo_pipeline(recipe.to_dict(), {"tracking_uri": services.tracking_uri,
@@ -93,6 +148,38 @@ def cmd_run(args) -> dict:
     return summary
 
 
+PREFECT_PROBE_TIMEOUT_S = 10.0
+
+
+def _check_before_run(args, services, recipe) -> None:
+    """What would stop the pipeline late, checked before it starts: the Prefect API and MLflow answer (a
+    dead server is one line, not minutes of client retries), the evaluation settings are usable."""
+    from data.reachability import require_reachable
+    from tasks import tracking
+
+    if services.prefect_api_url:
+        require_reachable(services.prefect_api_url.rstrip("/") + "/health", "the Prefect API",
+                          PREFECT_PROBE_TIMEOUT_S, hint="PREFECT_API_URL")
+    tracking.client_for(services.tracking_uri, services.registry_uri)
+    _check_eval_settings(args, recipe)
+
+
+def _check_eval_settings(args, recipe, endpoint: str | None = None, **endpoint_settings) -> None:
+    """The recipe's `eval` section checked as EvalScope will use it (benchmark names, local paths, an API key
+    variable), and an endpoint's reachability, before any model is resolved, downloaded, trained or served."""
+    from evaluation.collection import check_benchmarks
+    from evaluation.evalscope_runner import EvalInputError, check_endpoint
+
+    e = recipe.eval
+    try:
+        check_benchmarks(e.benchmarks, local_paths=e.local_paths or None, limit=e.limit, repeats=e.repeats,
+                         max_tokens=e.max_tokens, temperature=e.temperature, api_url=endpoint, **endpoint_settings)
+    except EvalInputError as err:
+        raise UsageError(f"{args.config or args.default_config or '<defaults>'}: eval: {err}") from None
+    if endpoint:
+        check_endpoint(endpoint, e.request_timeout_s)
+
+
 def cmd_eval(args) -> dict:
     from tasks.services import configure
 
@@ -102,9 +189,15 @@ def cmd_eval(args) -> dict:
     from tasks import tracking
     from tasks.evaluation import heldout_accuracy, record_evaluation, resolve_model
 
+    e = recipe.eval
+    endpoint = args.model if args.model.startswith(("http://", "https://")) else None
+    if args.api_key_env and not os.environ.get(args.api_key_env):
+        raise UsageError(f"--api-key-env {args.api_key_env}: the environment variable {args.api_key_env} is not "
+                         "set (or empty)")
+    _check_eval_settings(args, recipe, endpoint, api_key_env=None if args.serve else args.api_key_env,
+                         eval_batch_size=args.concurrency if endpoint else 1)
     client = tracking.client_for(services.tracking_uri, services.registry_uri)
     ref = resolve_model(args.model, client, services.state_dir / "models-cache")
-    e = recipe.eval
     name = ref.model_name and f"{ref.model_name}-v{ref.model_version}" or Path(ref.local_path or "endpoint").name
     with _served_for_eval(args, ref, name) as served:  # --serve: the checkpoint behind a local endpoint
         api_url = served.url if served else ref.api_url
@@ -113,7 +206,7 @@ def cmd_eval(args) -> dict:
             work_dir=Path(e.out).resolve() / (f"{name}-served" if served else name),
             local_paths=e.local_paths or None, limit=e.limit, repeats=e.repeats, max_tokens=e.max_tokens,
             temperature=e.temperature, api_url=api_url, api_key_env=None if served else args.api_key_env,
-            eval_batch_size=args.concurrency if api_url else 1)
+            eval_batch_size=args.concurrency if api_url else 1, request_timeout_s=e.request_timeout_s)
     scores = dict(result.scores)
     if ref.local_path and (acc := heldout_accuracy(ref.local_path, recipe.data.out, recipe)) is not None:
         scores["heldout_accuracy"] = acc
@@ -181,9 +274,7 @@ def cmd_gate(args) -> dict:
     2 for anything else (usage, MLflow, a missing evaluation): CI can tell a regression from a broken check."""
     from evaluation.compare import DEFAULT_MAX_DROP
 
-    max_drop = DEFAULT_MAX_DROP if args.max_drop is None else args.max_drop
-    if max_drop < 0:
-        raise UsageError(f"--max-drop must be >= 0, got {max_drop}")
+    max_drop = DEFAULT_MAX_DROP if args.max_drop is None else args.max_drop  # --max-drop's type checked it
     result = _comparison(args, args.baseline, args.candidate, max_drop=max_drop,
                          promote_to="champion" if args.promote else None)
     passed = result["gate"]["passed"]
@@ -208,6 +299,8 @@ def _comparison(args, baseline: str, candidate: str, **gate) -> dict:
         return run_comparison(baseline, candidate, recipe.to_dict(), {
             "tracking_uri": services.tracking_uri, "registry_uri": services.registry_uri,
             "artifact_root": services.artifact_root, "state_dir": str(services.state_dir)}, **gate)
+    except GrpoflowUserError:
+        raise
     except (TrackingError, MlflowException, ComparisonError, ValueError, OSError) as e:
         raise UsageError(str(e)) from e
     except Exception as e:
@@ -230,16 +323,16 @@ def _add_recipe_args(p: argparse.ArgumentParser, default_config: Path | None) ->
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="grpoflow", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="grpoflow", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("prep", help="turn a dataset into validated prompt/answer rows with a manifest")
     p.add_argument("--task", help="gsm8k, math, numina, countdown, counting, synthetic")
     p.add_argument("--source", help="JSONL/Parquet/CSV file or directory, HF hub id, or synthetic[:kind]")
     p.add_argument("--out", help="output directory")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--heldout", type=float, help="fraction (<1) or row count (>=1) held out")
-    p.add_argument("--limit", type=int, help="read at most this many rows")
+    p.add_argument("--seed", type=number(int))
+    p.add_argument("--heldout", type=number(float, ge=0), help="0, a fraction (<1) or a whole row count (>=1) held out")
+    p.add_argument("--limit", type=number(int, ge=1), help="read at most this many rows")
     p.add_argument("--split", help="split of a hub dataset or directory (default train)")
     p.add_argument("--hub-config", help="hub dataset configuration")
     p.add_argument("--system-prompt", help="r1 (default), brief, none, or literal text")
@@ -262,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key-env", help="environment variable holding the endpoint's API key")
     p.add_argument("--serve", action="store_true",
                    help="serve the checkpoint on loopback (vLLM on a GPU, else transformers) and evaluate through it")
-    p.add_argument("--concurrency", type=int, default=8,
+    p.add_argument("--concurrency", type=number(int, ge=1), default=8,
                    help="requests in flight against an endpoint (--serve or a URL; default 8)")
     p.add_argument("--state-dir", help="where the embedded stores live (default .state, or $GRPOFLOW_STATE)")
     _add_recipe_args(p, DEFAULT_CONFIG)
@@ -299,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "confidence, 2 on errors")
     p.add_argument("--candidate", required=True, help="models:/..., a checkpoint, or an eval work dir")
     p.add_argument("--baseline", required=True, help="models:/... (e.g. models:/grpoflow-tiny@champion), ...")
-    p.add_argument("--max-drop", type=float, help="allowed drop in a benchmark's score (default 0.02)")
+    p.add_argument("--max-drop", type=number(float, ge=0), help="allowed drop in a benchmark's score (default 0.02)")
     p.add_argument("--promote", action="store_true", help="on a pass, set the 'champion' alias on the candidate")
     p.add_argument("--state-dir", help="where the embedded stores live (default .state, or $GRPOFLOW_STATE)")
     _add_recipe_args(p, DEFAULT_CONFIG)
@@ -307,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None):
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # `key=value` overrides may come after options too (`eval CKPT --serve eval.limit=1`)
@@ -316,27 +409,60 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(t for t in extra if t not in late or not hasattr(args, 'overrides'))}")
     if late:
         args.overrides = [*args.overrides, *late]
+    return args
+
+
+def _fail(args, message: str, code: int) -> int:
+    """The one-line message on stderr, and with --json the error object on stdout."""
+    from data.redact import redact
+
+    print(redact(message), file=sys.stderr)
+    if getattr(args, "json", False):
+        print(json.dumps({"error": redact(message.split(": error: ", 1)[-1]), "exit_code": code}))
+    return code
+
+
+_NOT_WRITABLE = {errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
+                 errno.EPERM: "operation not permitted"}
+_NO_SPACE = {errno.ENOSPC: "disk full (no space left on device)", errno.EDQUOT: "disk quota exceeded"}
+
+
+def _storage_error(e: BaseException) -> OSError | None:
+    """The OSError of a full or unwritable disk behind `e` (possibly wrapped by a library), else None."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in {**_NOT_WRITABLE, **_NO_SPACE}:
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = _parse(argv)
+    except _ArgumentError as e:  # argparse has printed the usage; exit 2 like argparse, with the JSON object
+        wants_json = "--json" in (sys.argv[1:] if argv is None else argv)
+        return _fail(argparse.Namespace(json=wants_json), str(e), 2)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     for noisy in ("httpx", "httpcore", "alembic", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    from data.errors import DataError
-    from trainer.plugins import PluginError
-    from trainer.rewards import RewardSpecError
-    from trainer.rollout.engines import MissingExtraError
-    from trainer.typed_config import ConfigError
-
     try:
         result = args.func(args)
-    except (ConfigError, DataError, RewardSpecError, PluginError, MissingExtraError, UsageError, FileNotFoundError) as e:
-        print(f"grpoflow {args.command}: error: {e}", file=sys.stderr)
-        if args.json:
-            print(json.dumps({"error": str(e), "exit_code": 2}))
-        return 2
+    except (GrpoflowUserError, FileNotFoundError) as e:  # ConfigError, DataError, UsageError, ServiceUnavailable...
+        return _fail(args, f"grpoflow {args.command}: error: {e}", 2)
     except KeyboardInterrupt:
-        print(f"grpoflow {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return _fail(args, f"grpoflow {args.command}: error: interrupted", 130)
     except Exception as e:  # noqa: BLE001 - the CLI's last word on any failure, with the traceback in the log
+        if (disk := _storage_error(e)) is not None:  # one line, no traceback: the disk, not the code
+            target = disk.filename or getattr(args, "out", None)  # a write() error names no file
+            where = f": {target}" if target else ""
+            if disk.errno in _NO_SPACE:
+                return _fail(args, f"grpoflow {args.command}: error: {_NO_SPACE[disk.errno]} writing{where}; "
+                                   "free some space and run it again", 1)
+            return _fail(args, f"grpoflow {args.command}: error: cannot write{where}: "
+                               f"{_NOT_WRITABLE[disk.errno]}", 2)
         logging.getLogger("grpoflow").exception("%s failed", args.command)
         if args.json:
             print(json.dumps({"error": f"{type(e).__name__}: {e}", "exit_code": 1}))

@@ -22,10 +22,12 @@ from pathlib import Path
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
+from data.errors import ServiceUnavailable
 from data.manifest import sha256_json, write_json_atomic
 from evaluation.compare import (
     GateResult,
     Row,
+    check_max_drop,
     compare,
     gate,
     load_samples,
@@ -73,6 +75,8 @@ def open_store(recipe: dict, services: dict) -> tuple[MlflowClient, str]:
     """The MLflow client and the recipe's experiment; raises `TrackingError` when the store is unusable."""
     try:
         client = tracking.client_for(services["tracking_uri"], services.get("registry_uri"))
+    except ServiceUnavailable:  # names the server already
+        raise
     except Exception as e:  # noqa: BLE001 - a sqlite store fails here already (e.g. its folder cannot be made)
         raise tracking.TrackingError(f"MLflow at {services['tracking_uri']!r} is unreachable: "
                                      f"{type(e).__name__}: {e}") from e
@@ -196,6 +200,8 @@ def run_comparison(baseline: str, candidate: str, recipe: dict, services: dict, 
     `promote_to`: an alias set on the candidate's version when the gate passes (needs `max_drop` and a
     registered candidate).
     """
+    if max_drop is not None:
+        check_max_drop(max_drop)  # before any evaluation runs
     if promote_to and not is_registered(candidate):
         raise ValueError(f"promoting needs a registered candidate (models:/name@alias or models:/name/<version>), "
                          f"got {candidate!r}")

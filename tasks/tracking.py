@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
 from mlflow import MlflowClient
 from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param
+
+from data.reachability import require_reachable
 
 log = logging.getLogger("grpoflow.tracking")
 
@@ -21,8 +24,42 @@ class TrackingError(RuntimeError):
     """The MLflow store cannot be reached or refused a write; names the tracking URI."""
 
 
+# MLflow's own defaults retry an unreachable server for about 250 s (7 retries, backoff factor 2, 120 s per
+# request); ours bound one call to about a minute and a half. A value the user set is kept.
+HTTP_BOUNDS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+               "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+PROBE_TIMEOUT_S = 10.0  # the reachability check before the first call (never longer than the request timeout)
+_reachable: set[str] = set()
+
+
 def client_for(tracking_uri: str, registry_uri: str | None = None) -> MlflowClient:
-    return MlflowClient(tracking_uri=tracking_uri, registry_uri=registry_uri or tracking_uri)
+    """A client for the store at `tracking_uri`.
+
+    The store's server (or database host) is checked first with a short timeout, once per process: an
+    unreachable one raises `ServiceUnavailable` naming it, instead of MLflow retrying for minutes.
+    """
+    registry_uri = registry_uri or tracking_uri
+    bound_http_waits()
+    check_reachable(tracking_uri, "MLflow tracking store", "MLFLOW_TRACKING_URI")
+    check_reachable(registry_uri, "MLflow model registry", "MLFLOW_REGISTRY_URI")
+    return MlflowClient(tracking_uri=tracking_uri, registry_uri=registry_uri)
+
+
+def bound_http_waits() -> None:
+    """Bound MLflow's HTTP retries and timeouts (`HTTP_BOUNDS`) unless the user set them; logs the bounds."""
+    for variable, value in HTTP_BOUNDS.items():
+        if variable not in os.environ:
+            os.environ[variable] = value
+            log.debug("%s=%s (grpoflow's bound; set it to change)", variable, value)
+
+
+def check_reachable(uri: str, what: str = "MLflow tracking store", variable: str = "MLFLOW_TRACKING_URI") -> None:
+    """Raise `ServiceUnavailable` unless the server or database host of `uri` answers (sqlite/file: no check)."""
+    if uri in _reachable:
+        return
+    timeout = min(PROBE_TIMEOUT_S, float(os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT") or PROBE_TIMEOUT_S))
+    require_reachable(uri, what, timeout, hint=variable)
+    _reachable.add(uri)
 
 
 def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None) -> str:
