@@ -279,7 +279,12 @@ def test_a_request_past_its_timeout_gets_504_and_stops_being_generated(tiny_base
 
 def run_cli(*args: str, env: dict | None = None) -> tuple[int, str, str]:
     proc = grpoflow("serve-model", *args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    out, err = proc.communicate(timeout=180)
+    try:
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:  # it serves instead of refusing
+            proc.kill()
+            proc.communicate()
     return proc.returncode, out, err
 
 
