@@ -354,7 +354,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                              "'Authorization: Bearer <key>' (required for a non-loopback --host)")
     limits = parser.add_argument_group("per-request limits (transformers engine)")
     for f in fields(ServerLimits):
-        default = "" if f.default is None else f" (default {f.default:g})"
+        default = "" if f.default is None else f" (default {f.default:g})" if isinstance(f.default, float) \
+            else f" (default {f.default})"
         limits.add_argument(f.metadata["flag"], dest=f.name, type=f.metadata["type"],
                             help=f.metadata["help"] + default)
     parser.add_argument("--json", action="store_true",
