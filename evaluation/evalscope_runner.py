@@ -9,6 +9,9 @@ Layout of `work_dir` after a successful run:
     evalscope/      EvalScope's outputs (see `evalscope_reports`), plus `run.log` (the child's whole
                     output), `spec.json` (the TaskConfig it ran; never the API key) and `status.json`.
 
+An endpoint's credentials (the API key, userinfo and secret query parameters of `api_url`) reach the child
+through its environment only: EvalScope is given the bare URL, `report.json` the masked one (`data.redact`).
+
 Calling it again on a finished `work_dir` with the same settings returns the recorded result (a retried
 task does not evaluate twice); with other settings it raises `FileExistsError`. The port of a loopback
 `api_url` is no setting: a model served for one evaluation gets a fresh port each time. Raises `ValueError`
@@ -33,7 +36,7 @@ from urllib.parse import urlsplit
 
 from data.errors import GrpoflowUserError, ServiceUnavailable
 from data.manifest import write_json_atomic
-from data.redact import mask_uri
+from data.redact import mask_uri, strip_credentials
 from evaluation.evalscope_reports import BenchmarkReport, read_report, report_path, sample_paths
 
 REPORT = "report.json"
@@ -44,6 +47,8 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 # Set for the child only, and only when no benchmark needs a dataset hub: then nothing may touch the network.
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 _WORKER = Path(__file__).with_name("evalscope_worker.py")
+# The child's environment variable with an endpoint's credentials: {"headers": {...}, "query": {...}}.
+CREDENTIALS_ENV = "GRPOFLOW_EVAL_CREDENTIALS"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -117,7 +122,7 @@ def run_evalscope(
     model_id = _model_id(model, checkpoint)
     settings = {  # everything that decides the scores; report.json records it
         "model": model, "model_id": model_id, "eval_type": "llm_ckpt" if checkpoint else "openai_api",
-        "api_url": api_url, "api_key_env": api_key_env, "benchmarks": list(benchmarks),
+        "api_url": mask_uri(api_url), "api_key_env": api_key_env, "benchmarks": list(benchmarks),
         "local_paths": local_paths, "dataset_ids": dataset_ids or None, "limit": limit, "repeats": repeats,
         "generation_config": _generation_config(max_tokens, temperature, checkpoint),
         "eval_batch_size": eval_batch_size, "dtype": dtype if checkpoint else None, "seed": seed,
@@ -128,6 +133,7 @@ def run_evalscope(
         return _finished(work_dir, settings)
     if not checkpoint:
         check_endpoint(api_url, request_timeout_s)
+    bare_url, credentials = (None, None) if checkpoint else _endpoint_credentials(api_url)
     outputs = work_dir / OUTPUTS
     shutil.rmtree(outputs, ignore_errors=True)  # what a failed earlier attempt left
     outputs.mkdir(parents=True)
@@ -140,13 +146,15 @@ def run_evalscope(
         "generation_config": {**settings["generation_config"], **({} if checkpoint else _endpoint_waits(request_timeout_s))},
         "eval_batch_size": eval_batch_size, "seed": seed, "work_dir": str(outputs), "no_timestamp": True,
         # an endpoint's requests are retried by EvalScope (`_endpoint_waits`), not again inside its OpenAI client
-        **({"model_args": {"precision": dtype}} if checkpoint else {"api_url": api_url,
+        **({"model_args": {"precision": dtype}} if checkpoint else {"api_url": bare_url,
                                                                     "model_args": {"max_retries": 0}}),
     }
     started = time.time()
     echo = progress if progress is not None else sys.stderr.isatty() and not os.getenv("CI")
-    spec = {"task_config": task_config, "api_key_env": api_key_env}
-    log_path = _run_worker(outputs, spec, settings["offline"], echo)
+    spec = {"task_config": task_config, "api_key_env": api_key_env,
+            "credentials_env": CREDENTIALS_ENV if credentials else None}
+    log_path = _run_worker(outputs, spec, settings["offline"], echo,
+                           {CREDENTIALS_ENV: json.dumps(credentials)} if credentials else {})
     reports = {}
     for bench in benchmarks:
         path = report_path(outputs, model_id, bench)
@@ -254,7 +262,7 @@ def _check_inputs(model, benchmarks, local_paths, api_url, api_key_env) -> tuple
                                  "no config.json in it")
         model = str(path)
     elif api_url is not None and not re.match(r"https?://", api_url):
-        raise EvalInputError(f"api_url must be an http(s) URL such as http://host:8000/v1, got {api_url!r}")
+        raise EvalInputError(f"api_url must be an http(s) URL such as http://host:8000/v1, got {mask_uri(api_url)!r}")
     if api_key_env is not None:
         if api_url is None:
             raise EvalInputError("api_key_env is only used with api_url (a served model)")
@@ -420,11 +428,30 @@ def _dataset_args(benchmarks, local_paths: dict[str, str], dataset_ids: dict[str
     return {b: a for b, a in args.items() if a}
 
 
-def _run_worker(outputs: Path, spec: dict, offline: bool, echo: bool) -> Path:
-    """Run EvalScope in a child process; its whole output goes to `run.log` (and to stderr when `echo`)."""
+def _endpoint_credentials(api_url: str) -> tuple[str, dict | None]:
+    """(the bare URL EvalScope is given, the credentials its client must send, or None).
+
+    Userinfo becomes HTTP Basic auth, as httpx makes of it (it wins over the API key's bearer header, as it
+    did when the URL was passed whole); query parameters are sent with every request.
+    """
+    import base64
+    from urllib.parse import unquote
+
+    bare, userinfo, query = strip_credentials(api_url)
+    headers = {}
+    if userinfo is not None:
+        user, _, password = userinfo.partition(":")
+        basic = base64.b64encode(f"{unquote(user)}:{unquote(password)}".encode()).decode()
+        headers["Authorization"] = f"Basic {basic}"
+    return bare, ({"headers": headers, "query": query} if headers or query else None)
+
+
+def _run_worker(outputs: Path, spec: dict, offline: bool, echo: bool, secret_env: dict | None = None) -> Path:
+    """Run EvalScope in a child process; its whole output goes to `run.log` (and to stderr when `echo`).
+    `secret_env`: variables for the child only (an endpoint's credentials), never written to a file."""
     spec_path, status_path, log_path = outputs / "spec.json", outputs / "status.json", outputs / "run.log"
     write_json_atomic(spec_path, spec)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(OFFLINE_ENV if offline else {})}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(OFFLINE_ENV if offline else {}), **(secret_env or {})}
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     cmd = [sys.executable, str(_WORKER), str(spec_path), str(status_path)]
     with open(log_path, "w") as log:

@@ -5,8 +5,11 @@ progress bars freely, the offline switches it must see are process-wide environm
 loaded checkpoint is only truly freed when its process ends. The parent (`evalscope_runner`) captures this
 process's output into a log file and reads back what it wrote.
 
-The spec is `{"task_config": {...TaskConfig fields...}, "api_key_env": name or null}`. The API key is read
-here from the named environment variable, so it is never written to a file. A spec `{"build_collection":
+The spec is `{"task_config": {...TaskConfig fields...}, "api_key_env": name or null, "credentials_env": name
+or null}`. The API key is read here from the named environment variable, so it is never written to a file;
+so are an endpoint's other credentials (`{"headers": {...}, "query": {...}}`, from its URL's userinfo and
+query), which EvalScope's OpenAI client sends with every request while the TaskConfig that EvalScope logs and
+saves holds only the bare URL. A spec `{"build_collection":
 {"schema": ..., "count": n, "seed": s, "out": path}}` instead samples a collection JSONL with EvalScope's own
 collection machinery (see `evaluation.collection`). The status file receives
 `{"ok": true}`, or `{"unknown_benchmark": name, "suggestions": [...]}` (exit code 2), or
@@ -22,6 +25,7 @@ import sys
 import traceback
 
 EXIT_FAILED, EXIT_UNKNOWN_BENCHMARK = 1, 2
+_SECRETS: list[str] = []  # values no log line, traceback or status may show (see `_scrub_logs`)
 
 
 def _write_status(path: str, status: dict) -> None:
@@ -70,10 +74,68 @@ def run(spec: dict) -> dict:
     for name, args in task.get("dataset_args", {}).items():
         if args.get("aggregation") == "mean_and_pass_at_k" and "primary_metric" not in args:
             args["primary_metric"] = _mean_selector(name)
+    secrets = []
     if spec.get("api_key_env"):
         task["api_key"] = os.environ[spec["api_key_env"]]
+        secrets.append(task["api_key"])
+    if spec.get("credentials_env"):
+        secrets += _send_credentials(json.loads(os.environ[spec["credentials_env"]]))
+    if secrets:
+        _scrub_logs(secrets)
     run_task(TaskConfig(**task))
     return {"ok": True}
+
+
+def _send_credentials(credentials: dict) -> list[str]:
+    """EvalScope's `openai_api` client, made to send `credentials` (headers and query parameters) itself;
+    returns the secret values, for `_scrub_logs`.
+
+    Passing them as `model_args` would work too, but EvalScope logs its model_args and saves them in its
+    config dump. Request log lines (httpx logs each URL, query included) are scrubbed of the values.
+    """
+    import evalscope.models  # noqa: F401  (registers the model APIs, `openai_api` among them)
+    from evalscope.api.registry import MODEL_APIS, get_model_api
+
+    base = get_model_api("openai_api")
+
+    class CredentialedOpenAIAPI(base):
+        def __init__(self, *args, **model_args):
+            model_args["default_headers"] = {**model_args.get("default_headers", {}), **credentials["headers"]}
+            model_args["default_query"] = {**model_args.get("default_query", {}), **credentials["query"]}
+            super().__init__(*args, **model_args)
+
+    MODEL_APIS["openai_api"] = CredentialedOpenAIAPI
+    values = [v for v in (*credentials["headers"].values(), *credentials["query"].values()) if v]
+    return values + [part for v in credentials["headers"].values() for part in v.split()[1:]]  # "Basic <token>"
+
+
+def _scrub_logs(values: list[str]) -> None:
+    """Every log record made in this process, by any logger, with `values` (and their URL-quoted forms)
+    replaced by `***` before any handler (console, EvalScope's log file) sees it."""
+    import logging
+    from urllib.parse import quote, quote_plus
+
+    forms = {form for v in values if len(v) >= 4 for form in (v, quote(v, safe=""), quote_plus(v))}
+    _SECRETS[:] = sorted(forms | set(_SECRETS), key=len, reverse=True)
+    make_record = logging.getLogRecordFactory()
+
+    def scrubbed_record(*args, **kwargs):
+        record = make_record(*args, **kwargs)
+        message = record.getMessage()
+        clean = _scrub(message)
+        if clean != message:
+            record.msg, record.args = clean, ()
+        if record.exc_info and record.exc_info[0] is not None:
+            record.exc_text = _scrub("".join(traceback.format_exception(*record.exc_info)).rstrip("\n"))
+        return record
+
+    logging.setLogRecordFactory(scrubbed_record)
+
+
+def _scrub(text: str) -> str:
+    for secret in _SECRETS:
+        text = text.replace(secret, "***")
+    return text
 
 
 def build_collection(spec: dict) -> dict:
@@ -96,8 +158,8 @@ def main(argv: list[str]) -> int:
     try:
         status = build_collection(spec["build_collection"]) if "build_collection" in spec else run(spec)
     except BaseException as exc:  # the parent needs a status for every way this process can end
-        traceback.print_exc()
-        _write_status(status_path, {"error": type(exc).__name__, "message": str(exc)[-2000:]})
+        print(_scrub(traceback.format_exc()), file=sys.stderr, flush=True)
+        _write_status(status_path, {"error": type(exc).__name__, "message": _scrub(str(exc))[-2000:]})
         return EXIT_FAILED
     _write_status(status_path, status)
     return EXIT_UNKNOWN_BENCHMARK if "unknown_benchmark" in status else 0

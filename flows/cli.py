@@ -133,13 +133,11 @@ def cmd_run(args) -> dict:
     from tasks.services import configure
 
     services = configure(args.state_dir)
-    recipe = _recipe(args)
+    recipe = services.place_outputs(_recipe(args))
     _check_before_run(args, services, recipe)
     from flows.pipeline import grpo_pipeline  # after configure(): Prefect reads its settings at import
 
-    summary = grpo_pipeline(recipe.to_dict(), {"tracking_uri": services.tracking_uri,
-                                               "registry_uri": services.registry_uri,
-                                               "artifact_root": services.artifact_root})
+    summary = grpo_pipeline(recipe.to_dict(), services.flow_parameters())
     summary["state"] = services.describe()
     summary["ui"] = services.ui_commands()
     if not args.json:
@@ -184,7 +182,7 @@ def cmd_eval(args) -> dict:
     from tasks.services import configure
 
     services = configure(args.state_dir)
-    recipe = _recipe(args)
+    recipe = services.place_outputs(_recipe(args))
     from evaluation.collection import run_benchmarks
     from tasks import tracking
     from tasks.evaluation import heldout_accuracy, record_evaluation, resolve_model
@@ -214,9 +212,10 @@ def cmd_eval(args) -> dict:
     run_id = record_evaluation(client, experiment, ref, scores, recipe.to_dict()["eval"], result.work_dir / "report.json")
     for bench, score in scores.items():
         _say(args, f"{bench}: {score:.4f}")
-    return {"model": args.model, "model_name": ref.model_name, "model_version": ref.model_version,
+    return {"model": ref.text, "model_name": ref.model_name, "model_version": ref.model_version,
             "scores": scores, "num_samples": result.num_samples, "report": str(result.work_dir / "report.json"),
-            "work_dir": str(result.work_dir), "mlflow_run_id": run_id, "tracking_uri": services.tracking_uri,
+            "work_dir": str(result.work_dir), "mlflow_run_id": run_id,
+            "tracking_uri": services.flow_parameters()["tracking_uri"],
             "served_by": served.engine if served else None}
 
 
@@ -289,16 +288,14 @@ def _comparison(args, baseline: str, candidate: str, **gate) -> dict:
     from tasks.services import configure
 
     services = configure(args.state_dir)
-    recipe = _recipe(args)
+    recipe = services.place_outputs(_recipe(args))
     from mlflow.exceptions import MlflowException
 
     from tasks.comparison import ComparisonError, run_comparison
     from tasks.tracking import TrackingError
 
     try:
-        return run_comparison(baseline, candidate, recipe.to_dict(), {
-            "tracking_uri": services.tracking_uri, "registry_uri": services.registry_uri,
-            "artifact_root": services.artifact_root, "state_dir": str(services.state_dir)}, **gate)
+        return run_comparison(baseline, candidate, recipe.to_dict(), services.flow_parameters(), **gate)
     except GrpoflowUserError:
         raise
     except (TrackingError, MlflowException, ComparisonError, ValueError, OSError) as e:
@@ -311,7 +308,8 @@ def _comparison(args, baseline: str, candidate: str, **gate) -> dict:
 
 
 def _say(args, text: str) -> None:
-    print(text, file=sys.stderr if args.json else sys.stdout, flush=True)
+    from data.redact import redact
+    print(redact(text), file=sys.stderr if args.json else sys.stdout, flush=True)
 
 
 def _add_recipe_args(p: argparse.ArgumentParser, default_config: Path | None) -> None:
@@ -448,6 +446,10 @@ def main(argv: list[str] | None = None) -> int:
                         datefmt="%H:%M:%S")
     for noisy in ("httpx", "httpcore", "alembic", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    from data.redact import RedactingFormatter, redact
+    for handler in logging.getLogger().handlers:  # a URI in a log line or a traceback is shown masked
+        handler.setFormatter(RedactingFormatter(handler.formatter._fmt if handler.formatter else None,
+                                                datefmt="%H:%M:%S"))
     try:
         result = args.func(args)
     except (GrpoflowUserError, FileNotFoundError) as e:  # ConfigError, DataError, UsageError, ServiceUnavailable...
@@ -465,10 +467,10 @@ def main(argv: list[str] | None = None) -> int:
                                f"{_NOT_WRITABLE[disk.errno]}", 2)
         logging.getLogger("grpoflow").exception("%s failed", args.command)
         if args.json:
-            print(json.dumps({"error": f"{type(e).__name__}: {e}", "exit_code": 1}))
+            print(json.dumps({"error": redact(f"{type(e).__name__}: {e}"), "exit_code": 1}))
         return 1
     if args.json and result is not None:  # None: a trainer rank other than 0, or a launcher
-        print(json.dumps(result, default=str))
+        print(redact(json.dumps(result, default=str)))
     return int(result.get("exit_code", 0)) if isinstance(result, dict) else 0  # a command's own verdict, e.g. a failed gate
 
 

@@ -1,9 +1,11 @@
-"""The summary a person reads at the end of `grpoflow run`."""
+"""The summary a person reads at the end of `grpoflow run` (URIs shown with their credentials masked)."""
 
 from __future__ import annotations
 
 from rich.console import Console
 from rich.table import Table
+
+from data.redact import mask_uri, redact
 
 
 def print_run_summary(summary: dict, console: Console | None = None) -> None:
@@ -18,8 +20,8 @@ def print_run_summary(summary: dict, console: Console | None = None) -> None:
     table.add_row("registered", f"{summary['model_uri']} (alias candidate)")
     table.add_row("cached stages", ", ".join(summary["cached_stages"]) or "none")
     table.add_row("checkpoint", summary["checkpoint"])
-    table.add_row("MLflow", summary["tracking_uri"])
-    table.add_row("Prefect", summary["state"]["prefect"])
+    table.add_row("MLflow", mask_uri(summary["tracking_uri"]))
+    table.add_row("Prefect", mask_uri(summary["state"]["prefect"]))
     for i, cmd in enumerate(summary["ui"]):
-        table.add_row("open the UIs" if i == 0 else "", f"[bold]{cmd}[/bold]")
+        table.add_row("open the UIs" if i == 0 else "", f"[bold]{redact(cmd)}[/bold]")
     console.print(table)

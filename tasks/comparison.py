@@ -122,7 +122,7 @@ def find_evaluation(client: MlflowClient, name: str, version: str, eval_cfg: dic
                                    order_by=["attributes.start_time DESC"], max_results=100)
     except Exception as e:  # noqa: BLE001 - the store answered once already; any failure now is the store's
         raise tracking.TrackingError(f"models:/{name}/{version}: reading its evaluations from MLflow at "
-                                     f"{client.tracking_uri!r} failed ({type(e).__name__}: {e})") from e
+                                     f"{tracking.shown(client)!r} failed ({type(e).__name__}: {e})") from e
     if tagged:  # the version's latest evaluation goes first; it may live in another experiment, or be deleted
         try:
             runs.insert(0, client.get_run(tagged))

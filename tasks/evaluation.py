@@ -13,6 +13,7 @@ from pathlib import Path
 from mlflow import MlflowClient
 
 from data.manifest import MANIFEST, read_manifest
+from data.redact import mask_uri, redact
 from tasks import tracking
 
 _MODELS_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))$")
@@ -20,9 +21,9 @@ _MODELS_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<ve
 
 @dataclass
 class ModelRef:
-    text: str
+    text: str  # the reference as shown and stored (an endpoint's credentials masked)
     local_path: str | None = None  # a checkpoint on disk
-    api_url: str | None = None  # an OpenAI-compatible endpoint
+    api_url: str | None = None  # an OpenAI-compatible endpoint, with its credentials: only for connecting
     model_name: str | None = None  # registered name and version, when the reference is one
     model_version: str | None = None
 
@@ -40,14 +41,14 @@ def lookup_version(ref: str, client: MlflowClient):
         mv = (client.get_model_version_by_alias(m["name"], m["alias"]) if m["alias"]
               else client.get_model_version(m["name"], m["version"]))
     except Exception as e:  # noqa: BLE001 - unknown name/alias/version or unreachable store
-        raise tracking.TrackingError(f"{ref}: not found in MLflow at {client.tracking_uri!r} "
-                                     f"({type(e).__name__}: {e})") from e
+        raise tracking.TrackingError(redact(f"{ref}: not found in MLflow at {tracking.shown(client)!r} "
+                                            f"({type(e).__name__}: {e})")) from e
     return m["name"], mv
 
 
 def resolve_model(ref: str, client: MlflowClient | None, cache_dir: Path) -> ModelRef:
     if ref.startswith(("http://", "https://")):
-        return ModelRef(ref, api_url=ref)
+        return ModelRef(mask_uri(ref), api_url=ref)
     if is_registered_ref(ref):
         if client is None:
             raise ValueError(f"{ref}: a registered model needs an MLflow tracking URI")
@@ -66,14 +67,14 @@ def resolve_model(ref: str, client: MlflowClient | None, cache_dir: Path) -> Mod
         return ModelRef(ref, local_path=str(target), model_name=name, model_version=str(mv.version))
     path = Path(ref).expanduser()
     if not path.is_dir():
-        raise FileNotFoundError(f"model {ref!r}: not a checkpoint directory, a models:/ URI or an http(s) URL")
+        raise FileNotFoundError(f"model {mask_uri(ref)!r}: not a checkpoint directory, a models:/ URI or an http(s) URL")
     return ModelRef(ref, local_path=str(path.resolve()))
 
 
 def record_evaluation(client: MlflowClient, experiment_id: str, ref: ModelRef, scores: dict, eval_cfg: dict,
                       report: Path | None, parent_run_id: str | None = None) -> str:
     """One MLflow run with the scores; a registered version also gets them as `eval.<benchmark>` tags."""
-    tags = {"model": ref.text}
+    tags = {"model": mask_uri(ref.text)}
     if ref.model_name:
         tags.update(model_name=ref.model_name, model_version=ref.model_version)
     run_id = tracking.start_run(client, experiment_id, "evaluate", parent_run_id, tags=tags)

@@ -1,7 +1,8 @@
 """MLflow tracking for the pipeline: one run per flow run, a nested run per stage, ids passed explicitly.
 
 Everything goes through `MlflowClient` with explicit run ids: MLflow's fluent "active run" is thread-local,
-and Prefect runs tasks in worker threads.
+and Prefect runs tasks in worker threads. Flows and tasks pass the tracking URI masked (Prefect stores their
+parameters); `client_for` connects with the credentials of the environment variable that holds the real URI.
 """
 
 from __future__ import annotations
@@ -16,12 +17,17 @@ from mlflow import MlflowClient
 from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param
 
 from data.reachability import require_reachable
+from data.redact import has_credentials, mask_uri, redact
 
 log = logging.getLogger("grpoflow.tracking")
 
 
 class TrackingError(RuntimeError):
     """The MLflow store cannot be reached or refused a write; names the tracking URI."""
+
+
+# Where a masked URI's credentials are found: the variables the services are configured from.
+CREDENTIAL_VARIABLES = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
 
 
 # MLflow's own defaults retry an unreachable server for about 250 s (7 retries, backoff factor 2, 120 s per
@@ -33,12 +39,13 @@ _reachable: set[str] = set()
 
 
 def client_for(tracking_uri: str, registry_uri: str | None = None) -> MlflowClient:
-    """A client for the store at `tracking_uri`.
+    """A client for the store at `tracking_uri`, which may be given masked (see `with_credentials`).
 
     The store's server (or database host) is checked first with a short timeout, once per process: an
     unreachable one raises `ServiceUnavailable` naming it, instead of MLflow retrying for minutes.
     """
-    registry_uri = registry_uri or tracking_uri
+    tracking_uri = with_credentials(tracking_uri)
+    registry_uri = with_credentials(registry_uri or tracking_uri)
     bound_http_waits()
     check_reachable(tracking_uri, "MLflow tracking store", "MLFLOW_TRACKING_URI")
     check_reachable(registry_uri, "MLflow model registry", "MLFLOW_REGISTRY_URI")
@@ -62,6 +69,20 @@ def check_reachable(uri: str, what: str = "MLflow tracking store", variable: str
     _reachable.add(uri)
 
 
+def with_credentials(uri: str) -> str:
+    """The real URI behind `uri` when `uri` is one of `CREDENTIAL_VARIABLES` masked; else `uri` itself."""
+    for variable in CREDENTIAL_VARIABLES:
+        real = os.environ.get(variable)
+        if real and real != uri and has_credentials(real) and mask_uri(real) == uri:
+            return real
+    return uri
+
+
+def shown(client: MlflowClient) -> str:
+    """The client's tracking URI as messages may show it."""
+    return mask_uri(client.tracking_uri)
+
+
 def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None) -> str:
     try:
         exp = client.get_experiment_by_name(name)
@@ -70,8 +91,8 @@ def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None
         location = f"{Path(artifact_root).as_uri()}/{name}" if artifact_root else None
         return client.create_experiment(name, artifact_location=location)
     except Exception as e:  # noqa: BLE001 - any failure here means the store is unusable
-        raise TrackingError(f"MLflow at {client.tracking_uri!r} is unreachable or refused the experiment "
-                            f"{name!r}: {type(e).__name__}: {e}") from e
+        raise TrackingError(redact(f"MLflow at {shown(client)!r} is unreachable or refused the experiment "
+                                   f"{name!r}: {type(e).__name__}: {e}")) from e
 
 
 def start_run(client: MlflowClient, experiment_id: str, name: str, parent_run_id: str | None = None,
