@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from conftest import REPO_ROOT
+from trainer.extras import MissingExtraError
 from trainer.recipe import RolloutConfig
 from trainer.rollout.base import SamplingParams
-from trainer.rollout.engines import MissingExtraError, make_engine
+from trainer.rollout.engines import make_engine
 from trainer.rollout.hf_engine import HFEngine
 
 

@@ -461,9 +461,9 @@ def test_every_user_error_derives_from_one_class_the_cli_maps_to_exit_2():
     from data.manifest import IntegrityError, OutputDirError
     from evaluation.evalscope_runner import EvalInputError
     from flows.cli import UsageError
+    from trainer.extras import MissingExtraError
     from trainer.plugins import PluginError
     from trainer.rewards import RewardSpecError
-    from trainer.rollout.engines import MissingExtraError
     from trainer.typed_config import ConfigError
 
     for cls in (ConfigError, DataError, RewardSpecError, PluginError, MissingExtraError, UsageError,

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from trainer.rollout.engines import import_extra
+from trainer.extras import import_extra
 
 
 def zero_config(stage: int = 2, micro_batch_size: int = 1, grad_accum: int = 1, max_grad_norm: float = 1.0,
@@ -38,9 +38,9 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config:
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
     if "MASTER_PORT" not in os.environ:
-        from trainer.rollout.remote import _free_port
+        from trainer.rollout.remote import free_port
 
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(free_port())
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine

@@ -1,39 +1,13 @@
 """Choosing a rollout engine from the recipe: transformers (any machine), vLLM or LMDeploy (the `[gpu]` extra).
 
 The GPU engines are imported only when a recipe asks for them, so everything else runs on a machine
-without them. Asking for one that is not installed raises `MissingExtraError` (an `ImportError`) whose
-message names the engine and the command that installs it.
+without them. Asking for one that is not installed raises `trainer.extras.MissingExtraError`.
 """
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
-
-from data.errors import GrpoflowUserError
 from trainer.recipe import RolloutConfig
 from trainer.rollout.base import RolloutEngine
-
-INSTALL_HINTS = {
-    "vllm": "pip install '.[gpu]' (or pip install vllm)",
-    "lmdeploy": "pip install '.[gpu]' (or pip install lmdeploy)",
-    "deepspeed": "pip install '.[gpu]' (or pip install deepspeed)",
-}
-
-
-class MissingExtraError(GrpoflowUserError, ImportError):
-    """A GPU engine (or DeepSpeed) was asked for but its package is not installed."""
-
-
-def import_extra(module: str, what: str) -> ModuleType:
-    """Import `module` for `what` (e.g. "the 'vllm' rollout engine"), or say how to install it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        hint = INSTALL_HINTS.get(module, f"pip install {module}")
-        raise MissingExtraError(f"{what} needs the {module!r} package, which is not installed here ({e}). "
-                                f"Install the GPU extra: {hint}. It needs a CUDA machine; on CPU use "
-                                "rollout.engine: transformers.") from e
 
 
 def make_engine(cfg: RolloutConfig, model_path: str, *, model=None, tokenizer=None, device: str = "cpu",

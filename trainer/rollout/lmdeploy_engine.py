@@ -38,9 +38,9 @@ from collections.abc import Iterable
 
 import torch
 
+from trainer.extras import import_extra
 from trainer.rollout.base import Completion, SamplingParams
-from trainer.rollout.engines import import_extra
-from trainer.rollout.weight_sync import _buckets
+from trainer.rollout.weight_sync import buckets as weight_buckets
 
 log = logging.getLogger("grpoflow.rollout.lmdeploy")
 BACKENDS = ("pytorch", "turbomind")
@@ -187,7 +187,7 @@ class LMDeployEngine:
         from lmdeploy.utils import serialize_state_dict
 
         engine = self._async_engine.engine
-        buckets = list(_buckets([(name, t.detach()) for name, t in named_tensors], BUCKET_BYTES))
+        buckets = list(weight_buckets([(name, t.detach()) for name, t in named_tensors], BUCKET_BYTES))
         for i, bucket in enumerate(buckets):
             for name, t in bucket:
                 if not t.is_cuda:

@@ -42,7 +42,7 @@ class WorkerSpec:
     version: int = 0  # the policy version of the weights it loads (a resumed run's step)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -101,7 +101,7 @@ class RemoteRollout:
         self.timeout_s = timeout_s
         devices = devices or ["cpu"] * num_engines
         world = len(devices) + 1
-        port = _free_port()
+        port = free_port()
         ctx = mp.get_context("spawn")
         self.results = ctx.Queue()
         self.commands, self.procs = [], []

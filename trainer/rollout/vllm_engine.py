@@ -32,8 +32,8 @@ from collections.abc import Iterable
 
 import torch
 
+from trainer.extras import MissingExtraError, import_extra
 from trainer.rollout.base import Completion, SamplingParams
-from trainer.rollout.engines import MissingExtraError, import_extra
 
 log = logging.getLogger("grpoflow.rollout.vllm")
 FINISH_REASONS = ("stop", "length")

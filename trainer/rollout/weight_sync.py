@@ -39,7 +39,7 @@ class SyncGroup:
         self.pg.broadcast([tensor], opts).wait()
 
 
-def _buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     bucket, size = [], 0
     for name, t in named:
         nbytes = t.numel() * t.element_size()
@@ -56,7 +56,7 @@ def broadcast_weights(named: Iterable[tuple[str, torch.Tensor]], group: SyncGrou
                       bucket_bytes: int = BUCKET_BYTES) -> int:
     """Sender side (rank `src`): broadcast every tensor; returns bytes sent."""
     sent = 0
-    for bucket in _buckets([(n, t.detach()) for n, t in named], bucket_bytes):
+    for bucket in buckets([(n, t.detach()) for n, t in named], bucket_bytes):
         flat = torch.cat([t.reshape(-1) for _, t in bucket])
         group.broadcast(flat, src)
         sent += flat.numel() * flat.element_size()
@@ -68,7 +68,7 @@ def receive_weights(named: Iterable[tuple[str, torch.Tensor]], group: SyncGroup,
                     bucket_bytes: int = BUCKET_BYTES) -> int:
     """Receiver side: the same (name, tensor) order as the sender; tensors are overwritten in place."""
     received = 0
-    for bucket in _buckets(list(named), bucket_bytes):
+    for bucket in buckets(list(named), bucket_bytes):
         flat = torch.empty(sum(t.numel() for _, t in bucket), dtype=bucket[0][1].dtype, device=bucket[0][1].device)
         group.broadcast(flat, src)
         offset = 0
