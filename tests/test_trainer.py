@@ -64,8 +64,8 @@ def test_a_raising_reward_is_counted_and_training_goes_on(tmp_path, tiny_base, t
         "def flaky(prompts, completions, **kw):\n"
         "    out = []\n"
         "    for c in completions:\n"
-        "        if '7' in c:\n"
-        "            raise RuntimeError('flaky reward saw a 7')\n"
+        "        if len(c) % 2:\n"
+        "            raise RuntimeError('flaky reward saw an odd length')\n"
         "        out.append(0.5)\n"
         "    return out\n")
     recipe = small_recipe(tmp_path, tiny_base, tiny_data, "train.max_steps=2", "train.eval_heldout=0",
@@ -75,9 +75,10 @@ def test_a_raising_reward_is_counted_and_training_goes_on(tmp_path, tiny_base, t
     rows = [json.loads(line) for line in Path(result.metrics_path).read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     errors = sum(r["rewards/flaky/errors"] for r in rows)
-    sevens = errors  # every completion containing a 7 failed, the rest scored 0.5
+    # every completion of odd length (in characters) failed, the rest scored 0.5: a rule that does not depend
+    # on what this particular base model happens to write
     assert errors > 0 and all(r["rewards/flaky/mean"] == 0.5 for r in rows if "rewards/flaky/mean" in r)
-    assert sum(r["reward_errors"] for r in rows) == sevens
+    assert sum(r["reward_errors"] for r in rows) == errors
 
 
 def _train_cmd(tmp_path: Path, tiny_base: dict, data: Path) -> list[str]:
