@@ -154,7 +154,9 @@ def _check_before_run(args, services, recipe) -> None:
     dead server is one line, not minutes of client retries), the evaluation settings are usable."""
     from data.reachability import require_reachable
     from tasks import tracking
+    from trainer.grpo import check_supported
 
+    check_supported(recipe)
     if services.prefect_api_url:
         require_reachable(services.prefect_api_url.rstrip("/") + "/health", "the Prefect API",
                           PREFECT_PROBE_TIMEOUT_S, hint="PREFECT_API_URL")

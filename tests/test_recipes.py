@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import REPO_ROOT
 from trainer.recipe import Recipe, load_recipe
 from trainer.rewards import resolve_reward
 from trainer.typed_config import ConfigError
@@ -86,3 +90,18 @@ def test_defaults_have_one_source_and_round_trip():
 def test_missing_file_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="config file not found"):
         load_recipe(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize("command", ["train", "run"])
+def test_a_vision_recipe_loads_but_training_it_stops_at_start(tmp_path, command):
+    """Until images reach the model, `model.modality: vision` must not train on the questions alone."""
+    config = REPO_ROOT / "configs" / "qwen2.5-vl-3b-clevr-counting.yaml"
+    assert load_recipe(config).model.modality == "vision"  # the recipe itself still loads and validates
+    extra = ["--state-dir", str(tmp_path / "state")] if command == "run" else []
+    done = subprocess.run([sys.executable, "-m", "flows.cli", command, "--config", str(config), *extra,
+                           f"data.out={tmp_path / 'data'}", f"train.output_dir={tmp_path / 'run'}", "--json"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "model.modality: 'vision'" in done.stderr and "not trained yet" in done.stderr
+    assert json.loads(done.stdout.splitlines()[-1])["exit_code"] == 2
+    assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()  # stopped before any work

@@ -115,6 +115,7 @@ class TrainResult:
 class GRPOTrainer:
     def __init__(self, recipe: Recipe, model_path: str, data_dir: str | Path,
                  callbacks: list[TrainerCallback] = (), progress: bool | None = None):
+        check_supported(recipe)
         self.recipe, self.cfg = recipe, recipe.train
         self.model_path, self.data_dir = model_path, Path(data_dir)
         self.callbacks, self.progress = list(callbacks), progress
@@ -513,8 +514,18 @@ def _fmt(result: dict) -> str:
     return ", ".join(f"{k} {v:.3f}" for k, v in result.items() if isinstance(v, float))
 
 
+def check_supported(recipe: Recipe) -> None:
+    """Refuse, before any work, a recipe this trainer would silently get wrong."""
+    if recipe.model.modality != "text":
+        # Until images reach the model (a later issue), a vision recipe would train on the text alone.
+        raise ConfigError(f"model.modality: {recipe.model.modality!r} is accepted by the recipe but not trained yet: "
+                          "this trainer feeds models text only, and a vision model trained on the questions "
+                          "without their images would learn the wrong task. Use model.modality: text.")
+
+
 def prepare_inputs(recipe: Recipe) -> str:
     """Prepared data and base model (both cached); returns the model path."""
+    check_supported(recipe)
     from data.manifest import MANIFEST
     from data.prepare import prepare
     from trainer.model_loading import resolve_model_path
@@ -533,4 +544,4 @@ def train_recipe(recipe: Recipe, callbacks: list[TrainerCallback] = (), progress
     return result.summary() if result is not None else None
 
 
-__all__ = ["GRPOTrainer", "TrainResult", "prompt_indices", "train_recipe"]
+__all__ = ["GRPOTrainer", "TrainResult", "check_supported", "prompt_indices", "train_recipe"]
