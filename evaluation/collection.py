@@ -19,16 +19,14 @@ adapter. The online R1 collection is `evalscope/R1-Distill-Math-Test-v2` (the ol
 - `build_local_collection` builds the same collection offline from local copies of the three benchmarks,
   with EvalScope's own schema, sampler and benchmark loaders (in a child process, like every EvalScope run).
 - `evaluate_collection` evaluates a model on it, offline from local benchmark copies or on the hub's.
-- `read_collection_report` reads the scores back from EvalScope's collection report: the collection's
-  mean over all its samples, and each benchmark's.
+- `evaluation.evalscope_reports.read_collection_report` reads the scores back from EvalScope's collection
+  report: the collection's mean over all its samples, and each benchmark's.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections import Counter
 from importlib.metadata import version
 from pathlib import Path
@@ -42,15 +40,12 @@ from data.manifest import (
     sha256_file,
     write_json_atomic,
 )
-from evaluation.evalscope_reports import BenchmarkReport
+from evaluation.evalscope_child import launch, log_tail
 from evaluation.evalscope_runner import (
-    _WORKER,
     COLLECTION,
-    OFFLINE_ENV,
     REPORT,
     EvalInputError,
     EvalResult,
-    _log_tail,
     check_inputs,
     run_evalscope,
 )
@@ -60,7 +55,6 @@ R1_DISTILL_MATH_TEST_ID = "evalscope/R1-Distill-Math-Test-v2"  # the collection 
 NAME = "R1-Distill-Math-Test"
 COLLECTION_FILE = "test.jsonl"  # the name EvalScope's data_collection loader looks for in its local_path
 SCHEMA_FILE = "schema.json"     # the CollectionSchema it was sampled from, in EvalScope's own JSON form
-DETAILED_REPORT = "collection_detailed_report.json"  # next to EvalScope's reports/<model>/data_collection.json
 KIND = "evalscope_collection"
 _ALL = 10**9  # a sample count above any benchmark's size: every row of every benchmark
 
@@ -155,35 +149,6 @@ def evaluate_collection(model: str, work_dir: str | os.PathLike, *, local_paths:
                          local_paths={COLLECTION: str(collection)}, **run_kwargs)
 
 
-def read_collection_report(path: str | os.PathLike) -> BenchmarkReport:
-    """The scores of a collection run, from the detailed report EvalScope writes next to its `path`.
-
-    EvalScope's report proper (`data_collection.json`) lists one metric per spelling of the per-sample
-    score (aime24 says `acc`, math_500 `accuracy`), so it names no primary metric and no whole-collection
-    number. Its detailed report does: `score` is the micro average (mean over all samples) of its one
-    category-level row (the collection's root), else of its one task-level row; `subsets` are the
-    dataset-level micro averages, one per benchmark of the collection.
-    """
-    detailed = Path(path).with_name(DETAILED_REPORT)
-    if not detailed.is_file():
-        raise RuntimeError(f"EvalScope wrote no collection report {detailed} next to {path}")
-    data = json.loads(detailed.read_text())
-    level, rows = next(((lv, data.get(lv, [])) for lv in ("category_level", "task_level")
-                        if len(data.get(lv, [])) == 1), (None, None))
-    if level is None:
-        raise RuntimeError(f"{detailed}: no single category-level or task-level row holds the whole collection "
-                           f"({len(data.get('category_level', []))} and {len(data.get('task_level', []))} rows)")
-    [overall] = rows
-    datasets = data.get("dataset_level", [])
-    return BenchmarkReport(
-        score=float(overall["micro_avg."]),
-        metric={"name": "accuracy", "aggregation": "micro_avg.", "dimensions": {"level": level}},
-        num_generations=int(overall["count"]),
-        subsets={row["dataset_name"]: float(row["micro_avg."]) for row in datasets},
-        subset_sizes={row["dataset_name"]: int(row["count"]) for row in datasets},
-    )
-
-
 def _check_local_paths(local_paths: dict[str, str]) -> dict[str, str]:
     """Each benchmark's directory, resolved; names the benchmark whose directory is missing."""
     extra = sorted(set(local_paths) - set(R1_DISTILL_MATH_TEST))
@@ -218,18 +183,13 @@ def _without_message_ids(row: dict) -> dict:
 
 def _build_in_child(tmp: Path, build: dict) -> None:
     """Sample the collection in EvalScope's worker process, offline; its output goes to a log."""
-    spec, status, log = tmp / "build_spec.json", tmp / "build_status.json", tmp / "build.log"
-    write_json_atomic(spec, {"build_collection": build})
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", **OFFLINE_ENV}
-    with open(log, "w") as f:
-        subprocess.run([sys.executable, str(_WORKER), str(spec), str(status)], cwd=tmp, env=env,
-                       stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, check=False)
-    result = json.loads(status.read_text()) if status.is_file() else {}
+    log = tmp / "build.log"
+    _, result = launch({"build_collection": build}, tmp, log, offline=True, name="build_spec")
     if not result.get("ok"):
         what = f"{result['error']}: {result['message']}" if result else "the worker ended without a status"
         raise RuntimeError(f"EvalScope could not build {NAME} from {build['schema']['datasets']}: {what}"
-                           + _log_tail(log))
-    for path in (spec, status, log):
+                           + log_tail(log))
+    for path in (tmp / "build_spec.json", tmp / "build_status.json", log):
         path.unlink()
 
 

@@ -12,6 +12,7 @@ by construction. Layout of one EvalScope run (`no_timestamp=True`) under its out
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,3 +84,35 @@ def review_score(review: dict) -> float | None:
         if key in values and isinstance(values[key], (int, float)):
             return float(values[key])
     return None
+
+
+DETAILED_REPORT = "collection_detailed_report.json"  # next to EvalScope's reports/<model>/data_collection.json
+
+
+def read_collection_report(path: str | os.PathLike) -> BenchmarkReport:
+    """The scores of a collection run, from the detailed report EvalScope writes next to its `path`.
+
+    EvalScope's report proper (`data_collection.json`) lists one metric per spelling of the per-sample
+    score (aime24 says `acc`, math_500 `accuracy`), so it names no primary metric and no whole-collection
+    number. Its detailed report does: `score` is the micro average (mean over all samples) of its one
+    category-level row (the collection's root), else of its one task-level row; `subsets` are the
+    dataset-level micro averages, one per benchmark of the collection.
+    """
+    detailed = Path(path).with_name(DETAILED_REPORT)
+    if not detailed.is_file():
+        raise RuntimeError(f"EvalScope wrote no collection report {detailed} next to {path}")
+    data = json.loads(detailed.read_text())
+    level, rows = next(((lv, data.get(lv, [])) for lv in ("category_level", "task_level")
+                        if len(data.get(lv, [])) == 1), (None, None))
+    if level is None:
+        raise RuntimeError(f"{detailed}: no single category-level or task-level row holds the whole collection "
+                           f"({len(data.get('category_level', []))} and {len(data.get('task_level', []))} rows)")
+    [overall] = rows
+    datasets = data.get("dataset_level", [])
+    return BenchmarkReport(
+        score=float(overall["micro_avg."]),
+        metric={"name": "accuracy", "aggregation": "micro_avg.", "dimensions": {"level": level}},
+        num_generations=int(overall["count"]),
+        subsets={row["dataset_name"]: float(row["micro_avg."]) for row in datasets},
+        subset_sizes={row["dataset_name"]: int(row["count"]) for row in datasets},
+    )

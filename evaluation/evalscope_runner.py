@@ -37,7 +37,14 @@ from urllib.parse import urlsplit
 from data.errors import GrpoflowUserError, ServiceUnavailable
 from data.manifest import write_json_atomic
 from data.redact import mask_uri, strip_credentials
-from evaluation.evalscope_reports import BenchmarkReport, read_report, report_path, sample_paths
+from evaluation.evalscope_child import OFFLINE_ENV, WORKER, launch, log_tail
+from evaluation.evalscope_reports import (
+    BenchmarkReport,
+    read_collection_report,
+    read_report,
+    report_path,
+    sample_paths,
+)
 
 REPORT = "report.json"
 OUTPUTS = "evalscope"
@@ -45,11 +52,8 @@ DTYPES = ("float32", "bfloat16", "float16", "auto")
 COLLECTION = "data_collection"  # EvalScope's benchmark for a collection JSONL (see `evaluation.collection`)
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 # Set for the child only, and only when no benchmark needs a dataset hub: then nothing may touch the network.
-OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-_WORKER = Path(__file__).with_name("evalscope_worker.py")
 # The child's environment variable with an endpoint's credentials: {"headers": {...}, "query": {...}}.
 CREDENTIALS_ENV = "GRPOFLOW_EVAL_CREDENTIALS"
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 class EvalInputError(GrpoflowUserError, ValueError):
@@ -160,7 +164,7 @@ def run_evalscope(
         path = report_path(outputs, model_id, bench)
         if not path.is_file():
             raise RuntimeError(f"EvalScope finished without a report for benchmark {bench!r} (expected {path})"
-                               + _log_tail(log_path))
+                               + log_tail(log_path))
         reports[bench] = _read_report(bench, path)
     result = EvalResult(
         scores={b: r.score for b, r in reports.items()},
@@ -206,7 +210,6 @@ def _comparable(key: str, value):
 
 def _read_report(bench: str, path: Path) -> BenchmarkReport:
     if bench == COLLECTION:  # its scores are in EvalScope's collection report, per dataset of the collection
-        from evaluation.collection import read_collection_report  # (collection.py builds on this module)
         return read_collection_report(path)
     return read_report(path)
 
@@ -334,7 +337,7 @@ def check_benchmark_names(names: list[str]) -> None:
         return
     code = ("import json, sys; from evalscope_worker import _unknown_benchmark; "
             "print(json.dumps(_unknown_benchmark(json.loads(sys.argv[1])) or {}))")
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(missing)], cwd=_WORKER.parent,
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(missing)], cwd=WORKER.parent,
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600,
                           env={**os.environ, **OFFLINE_ENV})
     lines = proc.stdout.strip().splitlines()
@@ -447,27 +450,10 @@ def _endpoint_credentials(api_url: str) -> tuple[str, dict | None]:
 
 
 def _run_worker(outputs: Path, spec: dict, offline: bool, echo: bool, secret_env: dict | None = None) -> Path:
-    """Run EvalScope in a child process; its whole output goes to `run.log` (and to stderr when `echo`).
+    """Run EvalScope in its child process; its whole output goes to `run.log` (and to stderr when `echo`).
     `secret_env`: variables for the child only (an endpoint's credentials), never written to a file."""
-    spec_path, status_path, log_path = outputs / "spec.json", outputs / "status.json", outputs / "run.log"
-    write_json_atomic(spec_path, spec)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(OFFLINE_ENV if offline else {}), **(secret_env or {})}
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    cmd = [sys.executable, str(_WORKER), str(spec_path), str(status_path)]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=outputs, env=env, stdin=subprocess.DEVNULL, text=True,
-                                stdout=subprocess.PIPE if echo else log, stderr=subprocess.STDOUT)
-        try:
-            if echo:
-                for line in proc.stdout:
-                    log.write(line)
-                    sys.stderr.write(line)
-            code = proc.wait()
-        except BaseException:
-            proc.kill()
-            proc.wait()
-            raise
-    status = json.loads(status_path.read_text()) if status_path.is_file() else {}
+    log_path = outputs / "run.log"
+    code, status = launch(spec, outputs, log_path, offline=offline, echo=echo, secret_env=secret_env)
     if status.get("ok"):
         return log_path
     if "unknown_benchmark" in status:
@@ -486,7 +472,7 @@ def _run_worker(outputs: Path, spec: dict, offline: bool, echo: bool, secret_env
         f"without network access pass local_paths={{{failed!r}: '<directory with its data>'}}")
     what = f"{status['error']}: {status['message']}" if status else f"the worker exited with code {code}"
     where = f"on benchmark {failed!r}" if failed else "after every benchmark had reported"
-    raise RuntimeError(f"EvalScope failed {where}: {what}{hint}" + _log_tail(log_path))
+    raise RuntimeError(f"EvalScope failed {where}: {what}{hint}" + log_tail(log_path))
 
 
 def _first_without_report(outputs: Path, task_config: dict) -> str | None:
@@ -495,9 +481,3 @@ def _first_without_report(outputs: Path, task_config: dict) -> str | None:
         if not report_path(outputs, task_config["model_id"], bench).is_file():
             return bench
     return None
-
-
-def _log_tail(log_path: Path, lines: int = 25) -> str:
-    text = _ANSI.sub("", log_path.read_text(errors="replace")) if log_path.is_file() else ""
-    tail = [line.rsplit("\r", 1)[-1] for line in text.splitlines() if line.strip()][-lines:]
-    return f"\n--- last lines of {log_path} ---\n" + "\n".join(tail)

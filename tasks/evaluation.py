@@ -94,7 +94,7 @@ def heldout_accuracy(model_path: str, data_dir: str | Path, recipe) -> float | N
     """In-domain greedy accuracy of a local checkpoint on the recipe's prepared held-out rows."""
     from data.prepare import load_prepared
     from trainer.heldout import evaluate_greedy
-    from trainer.model_loading import load_policy
+    from trainer.model_loading import load_model
     from trainer.rewards import accuracy_reward, format_reward
     from trainer.rollout.hf_engine import HFEngine
 
@@ -103,7 +103,7 @@ def heldout_accuracy(model_path: str, data_dir: str | Path, recipe) -> float | N
     rows = load_prepared(data_dir, "heldout")[: recipe.train.eval_heldout]
     if not rows:
         return None
-    model, tokenizer = load_policy(model_path, recipe)
+    model, tokenizer = load_model(model_path, recipe.model)
     return evaluate_greedy(HFEngine(model, tokenizer), tokenizer, rows, accuracy_reward, format_reward,
                            max_tokens=recipe.train.max_completion_length,
                            max_prompt_length=recipe.train.max_prompt_length)["accuracy"]

@@ -31,10 +31,7 @@ MODULES = _modules()
 # Issue 9 is not finished: these are the places that still break a rule, each a strict xfail so that the
 # check goes red the moment one is mended (then delete it here). Nothing else may join this list.
 NOT_YET = {
-    "cycle": "evaluation.collection <-> evaluation.evalscope_runner, evaluation.server_app <-> evaluation.serving",
-    "serving": {"evaluation.server_app", "evaluation.server_scheduler"},  # to move into evaluation/serving/
-    "private": {"evaluation.collection"},  # evalscope_runner's _WORKER and _log_tail
-    "size": {"evaluation.evalscope_runner", "evaluation.server_app", "flows.cli", "trainer.grpo"},
+    "size": {"evaluation.evalscope_runner", "flows.cli", "trainer.grpo"},
 }
 
 
@@ -110,7 +107,6 @@ def test_the_walker_sees_a_known_import_and_a_known_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-@pytest.mark.xfail(strict=True, reason=f"issue 9, not done yet: {NOT_YET['cycle']}")
 def test_no_import_circle_between_project_modules():
     assert _cycles(GRAPH) == []
 
@@ -135,8 +131,7 @@ def test_trainer_never_imports_evaluation(module):
     assert "evaluation" not in _tops(module)
 
 
-@pytest.mark.parametrize("module", _params([m for m in MODULES if m.startswith("evaluation")], NOT_YET["serving"],
-                                           "the model server is not in its own subpackage yet"))
+@pytest.mark.parametrize("module", [m for m in MODULES if m.startswith("evaluation")])
 def test_evaluation_uses_only_the_trainer_parts_it_is_allowed(module):
     # Scoring shares the answer verifier (trainer.rewards); serving a checkpoint is inference and shares the
     # model loader and the generation engines. Nothing else of the trainer.
@@ -147,7 +142,7 @@ def test_evaluation_uses_only_the_trainer_parts_it_is_allowed(module):
     assert {d for d in used if not d.startswith(allowed)} == set()
 
 
-@pytest.mark.parametrize("module", _params(sorted(MODULES), NOT_YET["private"], "private names imported"))
+@pytest.mark.parametrize("module", sorted(MODULES))
 def test_no_module_imports_another_modules_private_names(module):
     private = {n for n in IMPORTS[module]
                if (owner := n.rpartition(".")[0]) in MODULES and owner != module

@@ -169,3 +169,35 @@ def test_train_with_a_missing_gpu_engine_exits_2_naming_the_install(tmp_path, ti
     assert proc.returncode == 2
     assert "pip install '.[gpu]'" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "latest").exists()
+
+
+def test_one_model_loader_decides_pad_token_and_padding_side(tiny_base, tmp_path):
+    """A tokenizer without a pad token gets its EOS token and left padding, whichever path loads it."""
+    import ast
+    import shutil
+
+    from trainer.model_loading import load_model
+    from trainer.recipe import ModelConfig
+
+    copy = tmp_path / "no-pad"
+    shutil.copytree(tiny_base["path"], copy)
+    (copy / "manifest.json").unlink()  # an ordinary HF folder now, as from the hub
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    config["pad_token"] = None
+    config["padding_side"] = "right"
+    (copy / "tokenizer_config.json").write_text(json.dumps(config))
+
+    model, tokenizer = load_model(str(copy), ModelConfig(dtype="float32"))
+    assert tokenizer.pad_token == tokenizer.eos_token == "<|im_end|>" and tokenizer.padding_side == "left"
+    assert model.dtype == torch.float32
+    engine = make_engine(RolloutConfig(), str(copy), dtype="float32")  # the transformers rollout engine
+    assert (engine.tokenizer.pad_token, engine.tokenizer.padding_side) == (tokenizer.pad_token, "left")
+
+    # The other call sites run in child processes (rollout workers, the model server): they must load through
+    # the same function and never call from_pretrained themselves.
+    for module in ("trainer/grpo.py", "trainer/rollout/engines.py", "trainer/rollout/remote.py",
+                   "evaluation/serving/server.py", "tasks/evaluation.py"):
+        tree = ast.parse((REPO_ROOT / module).read_text())
+        called = {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", None)
+                  for n in ast.walk(tree) if isinstance(n, ast.Call)}
+        assert "load_model" in called and "from_pretrained" not in called, module

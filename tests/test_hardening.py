@@ -279,13 +279,13 @@ def test_data_other_than_the_checkpoint_recorded_is_refused(run, tiny_base, caps
 
 
 def test_a_corrupt_checkpoint_is_not_loaded_as_a_model(run, tiny_recipe):
-    from trainer.model_loading import load_policy
+    from trainer.model_loading import load_model
 
     checkpoint = run / "run" / "checkpoint-2"
-    load_policy(str(checkpoint), tiny_recipe)  # intact: loads
+    load_model(str(checkpoint), tiny_recipe.model)  # intact: loads
     _zero_middle(checkpoint / "model.safetensors")
     with pytest.raises(IntegrityError, match="model.safetensors"):
-        load_policy(str(checkpoint), tiny_recipe)
+        load_model(str(checkpoint), tiny_recipe.model)
 
 
 # ---------------------------------------------------------------------- 3. a changed configuration
@@ -383,7 +383,7 @@ def one_line_error(proc: subprocess.CompletedProcess, command: str, code: int = 
     """The command's one error line, after checking the exit code and that no traceback was printed."""
     assert proc.returncode == code, (proc.returncode, proc.stderr[-3000:])
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    lines = [line for line in proc.stderr.splitlines() if line.startswith(f"grpoflow_run {command}: error:")]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith(f"grpoflow {command}: error:")]
     assert len(lines) == 1, proc.stderr[-3000:]
     return lines[0]
 
@@ -780,7 +780,7 @@ def test_json_is_printed_on_sigint_with_exit_130(silent_port, tmp_path):
         proc.kill()
     assert proc.returncode == 130, stderr[-3000:]
     assert json.loads(stdout.strip().splitlines()[-1]) == {"error": "interrupted", "exit_code": 130}
-    assert "grpoflow_run eval: error: interrupted" in stderr
+    assert "grpoflow eval: error: interrupted" in stderr
 
 
 def test_every_user_error_derives_from_one_class_the_cli_maps_to_exit_2():
@@ -832,7 +832,7 @@ PG = "127.0.0.1:5432"
     ("sqlite:////tmp/state/mlflow.db", "sqlite:////tmp/state/mlflow.db"),
     ("http://127.0.0.1:5000", "http://127.0.0.1:5000"),
     ("http://u:***@h/v1?api_key=***", "http://u:***@h/v1?api_key=***"),  # idempotent
-    ("models:/grpoflow_in-tiny@champion", "models:/grpoflow_in-tiny@champion"),
+    ("models:/grpoflow-tiny@champion", "models:/grpoflow-tiny@champion"),
     ("/a/checkpoint", "/a/checkpoint"),
 ])
 def test_mask_uri_hides_userinfo_and_secret_query_values_only(uri, shown):
@@ -1106,7 +1106,7 @@ def test_eval_and_compare_write_under_the_state_dir_never_the_working_directory(
 
     from mlflow import MlflowClient
     client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
-    runs = client.search_runs([client.get_experiment_by_name("grpoflow_in").experiment_id])
+    runs = client.search_runs([client.get_experiment_by_name("grpoflow").experiment_id])
     assert {r.info.run_name for r in runs} == {"evaluate", "compare"}
     for r in runs:
         assert r.info.artifact_uri.startswith((state / "mlartifacts").as_uri()), r.info.artifact_uri
@@ -1137,7 +1137,7 @@ def grpoflow_serve(*args: str, env: dict | None = None, **kwargs) -> subprocess.
 
 @contextmanager
 def served(model: str, tmp: Path, *flags: str):
-    """`grpoflow_serve serve-model MODEL --json FLAGS` with its stderr in a file; yields (port, stderr path, process)."""
+    """`grpoflow serve-model MODEL --json FLAGS` with its stderr in a file; yields (port, stderr path, process)."""
     err_path = tmp / "server.stderr"
     with open(err_path, "w") as err:
         proc = grpoflow_serve("serve-model", model, "--json", "--api-key-env", KEY_VAR, *flags,

@@ -92,7 +92,7 @@ def test_models_and_health(server, client):
 
 
 def test_greedy_is_deterministic_and_equals_hf_engine(server, client, local_engine):
-    from trainer.heldout import encode_prompts
+    from trainer.prompts import encode_prompts
     from trainer.rollout.base import SamplingParams
 
     replies = [client.chat.completions.create(model=server.model_name, messages=QUESTION, max_tokens=32,

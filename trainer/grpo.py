@@ -56,11 +56,12 @@ from trainer.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from trainer.heldout import columns_of, encode_prompts, evaluate_greedy
+from trainer.heldout import evaluate_greedy
 from trainer.metrics import MetricsFile, TrainerCallback
-from trainer.model_loading import load_policy
+from trainer.model_loading import load_model
 from trainer.plugins import load_plugin
 from trainer.progress import Progress
+from trainer.prompts import columns_of, encode_prompts
 from trainer.recipe import Recipe
 from trainer.rewards import RewardRunner, accuracy_reward, format_reward, resolve_reward
 from trainer.rollout.base import SamplingParams
@@ -142,7 +143,7 @@ class GRPOTrainer:
             log.info("resuming from %s (step %d)", self.checkpoint, self.start_step)
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
         # a resumed checkpoint was verified just now; the base model is verified when it is loaded
-        self.model, self.tokenizer = load_policy(str(self.checkpoint or self.model_path), self.recipe, device,
+        self.model, self.tokenizer = load_model(str(self.checkpoint or self.model_path), self.recipe.model, device,
                                                  verify=self.checkpoint is None)
         self.model.train()
         # Trainer ranks under torchrun: gradients are averaged across ranks by DDP; `policy` is what
@@ -154,7 +155,7 @@ class GRPOTrainer:
             self.policy = DistributedDataParallel(self.model)
         self.ref_model = None
         if cfg.beta > 0:  # the reference is the starting policy, never the resumed one
-            self.ref_model, _ = load_policy(self.model_path, self.recipe, device, verify=self.checkpoint is not None)
+            self.ref_model, _ = load_model(self.model_path, self.recipe.model, device, verify=self.checkpoint is not None)
             self.ref_model.eval().requires_grad_(False)
         # transformers: the engine shares this module, so it always samples the current policy. vLLM /
         # LMDeploy hold their own copy: it is refreshed before each generation (see `_engine_awake`).

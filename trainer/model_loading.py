@@ -1,4 +1,9 @@
-"""Loading a policy by hub id, local path, or 'bootstrap' (the embedded default's tiny model)."""
+"""Loading a model by hub id, local path, or 'bootstrap' (the embedded default's tiny model).
+
+`load_model` is the one loader: the trainer's policy and reference, the transformers rollout engine, the
+asynchronous rollout workers, held-out evaluation and the model server all call it, so dtype, remote code,
+the pad token (the EOS token when a tokenizer has none) and left padding are decided in one place.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ from pathlib import Path
 import torch
 
 from data.manifest import MANIFEST, verify_output
-from trainer.recipe import Recipe
+from trainer.recipe import ModelConfig, Recipe
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
@@ -25,8 +30,10 @@ def resolve_model_path(recipe: Recipe, make_bootstrap: bool = True) -> str:
     return bootstrap(recipe.bootstrap, system_prompt=recipe.data.system_prompt)["path"]
 
 
-def load_policy(name_or_path: str, recipe: Recipe, device: str | torch.device = "cpu", verify: bool = True):
-    """Model and tokenizer through transformers' Auto classes, exactly as for any hub model.
+def load_model(name_or_path: str, cfg: ModelConfig | None = None, device: str | torch.device = "cpu", *,
+               verify: bool = True):
+    """Model and tokenizer through transformers' Auto classes, exactly as for any hub model; `cfg` gives the
+    dtype, `trust_remote_code` and attention implementation (`ModelConfig()`'s defaults when None).
 
     A grpoflow checkpoint or base model (a directory with our manifest) is first checked against the sha256
     its manifest recorded (`verify=False` when the caller has just done so): IntegrityError names the file.
@@ -36,11 +43,12 @@ def load_policy(name_or_path: str, recipe: Recipe, device: str | torch.device = 
     if verify and _grpoflow_model(name_or_path):
         verify_output(name_or_path)
 
-    kwargs = {"dtype": DTYPES[recipe.model.dtype], "trust_remote_code": recipe.model.trust_remote_code}
-    if recipe.model.attn_implementation:
-        kwargs["attn_implementation"] = recipe.model.attn_implementation
+    cfg = cfg or ModelConfig()
+    kwargs = {"dtype": DTYPES[cfg.dtype], "trust_remote_code": cfg.trust_remote_code}
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=recipe.model.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=cfg.trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
     except OSError as e:
         raise OSError(f"could not load model {name_or_path!r}: {e}. Give a local checkpoint directory, or a hub "

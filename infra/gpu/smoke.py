@@ -71,7 +71,7 @@ def build(args):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from trainer.bootstrap import build_tokenizer
-    from trainer.heldout import encode_prompts
+    from trainer.prompts import encode_prompts
 
     corpus = [f"What is {a} + {b}? <think>{a} + {b} = {a + b}</think><answer>{a + b}</answer>"
               for a in range(40) for b in range(0, 40, 3)] + ["system", "user", "assistant"] * 50

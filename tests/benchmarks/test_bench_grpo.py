@@ -333,7 +333,7 @@ def run_limit(recipe_args: tuple, model_path: str, data_dir: Path, repeats: int 
 
     from data.prepare import load_prepared
     from trainer.grpo import prompt_indices
-    from trainer.heldout import encode_prompts
+    from trainer.prompts import encode_prompts
 
     work, steps = recipe_args
     cfg = make_recipe(work, steps).train

@@ -24,7 +24,11 @@ def make_engine(cfg: RolloutConfig, model_path: str, *, model=None, tokenizer=No
         from trainer.rollout.hf_engine import HFEngine
 
         if model is None or tokenizer is None:
-            model, tokenizer = _load_hf(model_path, device, dtype)
+            from trainer.model_loading import load_model
+            from trainer.recipe import ModelConfig
+
+            model, tokenizer = load_model(model_path, ModelConfig(dtype=dtype), device)
+            model.eval()
         return HFEngine(model, tokenizer)
     if cfg.engine == "vllm":
         if cfg.server_url:
@@ -44,15 +48,3 @@ def make_engine(cfg: RolloutConfig, model_path: str, *, model=None, tokenizer=No
         return LMDeployEngine(model_path, backend=lmdeploy_backend, tensor_parallel_size=cfg.tensor_parallel_size,
                               gpu_memory_utilization=cfg.gpu_memory_utilization, dtype=dtype, seed=seed)
     raise ValueError(f"rollout.engine must be transformers, vllm or lmdeploy, got {cfg.engine!r}")
-
-
-def _load_hf(model_path: str, device: str, dtype: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from trainer.model_loading import DTYPES
-
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype]).to(device).eval()
-    return model, tokenizer

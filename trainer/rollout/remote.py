@@ -50,9 +50,8 @@ def free_port() -> int:
 
 def _worker_main(spec: WorkerSpec, commands, results) -> None:
     """A rollout worker: load the policy, then serve 'sync' / 'generate' / 'weights' / 'stop' commands."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from trainer.model_loading import DTYPES
+    from trainer.model_loading import load_model
+    from trainer.recipe import ModelConfig
     from trainer.rollout.hf_engine import HFEngine
     from trainer.rollout.weight_sync import SyncGroup, receive_weights, sync_order
 
@@ -60,8 +59,9 @@ def _worker_main(spec: WorkerSpec, commands, results) -> None:
     try:
         group = SyncGroup("127.0.0.1", spec.port, spec.rank, spec.world_size, spec.timeout_s,
                           "nccl" if spec.device.startswith("cuda") else "gloo")
-        tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
-        model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=DTYPES[spec.dtype]).to(spec.device).eval()
+        # the trainer verified this checkpoint before it started the workers
+        model, tokenizer = load_model(spec.model_path, ModelConfig(dtype=spec.dtype), spec.device, verify=False)
+        model.eval()
         engine = HFEngine(model, tokenizer)
         engine.version = spec.version
         results.put(("ready", spec.rank, None))

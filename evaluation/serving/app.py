@@ -2,7 +2,7 @@
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health` (open: no
 key, no request data; it counts `batches`, `requests`, `cancelled`, `timed_out`, `active` and `waiting`).
-Generation is `server_scheduler.Scheduler`: token slices in turn, so a small request is not starved by a
+Generation is `scheduler.Scheduler`: token slices in turn, so a small request is not starved by a
 big one, and a request whose client disconnects or whose `--request-timeout` passes stops being generated.
 
 A request is checked in this order: API key (401), body size (413, before it is read in full), JSON and
@@ -22,7 +22,6 @@ import asyncio
 import hmac
 import json
 import logging
-import signal
 import threading
 import time
 import uuid
@@ -32,9 +31,9 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import ClientDisconnect
 
-from evaluation.server_scheduler import Job, Scheduler
-from evaluation.serving import ServerLimits
-from trainer.heldout import encode_prompts
+from evaluation.serving.guards import ServerLimits
+from evaluation.serving.scheduler import Job, Scheduler
+from trainer.prompts import encode_prompts
 from trainer.rollout.base import Completion, SamplingParams
 
 log = logging.getLogger("grpoflow.serve")
@@ -355,66 +354,3 @@ def build_app(tokenizer, model_name: str, scheduler: Scheduler, context_length: 
         return await handle(request, "completion", "cmpl")
 
     return app
-
-
-# ---- running it -------------------------------------------------------------------------------------------
-
-def run_server(checkpoint: str, *, sock, host: str, model_name: str, max_batch_size: int, on_ready,
-               limits: ServerLimits | None = None, api_key: str | None = None) -> dict:
-    """Load `checkpoint`, serve it on the listening socket `sock` until SIGTERM/SIGINT.
-
-    Returns `{"batches", "requests"}`; `on_ready(url)` is called once the socket accepts requests.
-    """
-    limits = limits or ServerLimits()
-    try:
-        return _serve(checkpoint, sock, host, model_name, max_batch_size, on_ready, limits, api_key)
-    finally:
-        sock.close()
-
-
-def _serve(checkpoint, sock, host, model_name, max_batch_size, on_ready, limits, api_key) -> dict:
-    import sys
-
-    import torch
-    import uvicorn
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    from trainer.rollout.hf_engine import HFEngine
-
-    if not sys.stderr.isatty():
-        hf_logging.disable_progress_bar()  # a log file gets no progress bars
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32 if device == "cpu" else "auto")
-    model.to(device).eval()
-    scheduler = Scheduler(HFEngine(model, tokenizer), max_batch_size=max_batch_size,
-                          max_batch_sequences=limits.max_sequences, max_active_sequences=limits.max_active_sequences)
-    app = build_app(tokenizer, model_name, scheduler, getattr(model.config, "max_position_embeddings", None),
-                    limits, api_key)
-    url_host = f"[{host.strip('[]')}]" if ":" in host else host
-    url = f"http://{url_host}:{sock.getsockname()[1]}/v1"
-
-    class Server(uvicorn.Server):
-        async def startup(self, sockets=None):
-            await super().startup(sockets=sockets)
-            if self.started and not self.should_exit:
-                on_ready(url)
-
-    server = Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
-                                   lifespan="off", limit_concurrency=limits.max_connections))
-    # uvicorn re-raises the signal that stopped it once it has shut down; these handlers take it instead,
-    # so the process ends with status 0 and can report what it served.
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = {}
-    if main_thread:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            previous[sig] = signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
-    try:
-        server.run(sockets=[sock])
-    finally:
-        scheduler.close()
-        if main_thread:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-    return {"batches": scheduler.batches, "requests": scheduler.requests}

@@ -1,7 +1,7 @@
 """Serving a checkpoint behind an OpenAI-compatible endpoint, in this process or for a `with` block.
 
 - `serve()` runs a server here until SIGTERM/SIGINT: vLLM's OpenAI server when vLLM is installed and a
-  GPU is visible (`engine="auto"`), else the transformers server in `server_app.py`. `grpoflow serve-model`
+  GPU is visible (`engine="auto"`), else the transformers server (`server.py`, `app.py`). `grpoflow serve-model`
   and `python -m evaluation.serving` call it.
 - `served_model()` runs `python -m evaluation.serving ... --json` in a child process on loopback, waits for
   its ready line and `/health` (bounded), yields a `ServedModel`, and stops the child on exit (SIGTERM,
@@ -18,124 +18,26 @@ vLLM is a GPU extra (`pip install .[gpu]`); it is only ever run as a child proce
 from __future__ import annotations
 
 import argparse
-import errno
 import importlib.util
-import ipaddress
 import json
 import logging
-import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
+from evaluation.serving.guards import LOOPBACK, ServerLimits, ServingInputError, api_key_from_env, bind_socket
+
 ENGINES = ("auto", "transformers", "vllm")
-LOOPBACK = "127.0.0.1"
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback never goes via a proxy
-
-
-class ServingInputError(ValueError):
-    """A checkpoint, engine, address or limit that cannot be served (bad input, or a missing extra)."""
-
-
-def _limit(default, flag: str, help: str, kind=int):
-    return field(default=default, metadata={"flag": flag, "help": help, "type": kind})
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    """What one request may ask of the transformers server; each field is a `serve-model` flag.
-
-    A request over a limit gets HTTP 400 naming the field (413 for the body). vLLM applies its own.
-    """
-    max_body_bytes: int = _limit(1_000_000, "--max-body-bytes", "largest request body in bytes (HTTP 413 beyond)")
-    max_sequences: int = _limit(64, "--max-sequences", "most completions one request may ask for: prompts x n")
-    max_tokens: int | None = _limit(None, "--max-tokens", "largest max_tokens a request may ask for, and the "
-                                                          "default when it asks for none (default: what the "
-                                                          "model's context leaves after the prompt)")
-    max_stop: int = _limit(16, "--max-stop", "most stop strings per request")
-    max_stop_length: int = _limit(256, "--max-stop-length", "longest stop string, in characters")
-    request_timeout_s: float = _limit(600.0, "--request-timeout", "seconds a request may take, its upload "
-                                                                  "included, before it is cancelled (HTTP 504)",
-                                      float)
-    max_active_sequences: int = _limit(256, "--max-active-sequences", "completions generated at once across "
-                                                                      "requests; later requests wait their turn")
-    max_connections: int = _limit(128, "--max-connections", "connections served at once (HTTP 503 beyond)")
-
-    def __post_init__(self):
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value is None and f.default is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-                raise ServingInputError(f"{f.metadata['flag']} must be a positive finite number, got {value!r}")
-        if self.max_sequences > self.max_active_sequences:
-            raise ServingInputError(f"--max-sequences ({self.max_sequences}) cannot exceed --max-active-sequences "
-                                    f"({self.max_active_sequences})")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> ServerLimits:
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if getattr(args, f.name, None) is not None})
-
-
-def bind_socket(host: str, port: int, api_key: str | None = None, resolve_timeout_s: float = 10.0) -> socket.socket:
-    """A listening TCP socket on host:port; `ServingInputError` naming host:port if that cannot be.
-
-    An address other machines can reach is refused without an `api_key`.
-    """
-    where = f"{host}:{port}"
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise ServingInputError(f"cannot listen on {where}: --port must be 0..65535")
-    answer: dict = {}
-
-    def resolve() -> None:
-        try:
-            answer["found"] = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
-                                                 flags=socket.AI_PASSIVE)
-        except (OSError, UnicodeError) as e:
-            answer["error"] = e
-
-    resolver = threading.Thread(target=resolve, daemon=True)  # getaddrinfo has no timeout of its own
-    resolver.start()
-    resolver.join(resolve_timeout_s)
-    if not answer.get("found"):
-        why = answer.get("error") or f"no answer within {resolve_timeout_s:g} s"
-        raise ServingInputError(f"cannot listen on {where}: {host!r} is not an address or a known host name "
-                                f"({why})")
-    family, kind, proto, _, address = answer["found"][0]
-    if not api_key and not ipaddress.ip_address(address[0].split("%")[0]).is_loopback:
-        raise ServingInputError(f"--host {host} is reachable from other machines: give an API key with "
-                                "--api-key-env VAR (clients then send 'Authorization: Bearer <value>'), or "
-                                f"listen on {LOOPBACK}")
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(128)
-    except OSError as e:
-        sock.close()
-        reason = "the port is already in use" if e.errno == errno.EADDRINUSE else (e.strerror or str(e)).lower()
-        raise ServingInputError(f"cannot listen on {where}: {reason}") from None
-    return sock
-
-
-def api_key_from_env(var: str | None) -> str | None:
-    if var is None:
-        return None
-    value = os.environ.get(var, "")
-    if not value.strip():
-        raise ServingInputError(f"--api-key-env {var}: the environment variable {var} is not set or empty")
-    return value
 
 
 @dataclass
@@ -214,7 +116,7 @@ def serve(checkpoint: str | os.PathLike, *, host: str = LOOPBACK, port: int = 0,
         sock.close()  # vLLM binds it itself
         served = _run_vllm(path, host, port, name, max_batch_size, api_key, ready)
     else:
-        from evaluation.server_app import run_server
+        from evaluation.serving.server import run_server
         served = run_server(str(path), sock=sock, host=host, model_name=name, max_batch_size=max_batch_size,
                             limits=limits, api_key=api_key, on_ready=ready)
     return {**info, **served}
@@ -388,7 +290,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(summary), flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
