@@ -15,6 +15,7 @@ from mlflow import MlflowClient
 from data.manifest import MANIFEST, read_manifest
 from data.redact import mask_uri, redact
 from tasks import tracking
+from trainer.model_loading import verify_if_ours
 
 _MODELS_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))$")
 
@@ -64,10 +65,12 @@ def resolve_model(ref: str, client: MlflowClient | None, cache_dir: Path) -> Mod
         expected = mv.tags.get("checkpoint_sha256")
         if expected and read_manifest(target).get("sha256") != expected:
             raise RuntimeError(f"{ref}: downloaded checkpoint at {target} does not match its registered sha256")
+        verify_if_ours(str(target))  # EvalScope loads it in its own process: check it here
         return ModelRef(ref, local_path=str(target), model_name=name, model_version=str(mv.version))
     path = Path(ref).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(f"model {mask_uri(ref)!r}: not a checkpoint directory, a models:/ URI or an http(s) URL")
+    verify_if_ours(str(path))
     return ModelRef(ref, local_path=str(path.resolve()))
 
 

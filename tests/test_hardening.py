@@ -278,7 +278,7 @@ def test_data_other_than_the_checkpoint_recorded_is_refused(run, tiny_base, caps
     assert _tree(run) == before
 
 
-def test_a_corrupt_checkpoint_is_not_loaded_as_a_model(run, tiny_recipe):
+def test_a_corrupt_checkpoint_is_not_loaded_as_a_model(run, tiny_recipe, capsys):
     from trainer.model_loading import load_model
 
     checkpoint = run / "run" / "checkpoint-2"
@@ -286,6 +286,12 @@ def test_a_corrupt_checkpoint_is_not_loaded_as_a_model(run, tiny_recipe):
     _zero_middle(checkpoint / "model.safetensors")
     with pytest.raises(IntegrityError, match="model.safetensors"):
         load_model(str(checkpoint), tiny_recipe.model)
+    # nor evaluated: EvalScope would load it in its own process, so `eval` checks it first (exit 2, no run)
+    state = run / "eval-state"
+    capsys.readouterr()
+    paths = f"eval.local_paths={{math_500: {shared('math_500')}, aime24: {shared('aime24')}}}"
+    assert main(["eval", str(checkpoint), "--state-dir", str(state), "eval.limit=1", paths, "--json"]) == 2
+    assert "model.safetensors" in capsys.readouterr().err and not (state / "eval").exists()
 
 
 # ---------------------------------------------------------------------- 3. a changed configuration

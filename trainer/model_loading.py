@@ -40,8 +40,8 @@ def load_model(name_or_path: str, cfg: ModelConfig | None = None, device: str | 
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if verify and _grpoflow_model(name_or_path):
-        verify_output(name_or_path)
+    if verify:
+        verify_if_ours(name_or_path)
 
     cfg = cfg or ModelConfig()
     kwargs = {"dtype": DTYPES[cfg.dtype], "trust_remote_code": cfg.trust_remote_code}
@@ -57,6 +57,13 @@ def load_model(name_or_path: str, cfg: ModelConfig | None = None, device: str | 
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return model.to(device), tokenizer
+
+
+def verify_if_ours(name_or_path: str) -> None:
+    """Check a grpoflow checkpoint or base model file by file against its manifest (IntegrityError naming the
+    file); a plain HF folder or a hub id has nothing to check against and passes."""
+    if _grpoflow_model(name_or_path):
+        verify_output(name_or_path)
 
 
 def _grpoflow_model(name_or_path: str) -> bool:
