@@ -93,19 +93,28 @@ def code_version() -> str:
             return "unknown"
 
 
-def write_json_atomic(path: str | os.PathLike, obj) -> None:
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write `text` to a temporary sibling and rename it over `path`: a reader sees the old file or the new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=True, default=str)
-            f.write("\n")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def write_json_atomic(path: str | os.PathLike, obj) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def write_jsonl_atomic(path: str | os.PathLike, rows) -> None:
+    """One JSON object per line; a row that is already a string is written as it is."""
+    write_text_atomic(path, "".join((r if isinstance(r, str) else json.dumps(r, default=str)) + "\n" for r in rows))
 
 
 def read_manifest(directory: str | os.PathLike) -> dict:

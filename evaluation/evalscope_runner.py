@@ -36,6 +36,7 @@ from urllib.parse import urlsplit
 
 from data.errors import GrpoflowUserError, ServiceUnavailable
 from data.manifest import write_json_atomic
+from data.progress import progress_enabled
 from data.redact import mask_uri, strip_credentials
 from evaluation.evalscope_child import OFFLINE_ENV, WORKER, launch, log_tail
 from evaluation.evalscope_reports import (
@@ -154,7 +155,7 @@ def run_evalscope(
                                                                     "model_args": {"max_retries": 0}}),
     }
     started = time.time()
-    echo = progress if progress is not None else sys.stderr.isatty() and not os.getenv("CI")
+    echo = progress_enabled(progress)
     spec = {"task_config": task_config, "api_key_env": api_key_env,
             "credentials_env": CREDENTIALS_ENV if credentials else None}
     log_path = _run_worker(outputs, spec, settings["offline"], echo,

@@ -49,15 +49,15 @@ Differences from EvalScope's ThinkBench (`evalscope/third_party/thinkbench/eval.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from data.manifest import write_jsonl_atomic
+from data.progress import progress_enabled
 from evaluation.thinking_inputs import Sample, default_out, read_samples
 from trainer.rewards import final_answer, grade_math_answer
 
@@ -229,7 +229,7 @@ def analyze(path: str | os.PathLike, tokenizer: object, *, out: str | os.PathLik
     count_tokens = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else token_counter(tokenizer)
     rows = [_row(s, count_tokens, judge) for s in _progress(samples, progress)]
     samples_path = Path(out) if out is not None else default_out(path)
-    _write_jsonl_atomic(samples_path, rows)
+    write_jsonl_atomic(samples_path, rows)
     summary = summarize(rows)
     summary["per_benchmark"] = {}
     for bench in dict.fromkeys(r["benchmark"] for r in rows):
@@ -248,25 +248,10 @@ def _row(sample: Sample, count_tokens: CountTokens, judge: Judge | None) -> dict
 
 
 def _progress(samples: list[Sample], enabled: bool | None):
-    if enabled is None:
-        enabled = sys.stderr.isatty() and not os.environ.get("CI")
-    if not enabled:
+    if not progress_enabled(enabled):
         return samples
     from tqdm import tqdm
     return tqdm(samples, desc="thinking metrics", unit="sample")
-
-
-def _write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, default=str) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def format_table(summary: Mapping) -> str:

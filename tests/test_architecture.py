@@ -134,10 +134,10 @@ def test_trainer_never_imports_evaluation(module):
 @pytest.mark.parametrize("module", [m for m in MODULES if m.startswith("evaluation")])
 def test_evaluation_uses_only_the_trainer_parts_it_is_allowed(module):
     # Scoring shares the answer verifier (trainer.rewards); serving a checkpoint is inference and shares the
-    # model loader and the generation engines. Nothing else of the trainer.
+    # model loader (with its ModelConfig) and the generation engines. Nothing else of the trainer.
     allowed = ("trainer.rewards",)
     if module.startswith("evaluation.serving"):
-        allowed += ("trainer.model_loading", "trainer.rollout", "trainer.prompts")
+        allowed += ("trainer.model_loading", "trainer.recipe", "trainer.rollout", "trainer.prompts")
     used = {d for d in GRAPH[module] if d.startswith("trainer")}
     assert {d for d in used if not d.startswith(allowed)} == set()
 

@@ -39,9 +39,9 @@ from data.manifest import (
     verify_output,
     write_json_atomic,
 )
+from data.progress import Progress
 from data.schema import make_row, resolve_system_prompt
 from trainer.heldout import evaluate_greedy
-from trainer.progress import Progress
 from trainer.prompts import encode_prompts
 from trainer.recipe import BootstrapConfig
 from trainer.rewards import accuracy_reward, format_reward

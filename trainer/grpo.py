@@ -46,6 +46,7 @@ import torch
 
 from data.manifest import read_manifest
 from data.prepare import load_prepared
+from data.progress import Progress
 from trainer import loss as L
 from trainer.async_rollout import AsyncRollout
 from trainer.checkpoint import (
@@ -60,7 +61,6 @@ from trainer.heldout import evaluate_greedy
 from trainer.metrics import MetricsFile, TrainerCallback
 from trainer.model_loading import load_model
 from trainer.plugins import load_plugin
-from trainer.progress import Progress
 from trainer.prompts import columns_of, encode_prompts
 from trainer.recipe import Recipe
 from trainer.rewards import RewardRunner, accuracy_reward, format_reward, resolve_reward

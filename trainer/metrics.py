@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Protocol
 
 from data.errors import DataError
+from data.manifest import write_jsonl_atomic
 
 log = logging.getLogger("grpoflow.train")
 
@@ -38,10 +39,7 @@ class MetricsFile:
     def truncate_after(self, step: int) -> None:
         if not self.path.is_file():
             return
-        keep = [line for line, row in self._rows(warn=True) if row["step"] <= step]
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        os.replace(tmp, self.path)
+        write_jsonl_atomic(self.path, [line for line, row in self._rows(warn=True) if row["step"] <= step])
 
     def append(self, step: int, metrics: dict) -> None:
         with self.path.open("a") as f:

@@ -6,8 +6,8 @@
   requests; `server`: loading the checkpoint and running it all under uvicorn.
 
 Layers: like the rest of `evaluation/` it never imports Prefect, MLflow, `flows` or `tasks`; unlike it, it
-may use the trainer's inference pieces (`trainer.model_loading`, `trainer.rollout`, `trainer.prompts`), so
-a served checkpoint generates exactly as the trainer's engine does.
+may use the trainer's inference pieces (`trainer.model_loading` with `trainer.recipe.ModelConfig`,
+`trainer.rollout`, `trainer.prompts`), so a served checkpoint generates exactly as the trainer's engine does.
 """
 
 from evaluation.serving.guards import ServerLimits, ServingInputError

@@ -1,4 +1,8 @@
-"""Progress bars that are shown in a terminal and stay quiet in CI or when stdout is not a terminal."""
+"""Progress bars that are shown in a terminal and stay quiet in CI or when stderr is not a terminal.
+
+`progress_enabled` is the one rule every layer asks (the trainer's bars, EvalScope's echoed output, the
+thinking metrics); it lives in the bottom layer so that all of them can.
+"""
 
 from __future__ import annotations
 
