@@ -8,6 +8,7 @@ from __future__ import annotations
 import signal
 import threading
 
+from data.progress import progress_enabled
 from evaluation.serving.app import build_app
 from evaluation.serving.guards import ServerLimits
 from evaluation.serving.scheduler import Scheduler
@@ -27,8 +28,6 @@ def run_server(checkpoint: str, *, sock, host: str, model_name: str, max_batch_s
 
 
 def _serve(checkpoint, sock, host, model_name, max_batch_size, on_ready, limits, api_key) -> dict:
-    import sys
-
     import torch
     import uvicorn
     from transformers.utils import logging as hf_logging
@@ -37,8 +36,8 @@ def _serve(checkpoint, sock, host, model_name, max_batch_size, on_ready, limits,
     from trainer.recipe import ModelConfig
     from trainer.rollout.hf_engine import HFEngine
 
-    if not sys.stderr.isatty():
-        hf_logging.disable_progress_bar()  # a log file gets no progress bars
+    if not progress_enabled():
+        hf_logging.disable_progress_bar()  # a log file (or CI) gets no progress bars
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer = load_model(checkpoint, ModelConfig(dtype="float32" if device == "cpu" else "auto"), device)
     model.eval()
