@@ -218,7 +218,7 @@ def register(client, experiment_id: str, checkpoint: Path, name: str) -> str:
 def test_compare_two_registered_versions_evaluates_once_and_logs_the_plot(tiny_base, tmp_path):
     from mlflow import MlflowClient
 
-    from data.manifest import read_manifest, sha256_dir, write_json_atomic
+    from data.manifest import combined_sha256, file_hashes, read_manifest, write_json_atomic
     from evaluation import run_evalscope
     from tasks import tracking
     from tasks.evaluation import ModelRef, record_evaluation
@@ -236,7 +236,9 @@ def test_compare_two_registered_versions_evaluates_once_and_logs_the_plot(tiny_b
     shutil.copytree(tiny_base["path"], second)
     config = json.loads((second / "config.json").read_text())
     (second / "config.json").write_text(json.dumps({**config, "grpoflow_test_copy": 2}))
-    write_json_atomic(second / "manifest.json", {**read_manifest(second), "sha256": sha256_dir(second)})
+    files = file_hashes(second)
+    write_json_atomic(second / "manifest.json", {**read_manifest(second), "files": files,
+                                                 "sha256": combined_sha256(files)})
     assert register(client, experiment_id, Path(tiny_base["path"]), name) == "1"
     assert register(client, experiment_id, second, name) == "2"
 
