@@ -254,3 +254,18 @@ def test_entropy_by_hand():
     close(entropy_from_logits(logits), [[0.693147, 0.562335]])
     p = torch.softmax(LOGITS / 0.7, dim=-1)
     close(entropy_from_logits(LOGITS, temperature=0.7), -(p * p.log()).sum(-1))
+
+
+def test_a_group_of_equal_rewards_is_flat_even_where_float32_rounding_leaves_a_std():
+    """Eight rewards of 0.2 (format only, every answer wrong: the common case of the tiny recipe) have a float32
+    std of ~3e-8, above isclose's atol of 1e-8. The group is flat: counted in frac_reward_zero_std, dropped by
+    dynamic sampling, advantages exactly 0; the other group (one right answer at 1.2) is untouched."""
+    rewards = torch.tensor([0.2] * 8 + [1.2] + [0.2] * 7)
+    advantages, valid, stats = group_advantages(rewards, group_size=8)
+    assert zero_std_groups(rewards, 8).tolist() == [True] * 8 + [False] * 8
+    assert stats["frac_reward_zero_std"] == 0.5
+    assert advantages[:8].tolist() == [0.0] * 8
+    # group 2 by hand: mean 0.325, unbiased std sqrt((0.875^2 + 7 * 0.125^2) / 7) = sqrt(0.125) = 0.35355
+    close(advantages[8].item(), 0.875 / (0.353553 + 1e-4), atol=1e-4)
+    close(advantages[9].item(), -0.125 / (0.353553 + 1e-4), atol=1e-4)
+    assert valid.all()

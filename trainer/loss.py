@@ -6,6 +6,10 @@ deliberate differences, both explained where they live:
 - a group with fewer than two valid rewards has std 0 here (TRL's `nanstd` gives nan); the advantages agree
   (0 either way) but such groups count in `frac_reward_zero_std` and in `zero_std_groups`, since they carry
   no learning signal;
+- a group "has zero std" when its valid rewards are all equal, tested exactly, and its advantages are exactly 0.
+  TRL tests `isclose(std, 0)`, whose default atol of 1e-8 a float32 std of equal rewards can miss: eight
+  rewards of 0.2 have a computed std of ~3e-8, so TRL counts that group as informative and gives it
+  advantages of ~1e-4 made of rounding error;
 - `reduce_loss` returns each micro-batch's exact share of the full-batch loss, so that the sum over
   micro-batches equals the one-shot value even when micro-batches differ in size or token count.
 
@@ -33,7 +37,15 @@ def _valid_mean_std(x: Tensor) -> tuple[Tensor, Tensor]:
     mean = torch.where(valid, x, 0.0).sum(dim=1) / count.clamp(min=1)
     squares = torch.where(valid, (x - mean[:, None]) ** 2, 0.0).sum(dim=1)
     std = torch.where(count > 1, (squares / (count - 1).clamp(min=1)).sqrt(), 0.0)
-    return mean, std
+    return mean, torch.where(_all_equal(x), 0.0, std)  # equal rewards: 0, not a rounding residue
+
+
+def _all_equal(x: Tensor) -> Tensor:
+    """Row-wise: True where the non-nan entries of a 2-D tensor are all equal (or fewer than two)."""
+    valid = ~torch.isnan(x)
+    high = torch.where(valid, x, -torch.inf).amax(dim=1)
+    low = torch.where(valid, x, torch.inf).amin(dim=1)
+    return (valid.sum(dim=1) < 2) | (high == low)
 
 
 def _check_groups(rewards: Tensor, group_size: int) -> None:
@@ -43,11 +55,11 @@ def _check_groups(rewards: Tensor, group_size: int) -> None:
 
 
 def zero_std_groups(rewards: Tensor, group_size: int) -> Tensor:
-    """Per completion: True where its group's valid rewards all match (std isclose 0, TRL's test), the groups
-    DAPO's dynamic sampling drops. A group with fewer than two valid rewards counts as matching."""
+    """Per completion: True where its group's valid rewards are all equal (tested exactly, see the module
+    docstring), the groups DAPO's dynamic sampling drops. A group with fewer than two valid rewards counts as
+    matching."""
     _check_groups(rewards, group_size)
-    _, std = _valid_mean_std(rewards.view(-1, group_size))
-    return torch.isclose(std, torch.zeros_like(std)).repeat_interleave(group_size)
+    return _all_equal(rewards.view(-1, group_size)).repeat_interleave(group_size)
 
 
 def group_advantages(
@@ -75,7 +87,8 @@ def group_advantages(
         advantages = advantages / (group_std.repeat_interleave(group_size) + eps)
     elif scale_rewards == "batch":
         advantages = advantages / (batch_std + eps)
-    advantages = torch.where(valid, advantages, 0.0)
+    flat = _all_equal(rewards.view(-1, group_size)).repeat_interleave(group_size)
+    advantages = torch.where(valid & ~flat, advantages, 0.0)
     stats = {
         "reward": rewards[valid].mean().item() if valid.any() else float("nan"),
         "reward_std": batch_std.item(),
