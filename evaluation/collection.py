@@ -40,15 +40,9 @@ from data.manifest import (
     sha256_file,
     write_json_atomic,
 )
+from evaluation.eval_inputs import EvalInputError, check_inputs
 from evaluation.evalscope_child import launch, log_tail
-from evaluation.evalscope_runner import (
-    COLLECTION,
-    REPORT,
-    EvalInputError,
-    EvalResult,
-    check_inputs,
-    run_evalscope,
-)
+from evaluation.evalscope_runner import COLLECTION, REPORT, EvalResult, run_evalscope
 
 R1_DISTILL_MATH_TEST = ("math_500", "gpqa_diamond", "aime24")
 R1_DISTILL_MATH_TEST_ID = "evalscope/R1-Distill-Math-Test-v2"  # the collection on EvalScope's (ModelScope) hub

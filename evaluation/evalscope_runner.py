@@ -1,6 +1,6 @@
 """Evaluate a model with EvalScope: a local checkpoint (`llm_ckpt`) or a served model (`openai_api`).
 
-`run_evalscope` checks its inputs, runs EvalScope in a child process (`evalscope_worker.py`) whose output
+`run_evalscope` checks its inputs (`eval_inputs`), runs EvalScope in a child process (`evalscope_worker.py`) whose output
 goes to a log file, reads the scores back from EvalScope's own report files and writes `report.json`.
 Layout of `work_dir` after a successful run:
 
@@ -13,8 +13,9 @@ An endpoint's credentials (the API key, userinfo and secret query parameters of 
 through its environment only: EvalScope is given the bare URL, `report.json` the masked one (`data.redact`).
 
 Calling it again on a finished `work_dir` with the same settings returns the recorded result (a retried
-task does not evaluate twice); with other settings it raises `FileExistsError`. The port of a loopback
-`api_url` is no setting: a model served for one evaluation gets a fresh port each time. Raises `ValueError`
+task does not evaluate twice); with other settings it raises `FileExistsError` (`eval_settings` decides
+what "the same" is: the port of a loopback `api_url` is no setting, a model served for one evaluation gets
+a fresh port each time). Raises `ValueError`
 / `FileNotFoundError` / `NotADirectoryError` for bad inputs (a missing checkpoint, a missing local dataset
 directory, an unknown benchmark) and `RuntimeError` naming the benchmark and quoting the log tail when
 EvalScope fails.
@@ -26,19 +27,25 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
-from urllib.parse import urlsplit
 
-from data.errors import GrpoflowUserError, ServiceUnavailable
+from data.errors import ServiceUnavailable
 from data.manifest import write_json_atomic
 from data.progress import progress_enabled
 from data.redact import mask_uri, strip_credentials
-from evaluation.evalscope_child import OFFLINE_ENV, WORKER, launch, log_tail
+from evaluation.eval_inputs import (
+    EvalInputError,
+    check_dataset_ids,
+    check_endpoint,
+    check_model_and_paths,
+    check_settings,
+    unknown_benchmark_error,
+)
+from evaluation.eval_settings import setting_differences
+from evaluation.evalscope_child import launch, log_tail
 from evaluation.evalscope_reports import (
     BenchmarkReport,
     read_collection_report,
@@ -49,17 +56,9 @@ from evaluation.evalscope_reports import (
 
 REPORT = "report.json"
 OUTPUTS = "evalscope"
-DTYPES = ("float32", "bfloat16", "float16", "auto")
 COLLECTION = "data_collection"  # EvalScope's benchmark for a collection JSONL (see `evaluation.collection`)
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-# Set for the child only, and only when no benchmark needs a dataset hub: then nothing may touch the network.
 # The child's environment variable with an endpoint's credentials: {"headers": {...}, "query": {...}}.
 CREDENTIALS_ENV = "GRPOFLOW_EVAL_CREDENTIALS"
-
-
-class EvalInputError(GrpoflowUserError, ValueError):
-    """An evaluation input that cannot work (a setting, a benchmark name, a local path, a missing API key);
-    raised before any model is loaded or any process started."""
 
 
 @dataclass
@@ -115,13 +114,13 @@ def run_evalscope(
     - `temperature=0` is greedy decoding; above 0 it is plain temperature sampling (top_p 1, no top_k).
     - `progress`: echo EvalScope's own log and progress bars to stderr; by default only in a terminal.
     - `request_timeout_s`: an endpoint's longest wait for one answer; a request is retried
-      `ENDPOINT_RETRIES` times. The endpoint is probed first (`ENDPOINT_PROBE_TIMEOUT_S` at most): one
+      `ENDPOINT_RETRIES` times. The endpoint is probed first (`eval_inputs.check_endpoint`): one
       that does not answer raises `ServiceUnavailable` before EvalScope starts.
     """
     checkpoint = api_url is None
-    model, local_paths = _check_inputs(model, benchmarks, dict(local_paths or {}), api_url, api_key_env)
-    dataset_ids = _check_dataset_ids(dict(dataset_ids or {}), benchmarks, local_paths)
-    _check_settings(limit, repeats, max_tokens, temperature, eval_batch_size, dtype)
+    model, local_paths = check_model_and_paths(model, benchmarks, dict(local_paths or {}), api_url, api_key_env)
+    dataset_ids = check_dataset_ids(dict(dataset_ids or {}), benchmarks, local_paths)
+    check_settings(limit, repeats, max_tokens, temperature, eval_batch_size, dtype)
     if not isinstance(request_timeout_s, (int, float)) or not 0 < request_timeout_s < float("inf"):
         raise EvalInputError(f"request_timeout_s must be a positive number of seconds, got {request_timeout_s!r}")
     model_id = _model_id(model, checkpoint)
@@ -189,24 +188,12 @@ def run_evalscope(
 
 def _finished(work_dir: Path, settings: dict) -> EvalResult:
     """The finished evaluation in `work_dir` if it was made with `settings`; refuses to mix two runs."""
-    recorded = json.loads((work_dir / REPORT).read_text())
-    differs = {k: (recorded.get(k), v) for k, v in settings.items()
-               if _comparable(k, recorded.get(k)) != _comparable(k, v)}
+    differs = setting_differences(json.loads((work_dir / REPORT).read_text()), settings)
     if differs:
         detail = "; ".join(f"{k}: {old!r} there, {new!r} now" for k, (old, new) in differs.items())
         raise FileExistsError(f"{work_dir} already holds an evaluation made with other settings ({detail}); "
                               "use a new work_dir")
     return load_result(work_dir)
-
-
-def _comparable(key: str, value):
-    """A setting as compared between runs: a loopback `api_url` without its port, which is picked afresh
-    each time a model is served for an evaluation and so decides nothing about the scores."""
-    if key == "api_url" and isinstance(value, str):
-        url = urlsplit(value)
-        if url.hostname in LOOPBACK_HOSTS:
-            return url._replace(netloc=url.hostname).geturl()
-    return value
 
 
 def _read_report(bench: str, path: Path) -> BenchmarkReport:
@@ -249,145 +236,10 @@ def _result_json(result: EvalResult) -> dict:
     }
 
 
-def _check_inputs(model, benchmarks, local_paths, api_url, api_key_env) -> tuple[str, dict[str, str]]:
-    """Fail before any process starts; returns the model (absolute path for a checkpoint) and local paths."""
-    if isinstance(benchmarks, str) or not benchmarks or not all(isinstance(b, str) and b for b in benchmarks):
-        raise EvalInputError(f"benchmarks must be a non-empty list of EvalScope benchmark names, "
-                             f"got {benchmarks!r}")
-    if len(set(benchmarks)) != len(benchmarks):
-        raise EvalInputError(f"benchmarks lists a name twice: {benchmarks}")
-    if api_url is None and model is not None:  # None: checking the rest before the model is at hand
-        path = Path(model).expanduser().resolve()
-        if not path.exists():
-            raise FileNotFoundError(f"model checkpoint directory not found: {path} (pass a save_pretrained "
-                                    "directory, or api_url=... to evaluate a served model)")
-        if not (path / "config.json").is_file():
-            raise EvalInputError(f"model {path} is not a save_pretrained checkpoint directory: "
-                                 "no config.json in it")
-        model = str(path)
-    elif api_url is not None and not re.match(r"https?://", api_url):
-        raise EvalInputError(f"api_url must be an http(s) URL such as http://host:8000/v1, got {mask_uri(api_url)!r}")
-    if api_key_env is not None:
-        if api_url is None:
-            raise EvalInputError("api_key_env is only used with api_url (a served model)")
-        if not os.environ.get(api_key_env):
-            raise EvalInputError(f"api_key_env={api_key_env!r}: the environment variable {api_key_env} is not set")
-    resolved = {}
-    for bench, raw in local_paths.items():
-        if bench not in benchmarks:
-            raise EvalInputError(f"local_paths names benchmark {bench!r}, which is not among {benchmarks}")
-        path = Path(raw).expanduser().resolve()
-        if not path.exists():
-            raise FileNotFoundError(f"local_path for benchmark {bench!r} not found: {path}")
-        if not path.is_dir():
-            raise EvalInputError(f"local_path for benchmark {bench!r} must be a directory holding its "
-                                 f"data file (e.g. test.jsonl), got the file {path}")
-        resolved[bench] = str(path)
-    return model, resolved
-
-
-def _check_dataset_ids(dataset_ids: dict, benchmarks, local_paths: dict) -> dict[str, str]:
-    for bench, dataset_id in dataset_ids.items():
-        if bench not in benchmarks:
-            raise EvalInputError(f"dataset_ids names benchmark {bench!r}, which is not among {benchmarks}")
-        if bench in local_paths:
-            raise EvalInputError(f"benchmark {bench!r} has both a local path and a dataset id; give one")
-        if not isinstance(dataset_id, str) or not dataset_id:
-            raise EvalInputError(f"dataset_ids[{bench!r}] must be a hub dataset id such as 'owner/name', "
-                                 f"got {dataset_id!r}")
-    return dataset_ids
-
-
-def _check_settings(limit, repeats, max_tokens, temperature, eval_batch_size, dtype) -> None:
-    def positive_int(name, value):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise EvalInputError(f"{name} must be a positive integer, got {value!r}")
-
-    if limit is not None:
-        positive_int("limit", limit)
-    positive_int("repeats", repeats)
-    positive_int("max_tokens", max_tokens)
-    positive_int("eval_batch_size", eval_batch_size)
-    if temperature < 0:
-        raise EvalInputError(f"temperature must be >= 0, got {temperature}")
-    if repeats > 1 and temperature == 0:
-        raise EvalInputError(f"repeats={repeats} with temperature=0 (greedy) would score identical answers; "
-                             "set temperature > 0")
-    if dtype not in DTYPES:
-        raise EvalInputError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-
-
-def check_inputs(benchmarks, *, local_paths: dict[str, str] | None = None, limit: int | None = None,
-                 repeats: int = 1, max_tokens: int = 1024, temperature: float = 0.0, api_url: str | None = None,
-                 api_key_env: str | None = None, eval_batch_size: int = 1) -> None:
-    """Everything `run_evalscope` checks that does not need the model, benchmark names included: a command
-    calls this before it resolves, downloads or serves a model. Raises `EvalInputError`/`FileNotFoundError`."""
-    _check_inputs(None, benchmarks, dict(local_paths or {}), api_url, api_key_env)
-    _check_settings(limit, repeats, max_tokens, temperature, eval_batch_size, "float32")
-    check_benchmark_names(benchmarks)
-
-
-def check_benchmark_names(names: list[str]) -> None:
-    """Raise `EvalInputError` for a name EvalScope has no benchmark of, with the closest names.
-
-    EvalScope's generated index (`evalscope/benchmarks/_index.json`) answers without importing EvalScope; a
-    name it lacks is looked up in EvalScope's full registry in a child process, as the worker does it (the
-    index may be stale)."""
-    missing = [n for n in names if n not in _indexed_benchmarks()]
-    if not missing:
-        return
-    code = ("import json, sys; from evalscope_worker import _unknown_benchmark; "
-            "print(json.dumps(_unknown_benchmark(json.loads(sys.argv[1])) or {}))")
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(missing)], cwd=WORKER.parent,
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **OFFLINE_ENV})
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"could not read EvalScope's benchmark registry (exit {proc.returncode}): "
-                           f"{proc.stderr.strip()[-2000:]}")
-    status = json.loads(lines[-1])
-    if status:
-        raise _unknown_benchmark_error(status)
-
-
-def _indexed_benchmarks() -> set[str]:
-    import importlib.util
-
-    spec = importlib.util.find_spec("evalscope")  # finds the package without importing it
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        index = Path(root) / "benchmarks" / "_index.json"
-        if index.is_file():
-            try:
-                return set(json.loads(index.read_text()))
-            except (OSError, ValueError):
-                break
-    return set()
-
-
-def _unknown_benchmark_error(status: dict) -> EvalInputError:
-    close = " or ".join(map(repr, status.get("suggestions", [])))
-    hint = f"; did you mean {close}?" if close else ""
-    return EvalInputError(f"unknown benchmark {status['unknown_benchmark']!r}: EvalScope {version('evalscope')} "
-                          f"has no benchmark of that name{hint}")
-
-
 ENDPOINT_RETRIES = 2  # EvalScope retries a failed request 5 times, 10 s apart, by default
 # The OpenAI client's errors for an endpoint that did not answer (EvalScope gives up after ENDPOINT_RETRIES)
 ENDPOINT_GAVE_UP = ("APITimeoutError", "APIConnectionError")
 ENDPOINT_RETRY_INTERVAL_S = 5
-ENDPOINT_PROBE_TIMEOUT_S = 15.0  # the check before EvalScope starts (never longer than request_timeout_s)
-
-
-def check_endpoint(api_url: str, request_timeout_s: float = 600.0) -> None:
-    """Raise `ServiceUnavailable` unless the endpoint answers `GET <api_url>/models` (any HTTP status counts;
-    credentials are never sent) within `ENDPOINT_PROBE_TIMEOUT_S`, or `request_timeout_s` when shorter."""
-    from urllib.parse import urlunsplit
-
-    from data.reachability import require_reachable
-
-    parts = urlsplit(api_url)
-    models = urlunsplit(parts._replace(path=parts.path.rstrip("/") + "/models"))
-    require_reachable(models, "the evaluation endpoint", min(ENDPOINT_PROBE_TIMEOUT_S, request_timeout_s))
 
 
 def _endpoint_waits(request_timeout_s: float) -> dict:
@@ -459,7 +311,7 @@ def _run_worker(outputs: Path, spec: dict, offline: bool, echo: bool, secret_env
         return log_path
     if "unknown_benchmark" in status:
         shutil.rmtree(outputs, ignore_errors=True)
-        raise _unknown_benchmark_error(status)
+        raise unknown_benchmark_error(status)
     failed = _first_without_report(outputs, spec["task_config"])
     waits = spec["task_config"]["generation_config"]
     if status.get("error") in ENDPOINT_GAVE_UP and spec["task_config"].get("api_url"):  # the endpoint, not us

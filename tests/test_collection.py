@@ -19,7 +19,8 @@ from evaluation.collection import (
     build_local_collection,
     evaluate_collection,
 )
-from evaluation.evalscope_runner import _comparable, _dataset_args
+from evaluation.eval_settings import comparable
+from evaluation.evalscope_runner import _dataset_args
 
 # GPQA-Diamond is not shipped (its authors ask that it stay out of plain text): these rows are made up, in its
 # format (EvalScope reads split `train` with these fields).
@@ -220,14 +221,14 @@ def test_the_three_benchmarks_alone_report_evalscopes_numbers(tiny_base, local_p
 
 def test_a_loopback_urls_port_is_not_a_setting():
     same = ("http://127.0.0.1:41234/v1", "http://127.0.0.1:52811/v1")
-    assert _comparable("api_url", same[0]) == _comparable("api_url", same[1])
-    assert _comparable("api_url", "http://localhost:8000/v1") == _comparable("api_url", "http://localhost:9/v1")
+    assert comparable("api_url", same[0]) == comparable("api_url", same[1])
+    assert comparable("api_url", "http://localhost:8000/v1") == comparable("api_url", "http://localhost:9/v1")
     # another host, path or scheme is another endpoint; elsewhere the port matters
-    assert _comparable("api_url", "http://127.0.0.1:1/v1") != _comparable("api_url", "http://localhost:1/v1")
-    assert _comparable("api_url", "http://127.0.0.1:1/v1") != _comparable("api_url", "http://127.0.0.1:1/v2")
-    assert _comparable("api_url", "http://gpu-node:8000/v1") != _comparable("api_url", "http://gpu-node:8001/v1")
-    assert _comparable("api_url", None) is None
-    assert _comparable("model", "http://127.0.0.1:1/v1") == "http://127.0.0.1:1/v1"
+    assert comparable("api_url", "http://127.0.0.1:1/v1") != comparable("api_url", "http://localhost:1/v1")
+    assert comparable("api_url", "http://127.0.0.1:1/v1") != comparable("api_url", "http://127.0.0.1:1/v2")
+    assert comparable("api_url", "http://gpu-node:8000/v1") != comparable("api_url", "http://gpu-node:8001/v1")
+    assert comparable("api_url", None) is None
+    assert comparable("model", "http://127.0.0.1:1/v1") == "http://127.0.0.1:1/v1"
 
 
 def test_a_hub_collection_is_named_by_dataset_id(tmp_path):
