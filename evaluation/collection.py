@@ -19,6 +19,8 @@ adapter. The online R1 collection is `evalscope/R1-Distill-Math-Test-v2` (the ol
 - `build_local_collection` builds the same collection offline from local copies of the three benchmarks,
   with EvalScope's own schema, sampler and benchmark loaders (in a child process, like every EvalScope run).
 - `evaluate_collection` evaluates a model on it, offline from local benchmark copies or on the hub's.
+- A recipe asks for it as the benchmark `r1_distill_math_test` (`COLLECTION_NAME`, on its own); the
+  evaluation entry point (`evaluation.entry_point`) turns that into `evaluate_collection`.
 - `evaluation.evalscope_reports.read_collection_report` reads the scores back from EvalScope's collection
   report: the collection's mean over all its samples, and each benchmark's.
 """
@@ -40,13 +42,14 @@ from data.manifest import (
     sha256_file,
     write_json_atomic,
 )
-from evaluation.eval_inputs import EvalInputError, check_inputs
+from evaluation.eval_inputs import EvalInputError
 from evaluation.evalscope_child import launch, log_tail
 from evaluation.evalscope_runner import COLLECTION, REPORT, EvalResult, run_evalscope
 
 R1_DISTILL_MATH_TEST = ("math_500", "gpqa_diamond", "aime24")
 R1_DISTILL_MATH_TEST_ID = "evalscope/R1-Distill-Math-Test-v2"  # the collection on EvalScope's (ModelScope) hub
 NAME = "R1-Distill-Math-Test"
+COLLECTION_NAME = "r1_distill_math_test"  # how a recipe's eval.benchmarks names the collection
 COLLECTION_FILE = "test.jsonl"  # the name EvalScope's data_collection loader looks for in its local_path
 SCHEMA_FILE = "schema.json"     # the CollectionSchema it was sampled from, in EvalScope's own JSON form
 KIND = "evalscope_collection"
@@ -75,7 +78,7 @@ def build_local_collection(local_paths: dict[str, str], out: str | os.PathLike, 
     FileNotFoundError naming a benchmark whose directory is missing, ValueError for other bad inputs and
     RuntimeError quoting EvalScope's log when it cannot load a benchmark.
     """
-    paths = _check_local_paths(local_paths)
+    paths = check_local_paths(local_paths)
     limit = per_benchmark_limit
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise EvalInputError(f"per_benchmark_limit must be a positive integer or None, got {per_benchmark_limit!r}")
@@ -129,7 +132,7 @@ def evaluate_collection(model: str, work_dir: str | os.PathLike, *, local_paths:
         return run_evalscope(model, [COLLECTION], work_dir=work_dir, seed=seed,
                              dataset_ids={COLLECTION: R1_DISTILL_MATH_TEST_ID}, **run_kwargs)
     collection = work_dir / "collection"
-    config = _build_config(_check_local_paths(local_paths), per_benchmark_limit, seed)
+    config = _build_config(check_local_paths(local_paths), per_benchmark_limit, seed)
     if (work_dir / REPORT).is_file():  # finished: never rebuild the collection it was scored on
         built = read_manifest(collection)["config"] if (collection / MANIFEST).is_file() else {}
         differs = "; ".join(f"{k}: {built.get(k)!r} there, {v!r} now"
@@ -143,8 +146,17 @@ def evaluate_collection(model: str, work_dir: str | os.PathLike, *, local_paths:
                          local_paths={COLLECTION: str(collection)}, **run_kwargs)
 
 
-def _check_local_paths(local_paths: dict[str, str]) -> dict[str, str]:
-    """Each benchmark's directory, resolved; names the benchmark whose directory is missing."""
+def collection_paths(benchmarks: list[str], local_paths: dict[str, str] | None) -> dict[str, str] | None:
+    """The local paths of the collection's benchmarks when a recipe lists `COLLECTION_NAME` (None: the hub's
+    collection); the collection is evaluated on its own."""
+    if benchmarks != [COLLECTION_NAME]:
+        raise EvalInputError(f"'{COLLECTION_NAME}' is the combined collection of {', '.join(R1_DISTILL_MATH_TEST)}: "
+                             "evaluate it on its own, or list the benchmarks individually")
+    return {b: p for b, p in (local_paths or {}).items() if b in R1_DISTILL_MATH_TEST} or None
+
+
+def check_local_paths(local_paths: dict[str, str]) -> dict[str, str]:
+    """Each of the collection's benchmark directories, resolved; names the benchmark whose directory is missing."""
     extra = sorted(set(local_paths) - set(R1_DISTILL_MATH_TEST))
     if extra:
         raise EvalInputError(f"local_paths names {extra}, which are not in R1-Distill-Math-Test "
@@ -185,42 +197,3 @@ def _build_in_child(tmp: Path, build: dict) -> None:
                            + log_tail(log))
     for path in (tmp / "build_spec.json", tmp / "build_status.json", log):
         path.unlink()
-
-
-COLLECTION_NAME = "r1_distill_math_test"
-
-
-def run_benchmarks(model: str, benchmarks: list[str], *, work_dir, local_paths: dict[str, str] | None = None,
-                   limit: int | None = None, **run_kwargs) -> EvalResult:
-    """`run_evalscope` for individual benchmarks, or the combined collection when `benchmarks` is
-    `["r1_distill_math_test"]` (then `limit` is taken per benchmark of the collection)."""
-    if COLLECTION_NAME not in benchmarks:
-        return run_evalscope(model, benchmarks, work_dir=work_dir, local_paths=local_paths, limit=limit,
-                             **run_kwargs)
-    paths = _collection_paths(benchmarks, local_paths)
-    return evaluate_collection(model, work_dir, local_paths=paths, per_benchmark_limit=limit, **run_kwargs)
-
-
-def check_benchmarks(benchmarks: list[str], *, local_paths: dict[str, str] | None = None, limit: int | None = None,
-                     **settings) -> None:
-    """What `run_benchmarks` would refuse, checked before any model is at hand: settings, benchmark names,
-    local paths, an API key variable (`settings`: repeats, max_tokens, temperature, api_url, api_key_env,
-    eval_batch_size). Raises `EvalInputError` or `FileNotFoundError` naming the benchmark or setting."""
-    if COLLECTION_NAME not in benchmarks:
-        return check_inputs(benchmarks, local_paths=local_paths, limit=limit, **settings)
-    paths = _collection_paths(benchmarks, local_paths)
-    if paths is not None:
-        _check_local_paths(paths)
-    elif limit is not None:
-        raise EvalInputError(f"limit={limit} samples a locally built {NAME}: it needs local_paths for "
-                             f"{', '.join(R1_DISTILL_MATH_TEST)} (the hub's {R1_DISTILL_MATH_TEST_ID} is "
-                             "evaluated whole)")
-    check_inputs([COLLECTION], limit=limit, **settings)
-
-
-def _collection_paths(benchmarks: list[str], local_paths: dict[str, str] | None) -> dict[str, str] | None:
-    """The local paths of the collection's benchmarks (None: the hub's collection)."""
-    if benchmarks != [COLLECTION_NAME]:
-        raise EvalInputError(f"'{COLLECTION_NAME}' is the combined collection of {', '.join(R1_DISTILL_MATH_TEST)}: "
-                             "evaluate it on its own, or list the benchmarks individually")
-    return {b: p for b, p in (local_paths or {}).items() if b in R1_DISTILL_MATH_TEST} or None

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from evaluation.eval_settings import setting_differences
 from evaluation.evalscope_reports import review_score
 
 log = logging.getLogger("grpoflow.compare")
@@ -198,11 +199,12 @@ def markdown_table(rows: list[Row], confidence: float = 0.95) -> str:
     return "\n".join(lines) + "\n"
 
 
-def setting_differences(a_dir: str | os.PathLike, b_dir: str | os.PathLike) -> dict[str, tuple]:
-    """Generation settings that differ between two evaluations (a comparison across them is apples to pears)."""
+def evaluation_differences(a_dir: str | os.PathLike, b_dir: str | os.PathLike) -> dict[str, tuple]:
+    """Generation settings that differ between two evaluations (a comparison across them is apples to pears),
+    as `{key: (a's, b's)}`."""
     keys = ("limit", "repeats", "generation_config", "dtype", "seed")
     a, b = (json.loads((Path(d) / "report.json").read_text()) for d in (a_dir, b_dir))
-    return {k: (a.get(k), b.get(k)) for k in keys if a.get(k) != b.get(k)}
+    return setting_differences(a, {k: b.get(k) for k in keys})
 
 
 def _fmt(x: float, sign: str = "") -> str:

@@ -167,17 +167,12 @@ def _check_before_run(args, services, recipe) -> None:
 def _check_eval_settings(args, recipe, endpoint: str | None = None, **endpoint_settings) -> None:
     """The recipe's `eval` section checked as EvalScope will use it (benchmark names, local paths, an API key
     variable), and an endpoint's reachability, before any model is resolved, downloaded, trained or served."""
-    from evaluation.collection import check_benchmarks
-    from evaluation.evalscope_runner import EvalInputError, check_endpoint
+    from evaluation import EvalInputError, check_evaluation
 
-    e = recipe.eval
     try:
-        check_benchmarks(e.benchmarks, local_paths=e.local_paths or None, limit=e.limit, repeats=e.repeats,
-                         max_tokens=e.max_tokens, temperature=e.temperature, api_url=endpoint, **endpoint_settings)
+        check_evaluation(recipe.eval, api_url=endpoint, **endpoint_settings)
     except EvalInputError as err:
         raise UsageError(f"{args.config or args.default_config or '<defaults>'}: eval: {err}") from None
-    if endpoint:
-        check_endpoint(endpoint, e.request_timeout_s)
 
 
 def cmd_eval(args) -> dict:
@@ -185,7 +180,7 @@ def cmd_eval(args) -> dict:
 
     services = configure(args.state_dir)
     recipe = services.place_outputs(_recipe(args))
-    from evaluation.collection import run_benchmarks
+    from evaluation import evaluate
     from tasks import tracking
     from tasks.evaluation import heldout_accuracy, record_evaluation, resolve_model
 
@@ -201,17 +196,15 @@ def cmd_eval(args) -> dict:
     name = ref.model_name and f"{ref.model_name}-v{ref.model_version}" or Path(ref.local_path or "endpoint").name
     with _served_for_eval(args, ref, name) as served:  # --serve: the checkpoint behind a local endpoint
         api_url = served.url if served else ref.api_url
-        result = run_benchmarks(
-            served.model_name if served else ref.local_path or args.served_model_name or "default", e.benchmarks,
-            work_dir=Path(e.out).resolve() / (f"{name}-served" if served else name),
-            local_paths=e.local_paths or None, limit=e.limit, repeats=e.repeats, max_tokens=e.max_tokens,
-            temperature=e.temperature, api_url=api_url, api_key_env=None if served else args.api_key_env,
-            eval_batch_size=args.concurrency if api_url else 1, request_timeout_s=e.request_timeout_s)
+        result = evaluate(served.model_name if served else ref.local_path or args.served_model_name or "default", e,
+                          work_dir=Path(e.out).resolve() / (f"{name}-served" if served else name), api_url=api_url,
+                          api_key_env=None if served else args.api_key_env,
+                          eval_batch_size=args.concurrency if api_url else 1)
     scores = dict(result.scores)
     if ref.local_path and (acc := heldout_accuracy(ref.local_path, recipe.data.out, recipe)) is not None:
         scores["heldout_accuracy"] = acc
     experiment = tracking.ensure_experiment(client, recipe.registry.experiment, services.artifact_root)
-    run_id = record_evaluation(client, experiment, ref, scores, recipe.to_dict()["eval"], result.work_dir / "report.json")
+    run_id = record_evaluation(client, experiment, ref, scores, e, result.work_dir / "report.json")
     for bench, score in scores.items():
         _say(args, f"{bench}: {score:.4f}")
     return {"model": ref.text, "model_name": ref.model_name, "model_version": ref.model_version,
@@ -297,7 +290,7 @@ def _comparison(args, baseline: str, candidate: str, **gate) -> dict:
     from tasks.tracking import TrackingError
 
     try:
-        return run_comparison(baseline, candidate, recipe.to_dict(), services.flow_parameters(), **gate)
+        return run_comparison(baseline, candidate, recipe, services.flow_parameters(), **gate)
     except GrpoflowUserError:
         raise
     except (TrackingError, MlflowException, ComparisonError, ValueError, OSError) as e:

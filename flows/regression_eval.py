@@ -16,10 +16,12 @@ from prefect.artifacts import create_markdown_artifact
 
 from evaluation.compare import gate
 from tasks import comparison
+from tasks.recipe_sections import typed_recipe
 
 
 @task(name="evaluated-side", retries=1, retry_delay_seconds=10)
 def evaluated_side(ref: str, recipe: dict, services: dict) -> comparison.Side:
+    recipe = typed_recipe(recipe)
     client, experiment_id = comparison.open_store(recipe, services)
     return comparison.evaluated_side(ref, client, experiment_id, recipe, services)
 
@@ -27,11 +29,12 @@ def evaluated_side(ref: str, recipe: dict, services: dict) -> comparison.Side:
 @task(name="compare-and-log")
 def compare_and_log(baseline: comparison.Side, candidate: comparison.Side, max_drop: float, recipe: dict,
                     services: dict) -> dict:
+    recipe = typed_recipe(recipe)
     client, experiment_id = comparison.open_store(recipe, services)
     rows = comparison.compare_sides(baseline, candidate)
     verdict = gate(rows, max_drop)
     logged = comparison.log_comparison(client, experiment_id, baseline, candidate, rows,
-                                       f"{recipe['eval']['out']}/comparisons", verdict)
+                                       f"{recipe.eval.out}/comparisons", verdict)
     return {**logged, "rows": [r.to_dict() for r in rows], "passed": verdict.passed, "max_drop": max_drop,
             "failing": [r.to_dict() for r in verdict.failing], "report": verdict.markdown()}
 

@@ -3,7 +3,8 @@
 A side is a registered version (`models:/name@alias`, `models:/name/3`), a checkpoint directory, or a finished
 evaluation (its work dir, or the `report.json` in it). Evaluations are reused: a registered version's
 evaluation runs (the one its `eval_mlflow_run_id` tag names first, then any other run tagged with its name and
-version) are checked for one made with the recipe's `eval` settings whose work dir is on this machine. Only when
+version) are checked for one made with the recipe's `eval` settings (`evaluation.made_with`) whose work dir is
+on this machine. Only when
 there is none is EvalScope run, and the result recorded with `record_evaluation` (the run also gets an
 `eval_work_dir` tag, so the next comparison finds it directly).
 
@@ -23,20 +24,23 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
 from data.errors import ServiceUnavailable
-from data.manifest import sha256_json, write_json_atomic
+from data.manifest import write_json_atomic
+from evaluation import made_with, settings_hash
 from evaluation.compare import (
     GateResult,
     Row,
     check_max_drop,
     compare,
+    evaluation_differences,
     gate,
     load_samples,
     markdown_table,
-    setting_differences,
 )
 from evaluation.plots import plot_comparison
 from tasks import tracking
 from tasks.evaluation import ModelRef, is_registered_ref, lookup_version, record_evaluation, resolve_model
+from tasks.recipe_sections import typed_recipe
+from trainer.recipe import EvalConfig, Recipe
 
 log = logging.getLogger("grpoflow.comparison")
 
@@ -71,7 +75,7 @@ class Side:
         return asdict(self)
 
 
-def open_store(recipe: dict, services: dict) -> tuple[MlflowClient, str]:
+def open_store(recipe: Recipe, services: dict) -> tuple[MlflowClient, str]:
     """The MLflow client and the recipe's experiment; raises `TrackingError` when the store is unusable."""
     try:
         client = tracking.client_for(services["tracking_uri"], services.get("registry_uri"))
@@ -80,12 +84,12 @@ def open_store(recipe: dict, services: dict) -> tuple[MlflowClient, str]:
     except Exception as e:  # noqa: BLE001 - a sqlite store fails here already (e.g. its folder cannot be made)
         raise tracking.TrackingError(f"MLflow at {services['tracking_uri']!r} is unreachable: "
                                      f"{type(e).__name__}: {e}") from e
-    return client, tracking.ensure_experiment(client, recipe["registry"]["experiment"], services.get("artifact_root"))
+    return client, tracking.ensure_experiment(client, recipe.registry.experiment, services.get("artifact_root"))
 
 
-def evaluated_side(ref: str, client: MlflowClient, experiment_id: str, recipe: dict, services: dict) -> Side:
+def evaluated_side(ref: str, client: MlflowClient, experiment_id: str, recipe: Recipe, services: dict) -> Side:
     """The finished evaluation standing for `ref`: reused when one with the recipe's settings exists, else run."""
-    eval_cfg = recipe["eval"]
+    settings = recipe.eval
     path = Path(ref).expanduser()
     if path.is_file() and path.name == "report.json":
         path = path.parent
@@ -93,28 +97,28 @@ def evaluated_side(ref: str, client: MlflowClient, experiment_id: str, recipe: d
         return Side(ref, str(path.resolve()))
     if is_registered_ref(ref):
         name, version = _version_of(ref, client)
-        found = find_evaluation(client, name, version, eval_cfg, experiment_id)
+        found = find_evaluation(client, name, version, settings, experiment_id)
         if found:
             log.info("%s: reusing the evaluation in %s (MLflow run %s)", ref, *found)
-            return Side(ref, str(found[0]), list(eval_cfg["benchmarks"]), name, version, found[1])
-        work_dir = _fresh_work_dir(eval_cfg, f"{name}-v{version}")
+            return Side(ref, str(found[0]), list(settings.benchmarks), name, version, found[1])
+        work_dir = _fresh_work_dir(settings, f"{name}-v{version}")
     elif path.is_dir() and (path / "config.json").is_file():
         # one work dir per checkpoint path and settings: two runs' `checkpoint-150` must not share one
-        work_dir = _fresh_work_dir(eval_cfg, f"{path.resolve().name}-{_settings_hash(eval_cfg, path.resolve())}")
+        work_dir = _fresh_work_dir(settings, f"{path.resolve().name}-{settings_hash(settings, path.resolve())}")
         if (work_dir / "report.json").is_file():  # evaluated before, by an earlier comparison
-            return Side(ref, str(work_dir), list(eval_cfg["benchmarks"]))
+            return Side(ref, str(work_dir), list(settings.benchmarks))
     else:
         raise FileNotFoundError(f"{ref!r}: expected models:/name@alias, models:/name/<version>, a checkpoint "
                                 "directory, or a finished evaluation (a work dir with report.json, or the file)")
     model = resolve_model(ref, client, Path(services["state_dir"]) / "models-cache")
-    run_id = _evaluate(model, work_dir, client, experiment_id, eval_cfg)
-    return Side(ref, str(work_dir), list(eval_cfg["benchmarks"]), model.model_name, model.model_version, run_id,
+    run_id = _evaluate(model, work_dir, client, experiment_id, settings)
+    return Side(ref, str(work_dir), list(settings.benchmarks), model.model_name, model.model_version, run_id,
                 reused=False)
 
 
-def find_evaluation(client: MlflowClient, name: str, version: str, eval_cfg: dict,
+def find_evaluation(client: MlflowClient, name: str, version: str, settings: EvalConfig,
                     experiment_id: str) -> tuple[Path, str] | None:
-    """(work dir, eval run id) of an evaluation of this version made with `eval_cfg`, found on this machine."""
+    """(work dir, eval run id) of an evaluation of this version made with `settings`, found on this machine."""
     try:
         tagged = client.get_model_version(name, version).tags.get("eval_mlflow_run_id")
         runs = client.search_runs([experiment_id], f"tags.model_name = '{name}' and tags.model_version = "
@@ -131,14 +135,14 @@ def find_evaluation(client: MlflowClient, name: str, version: str, eval_cfg: dic
     for run in runs:
         for work_dir in _work_dir_candidates(run, name, version):
             report = work_dir / "report.json"
-            if report.is_file() and _same_settings(json.loads(report.read_text()), eval_cfg):
+            if report.is_file() and made_with(json.loads(report.read_text()), settings):
                 return work_dir, run.info.run_id
     return None
 
 
 def compare_sides(baseline: Side, candidate: Side) -> list[Row]:
     """Rows of candidate minus baseline over the benchmarks both sides were asked for."""
-    for key, (a, b) in setting_differences(baseline.work_dir, candidate.work_dir).items():
+    for key, (a, b) in evaluation_differences(baseline.work_dir, candidate.work_dir).items():
         log.warning("the two evaluations differ in %s: %r (baseline) vs %r (candidate)", key, a, b)
     samples = []
     for side in (baseline, candidate):
@@ -193,9 +197,10 @@ def promote(client: MlflowClient, candidate: Side, alias: str = CHAMPION) -> str
     return f"models:/{candidate.model_name}/{candidate.model_version}"
 
 
-def run_comparison(baseline: str, candidate: str, recipe: dict, services: dict, max_drop: float | None = None,
-                   promote_to: str | None = None) -> dict:
+def run_comparison(baseline: str, candidate: str, recipe: Recipe | dict, services: dict,
+                   max_drop: float | None = None, promote_to: str | None = None) -> dict:
     """Compare (and with `max_drop`, gate) in one call: what `grpoflow compare` and `grpoflow gate` run.
+    `recipe`: the recipe, or its `to_dict()` form (as a flow passes it).
 
     `promote_to`: an alias set on the candidate's version when the gate passes (needs `max_drop` and a
     registered candidate).
@@ -205,13 +210,13 @@ def run_comparison(baseline: str, candidate: str, recipe: dict, services: dict, 
     if promote_to and not is_registered(candidate):
         raise ValueError(f"promoting needs a registered candidate (models:/name@alias or models:/name/<version>), "
                          f"got {candidate!r}")
+    recipe = typed_recipe(recipe)
     client, experiment_id = open_store(recipe, services)
     base = evaluated_side(baseline, client, experiment_id, recipe, services)
     cand = evaluated_side(candidate, client, experiment_id, recipe, services)
     rows = compare_sides(base, cand)
     verdict = gate(rows, max_drop) if max_drop is not None else None
-    logged = log_comparison(client, experiment_id, base, cand, rows, Path(recipe["eval"]["out"]) / "comparisons",
-                            verdict)
+    logged = log_comparison(client, experiment_id, base, cand, rows, Path(recipe.eval.out) / "comparisons", verdict)
     promoted = None
     if verdict is not None and verdict.passed and promote_to:
         promoted = promote(client, cand, promote_to)
@@ -243,44 +248,24 @@ def _work_dir_candidates(run, name: str, version: str) -> list[Path]:
     return found
 
 
-def _same_settings(report: dict, eval_cfg: dict) -> bool:
-    """Whether a finished evaluation (its report.json) was made with the recipe's eval settings."""
-    gen = report.get("generation_config", {})
-    recorded_paths = report.get("local_paths") or {}
-    wanted_paths = {b: str(Path(p).expanduser().resolve()) for b, p in (eval_cfg.get("local_paths") or {}).items()}
-    return (set(eval_cfg["benchmarks"]) <= set(report.get("benchmarks", []))
-            and report.get("limit") == eval_cfg.get("limit") and report.get("repeats") == eval_cfg.get("repeats", 1)
-            and gen.get("max_tokens") == eval_cfg["max_tokens"]
-            and float(gen.get("temperature", 0.0)) == float(eval_cfg["temperature"])
-            and all(recorded_paths.get(b) == wanted_paths.get(b) for b in eval_cfg["benchmarks"]))
-
-
-def _settings_hash(eval_cfg: dict, model: Path | None = None) -> str:
-    return sha256_json([str(model), {k: v for k, v in eval_cfg.items() if k != "out"}])[:8]
-
-
-def _fresh_work_dir(eval_cfg: dict, name: str) -> Path:
+def _fresh_work_dir(settings: EvalConfig, name: str) -> Path:
     """`<eval.out>/<name>`, or a settings-specific sibling when that one holds an evaluation with other settings."""
-    work_dir = Path(eval_cfg["out"]).resolve() / name
+    work_dir = Path(settings.out).resolve() / name
     report = work_dir / "report.json"
-    if report.is_file() and not _same_settings(json.loads(report.read_text()), eval_cfg):
-        work_dir = work_dir.with_name(f"{name}-{_settings_hash(eval_cfg)}")
+    if report.is_file() and not made_with(json.loads(report.read_text()), settings):
+        work_dir = work_dir.with_name(f"{name}-{settings_hash(settings)}")
     return work_dir
 
 
-def _evaluate(model: ModelRef, work_dir: Path, client: MlflowClient, experiment_id: str, eval_cfg: dict) -> str:
-    from evaluation.collection import run_benchmarks
+def _evaluate(model: ModelRef, work_dir: Path, client: MlflowClient, experiment_id: str, settings: EvalConfig) -> str:
+    from evaluation import evaluate
 
     log.info("%s: no evaluation with these settings yet; running EvalScope into %s", model.text, work_dir)
     try:
-        result = run_benchmarks(model.local_path, eval_cfg["benchmarks"], work_dir=work_dir,
-                               local_paths=eval_cfg.get("local_paths") or None, limit=eval_cfg.get("limit"),
-                               repeats=eval_cfg.get("repeats", 1), max_tokens=eval_cfg["max_tokens"],
-                               temperature=eval_cfg["temperature"])
+        result = evaluate(model.local_path, settings, work_dir=work_dir)
     except (RuntimeError, ValueError, OSError) as e:
         raise ComparisonError(f"{model.text} has no evaluation with the requested settings, and running one "
                               f"into {work_dir} failed: {e}") from e
-    run_id = record_evaluation(client, experiment_id, model, dict(result.scores), eval_cfg, result.report_json)
+    run_id = record_evaluation(client, experiment_id, model, dict(result.scores), settings, result.report_json)
     client.set_tag(run_id, WORK_DIR_TAG, str(work_dir))
     return run_id
-

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mlflow import MlflowClient
 
@@ -16,6 +17,10 @@ from data.manifest import MANIFEST, read_manifest
 from data.redact import mask_uri, redact
 from tasks import tracking
 from trainer.model_loading import verify_if_ours
+from trainer.typed_config import to_dict
+
+if TYPE_CHECKING:
+    from trainer.recipe import EvalConfig
 
 _MODELS_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))$")
 
@@ -74,14 +79,15 @@ def resolve_model(ref: str, client: MlflowClient | None, cache_dir: Path) -> Mod
     return ModelRef(ref, local_path=str(path.resolve()))
 
 
-def record_evaluation(client: MlflowClient, experiment_id: str, ref: ModelRef, scores: dict, eval_cfg: dict,
+def record_evaluation(client: MlflowClient, experiment_id: str, ref: ModelRef, scores: dict, settings: EvalConfig,
                       report: Path | None, parent_run_id: str | None = None) -> str:
-    """One MLflow run with the scores; a registered version also gets them as `eval.<benchmark>` tags."""
+    """One MLflow run with the scores and the recipe's eval `settings`; a registered version also gets the
+    scores as `eval.<benchmark>` tags."""
     tags = {"model": mask_uri(ref.text)}
     if ref.model_name:
         tags.update(model_name=ref.model_name, model_version=ref.model_version)
     run_id = tracking.start_run(client, experiment_id, "evaluate", parent_run_id, tags=tags)
-    tracking.log_params(client, run_id, {"eval": eval_cfg})
+    tracking.log_params(client, run_id, {"eval": to_dict(settings)})
     tracking.log_metrics(client, run_id, scores)
     if report is not None and report.is_file():
         client.log_artifact(run_id, str(report))

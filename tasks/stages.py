@@ -4,7 +4,8 @@ Caching is keyed on the task's source code and its inputs (recipe sections and u
 MLflow run ids: a rerun with the same recipe is served from cache, and a changed recipe reruns exactly the
 stages downstream of the change. Results are persisted under PREFECT_HOME so the cache outlives the process.
 Each task logs to its own nested MLflow run (ids passed explicitly) and leaves a Prefect markdown artifact
-with the manifests it read and wrote: the lineage chain.
+with the manifests it read and wrote: the lineage chain. Recipe sections arrive as plain data (Prefect's
+parameters) and are read only once typed again (`tasks.recipe_sections`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from prefect.runtime import flow_run
 
 from data.manifest import code_version, read_manifest
 from tasks import tracking
+from tasks.recipe_sections import typed_recipe, typed_section
 from tasks.registry import register_checkpoint
 
 # Run ids and URIs say where to log, not what to compute: they stay out of the cache key.
@@ -37,9 +39,8 @@ def _artifact_key(stage: str) -> str:
 @task(name="prepare-data", cache_policy=CACHE, persist_result=True, **RETRY)
 def prepare_data(data_cfg: dict, ctx: dict) -> dict:
     from data.prepare import prepare
-    from trainer.recipe import DataConfig
 
-    result = prepare(**DataConfig(**data_cfg).prepare_kwargs())
+    result = prepare(**typed_section("data", data_cfg).prepare_kwargs())
     manifest = read_manifest(result["out"])
     client = _ctx_client(ctx)
     run_id = tracking.start_run(client, ctx["experiment_id"], "prepare", ctx["parent_run_id"])
@@ -59,12 +60,12 @@ def prepare_data(data_cfg: dict, ctx: dict) -> dict:
 @task(name="make-base-model", cache_policy=CACHE, persist_result=True, **RETRY)
 def make_base_model(model_cfg: dict, bootstrap_cfg: dict, system_prompt: str) -> dict:
     """The base model: a hub id / path as given, or the embedded default's tiny model (made once)."""
-    if model_cfg["name_or_path"] != "bootstrap":
-        return {"path": model_cfg["name_or_path"], "heldout_accuracy": None, "bootstrapped": False}
+    model = typed_section("model", model_cfg)
+    if model.name_or_path != "bootstrap":
+        return {"path": model.name_or_path, "heldout_accuracy": None, "bootstrapped": False}
     from trainer.bootstrap import bootstrap
-    from trainer.recipe import BootstrapConfig
 
-    result = bootstrap(BootstrapConfig(**bootstrap_cfg), system_prompt=system_prompt, progress=False)
+    result = bootstrap(typed_section("bootstrap", bootstrap_cfg), system_prompt=system_prompt, progress=False)
     return {**result, "bootstrapped": True}
 
 
@@ -72,10 +73,8 @@ def make_base_model(model_cfg: dict, bootstrap_cfg: dict, system_prompt: str) ->
 def train_policy(recipe_dict: dict, base: dict, prepared: dict, ctx: dict) -> dict:
     """GRPO training; a retry resumes from the last checkpoint in the same output_dir (no lost steps)."""
     from trainer.grpo import GRPOTrainer
-    from trainer.recipe import Recipe
-    from trainer.typed_config import build
 
-    recipe = build(Recipe, recipe_dict, "<pipeline recipe>")
+    recipe = typed_recipe(recipe_dict)
     client = _ctx_client(ctx)
     run_id = _stage_run(client, ctx, "train", recipe.train.output_dir)
     tracking.log_params(client, run_id, {"train": recipe_dict["train"], "rollout": recipe_dict["rollout"],
@@ -139,18 +138,16 @@ def register_model(trained: dict, prepared: dict, base: dict, recipe_sha256: str
 
 @task(name="evaluate-model", cache_policy=CACHE, persist_result=True, **RETRY)
 def evaluate_model(registered: dict, trained: dict, eval_cfg: dict, ctx: dict) -> dict:
-    from evaluation.collection import run_benchmarks
+    from evaluation import evaluate
     from tasks.evaluation import ModelRef, record_evaluation
 
-    work_dir = Path(eval_cfg["out"]).resolve() / f"{registered['model_name']}-v{registered['model_version']}"
-    result = run_benchmarks(trained["checkpoint"], eval_cfg["benchmarks"], work_dir=work_dir,
-                           local_paths=eval_cfg.get("local_paths") or None, limit=eval_cfg.get("limit"),
-                           repeats=eval_cfg.get("repeats", 1), max_tokens=eval_cfg["max_tokens"],
-                           temperature=eval_cfg["temperature"], progress=False)
+    settings = typed_section("eval", eval_cfg)
+    work_dir = Path(settings.out).resolve() / f"{registered['model_name']}-v{registered['model_version']}"
+    result = evaluate(trained["checkpoint"], settings, work_dir=work_dir, progress=False)
     scores = {**result.scores, "heldout_accuracy": trained["heldout_accuracy_after"]}
     ref = ModelRef(registered["uri"], trained["checkpoint"], None, registered["model_name"], registered["model_version"])
-    report = Path(result.work_dir) / "report.json"
-    run_id = record_evaluation(_ctx_client(ctx), ctx["experiment_id"], ref, scores, eval_cfg, report,
+    report = result.report_json
+    run_id = record_evaluation(_ctx_client(ctx), ctx["experiment_id"], ref, scores, settings, report,
                                ctx["parent_run_id"])
     create_table_artifact(key=_artifact_key("evaluate"), description=f"evaluation of {registered['uri']}",
                           table=[{"benchmark": b, "score": round(v, 4), "samples": result.num_samples.get(b, "")}

@@ -243,9 +243,9 @@ def test_compare_two_registered_versions_evaluates_once_and_logs_the_plot(tiny_b
     assert register(client, experiment_id, second, name) == "2"
 
     # version 1 was evaluated the way the pipeline does it: <eval.out>/<name>-v<version>, recorded in MLflow
-    e = load_recipe(REPO_ROOT / "configs" / "tiny-cpu.yaml", overrides).to_dict()["eval"]
-    result = run_evalscope(tiny_base["path"], e["benchmarks"], work_dir=Path(e["out"]) / f"{name}-v1",
-                           local_paths=e["local_paths"], limit=e["limit"], max_tokens=e["max_tokens"])
+    e = load_recipe(REPO_ROOT / "configs" / "tiny-cpu.yaml", overrides).eval
+    result = run_evalscope(tiny_base["path"], e.benchmarks, work_dir=Path(e.out) / f"{name}-v1",
+                           local_paths=e.local_paths, limit=e.limit, max_tokens=e.max_tokens)
     v1_eval = record_evaluation(client, experiment_id, ModelRef(f"models:/{name}/1", tiny_base["path"], None, name,
                                                                 "1"), result.scores, e, result.report_json)
 
