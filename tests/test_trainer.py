@@ -16,6 +16,7 @@ import torch
 from conftest import REPO_ROOT
 from trainer import loss as L
 from trainer.grpo import GRPOTrainer, prompt_indices
+from trainer.logprobs import completion_logps
 from trainer.recipe import load_recipe
 
 TINY = REPO_ROOT / "configs" / "tiny-cpu.yaml"
@@ -40,19 +41,19 @@ def test_ratio_is_exactly_one_on_first_pass_and_not_after_an_update(tmp_path, ti
     trainer = GRPOTrainer(recipe, tiny_base["path"], tiny_data, progress=False)
     trainer.setup()
     batch, _ = trainer.generate_and_score(0)
-    t = batch.micro_batch(torch.arange(len(batch)), trainer.tokenizer.pad_token_id)
+    mb = batch.micro_batch(torch.arange(len(batch)), trainer.tokenizer.pad_token_id)
     with torch.no_grad():
-        before, _ = trainer._logps(trainer.model, t)
+        before, _ = completion_logps(trainer.model, mb, recipe.train.temperature, share_prompts=True)
     # behaviour log-probs from incremental decoding match a full forward of the same policy
-    mask = t["completion_mask"] > 0
-    assert torch.allclose(before[mask], t["behaviour_logps"][mask], atol=1e-4)
-    _, stats = L.per_token_loss(before, before.detach(), t["advantages"], epsilon_low=0.2, epsilon_high=0.2)
+    mask = mb.completion_mask > 0
+    assert torch.allclose(before[mask], mb.behaviour_logps[mask], atol=1e-4)
+    _, stats = L.per_token_loss(before, before.detach(), mb.advantages, epsilon_low=0.2, epsilon_high=0.2)
     assert torch.equal(stats["ratio"][mask], torch.ones_like(stats["ratio"][mask]))
 
     batch.advantages = torch.linspace(-1, 1, len(batch))  # make sure the update moves the policy
     trainer.optimize(batch)
     with torch.no_grad():
-        after, _ = trainer._logps(trainer.model, t)
+        after, _ = completion_logps(trainer.model, mb, recipe.train.temperature, share_prompts=True)
     ratio = torch.exp(after - before)[mask]
     assert not torch.allclose(ratio, torch.ones_like(ratio))
     assert trainer.version == 1  # one policy version per trained batch, whatever mu (here 2 updates)

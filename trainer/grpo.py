@@ -58,6 +58,7 @@ from trainer.checkpoint import (
     set_rng_state,
 )
 from trainer.heldout import evaluate_greedy
+from trainer.logprobs import completion_logps
 from trainer.metrics import MetricsFile, TrainerCallback
 from trainer.model_loading import load_model
 from trainer.plugins import load_plugin
@@ -66,9 +67,9 @@ from trainer.recipe import Recipe
 from trainer.rewards import RewardRunner, accuracy_reward, format_reward, resolve_reward
 from trainer.rollout.base import SamplingParams
 from trainer.rollout.engines import make_engine
-from trainer.rollout.hf_engine import HFEngine, cache_kwarg
+from trainer.rollout.hf_engine import HFEngine
 from trainer.rollout.remote import cpu_threads_per_side
-from trainer.rollout_batch import RolloutBatch
+from trainer.rollout_batch import MicroBatch, RolloutBatch
 from trainer.typed_config import ConfigError
 
 log = logging.getLogger("grpoflow.train")
@@ -162,7 +163,6 @@ class GRPOTrainer:
         self.engine = make_engine(self.recipe.rollout, str(self.checkpoint or self.model_path), model=self.model,
                                   tokenizer=self.tokenizer, dtype=self.recipe.model.dtype, seed=cfg.seed)
         self._engine_shares_weights = isinstance(self.engine, HFEngine)
-        self._cache_kw = cache_kwarg(self.model)
         self.callbacks += [load_plugin(spec, what="training callback")() for spec in cfg.callbacks]
         self.rewards = RewardRunner([(s.name.rsplit(":", 1)[-1], resolve_reward(s.name, s.args), s.weight)
                                      for s in self.recipe.rewards], timeout_s=cfg.reward_timeout_s)
@@ -342,7 +342,8 @@ class GRPOTrainer:
         # Each rank takes every world-th sequence; the loss is normalised by totals over the whole batch,
         # so the ranks' shares add up to the single-process loss (DDP averages, hence the * world below).
         micro = torch.arange(len(batch))[self.rank::self.world].split(cfg.micro_batch_size)
-        tensors = [batch.micro_batch(idx, self.tokenizer.pad_token_id) for idx in micro]
+        device = self.model.device
+        micro_batches = [batch.micro_batch(idx, self.tokenizer.pad_token_id).to(device) for idx in micro]
         active = sum(len(c.token_ids) * float(m) for c, m in zip(batch.completions, batch.loss_mask, strict=True))
         totals = {"total_sequences": len(batch), "max_completion_length": cfg.max_completion_length,
                   "total_tokens": max(1, int(active))}
@@ -352,36 +353,35 @@ class GRPOTrainer:
         grad_norms, entropy = [], 0.0
         for iteration in range(cfg.num_iterations):
             pass_loss = None  # this pass's loss, summed on the device: checked once, at the update
-            for k, t in enumerate(tensors):
-                logps, logits = self._logps(self.policy, t)
+            for k, mb in enumerate(micro_batches):
+                logps, logits = self._logps(self.policy, mb)
                 if iteration == 0:  # the policy that starts this update is the proximal ("old") policy
                     old_logps[k] = logps.detach()
-                    mask = t["completion_mask"]
                     with torch.no_grad():
                         ent = L.entropy_from_logits(logits.detach(), cfg.temperature)
-                        entropy += (ent * mask).sum().item()
+                        entropy += (ent * mb.completion_mask).sum().item()
                         if self.ref_model is not None:
-                            ref_logps[k] = self._logps(self.ref_model, t)[0]
+                            ref_logps[k] = self._logps(self.ref_model, mb)[0]
                         if off_policy:
                             is_weights[k] = L.truncated_importance_weights(
-                                old_logps[k], t["behaviour_logps"], self.recipe.rollout.importance_ratio_cap)
+                                old_logps[k], mb.behaviour_logps, self.recipe.rollout.importance_ratio_cap)
                 per_token, stats = L.per_token_loss(
-                    logps, old_logps[k], t["advantages"], epsilon_low=cfg.epsilon,
+                    logps, old_logps[k], mb.advantages, epsilon_low=cfg.epsilon,
                     epsilon_high=cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon,
                     beta=cfg.beta, ref_logps=ref_logps[k], is_weights=is_weights[k])
-                loss = L.reduce_loss(per_token, t["completion_mask"], cfg.loss_type, **totals)
+                loss = L.reduce_loss(per_token, mb.completion_mask, cfg.loss_type, **totals)
                 (loss * self.world).backward()
                 pass_loss = loss.detach() if pass_loss is None else pass_loss + loss.detach()
                 if iteration == cfg.num_iterations - 1:  # report the last pass, where clipping can act
-                    weight = t["completion_mask"].sum().item() / totals["total_tokens"]
-                    for name, value in L.clip_metrics(stats, t["completion_mask"]).items():
+                    weight = mb.completion_mask.sum().item() / totals["total_tokens"]
+                    for name, value in L.clip_metrics(stats, mb.completion_mask).items():
                         sums[name] = sums.get(name, 0.0) + value * weight
                     sums["loss"] = sums.get("loss", 0.0) + loss.item()
                     if is_weights[k] is not None:
-                        w = is_weights[k][t["completion_mask"] > 0]
+                        w = is_weights[k][mb.completion_mask > 0]
                         sums["importance_ratio/mean"] = sums.get("importance_ratio/mean", 0.0) + w.sum().item() / totals["total_tokens"]
             grad_norms.append(self._update(pass_loss))
-        self._check_updated_policy(tensors)
+        self._check_updated_policy(micro_batches)
         if self.world > 1:  # the ranks' shares of the batch metrics add up
             keys = sorted(sums)
             packed = torch.tensor([sums[k] for k in keys] + [entropy], dtype=torch.float64)
@@ -390,46 +390,15 @@ class GRPOTrainer:
         staleness = self.version - batch.policy_version
         self.version += 1  # one policy version per generated batch trained on
         if off_policy:
-            w = torch.cat([iw[t["completion_mask"] > 0] for iw, t in zip(is_weights, tensors, strict=True)])
+            w = torch.cat([iw[mb.completion_mask > 0] for iw, mb in zip(is_weights, micro_batches, strict=True)])
             sums.update({"importance_ratio/min": w.min().item(), "importance_ratio/max": w.max().item()})
         return {**sums, "entropy": entropy / totals["total_tokens"], "grad_norm": grad_norms[-1],
                 "learning_rate": self.scheduler.get_last_lr()[0], "timing/train_s": time.perf_counter() - t0,
                 "staleness": float(staleness)}
 
-    def _logps(self, model, t: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs of the completion tokens under `model` (and the logits they came from).
-
-        Single process: each distinct prompt runs once and its KV cache (with its autograd graph) is
-        indexed out to the completions that share it, so a group of G completions costs one prompt
-        forward instead of G. Under DDP (one forward per backward) the plain full-sequence forward is used.
-        """
-        if self.world > 1:
-            return self._logps_full(model, t)
-        from transformers import DynamicCache
-
-        P = t["prompt_width"]
-        ids, mask, pos = t["input_ids"], t["attention_mask"], t["position_ids"]
-        firsts, inverse = t["prompt_rows"], t["prompt_inverse"]
-        cache = DynamicCache(config=model.config)
-        out = model(input_ids=ids[firsts, :P], attention_mask=mask[firsts, :P], position_ids=pos[firsts, :P],
-                    use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
-        first_logits = out.logits[:, -1][inverse]
-        cache.batch_select_indices(inverse)
-        completion = t["completion_ids"]
-        if completion.shape[1] > 1:
-            rest = model(input_ids=completion[:, :-1], attention_mask=mask[:, :-1], position_ids=pos[:, P:-1],
-                         use_cache=True, **{self._cache_kw: cache}).logits
-            logits = torch.cat([first_logits[:, None], rest], dim=1)
-        else:
-            logits = first_logits[:, None]
-        return L.sequence_logps(logits, completion, self.cfg.temperature), logits
-
-    def _logps_full(self, model, t: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        c_len = t["completion_ids"].shape[1]
-        out = model(input_ids=t["input_ids"], attention_mask=t["attention_mask"], position_ids=t["position_ids"],
-                    logits_to_keep=c_len + 1, use_cache=False)
-        logits = out.logits[:, :-1]
-        return L.sequence_logps(logits, t["completion_ids"], self.cfg.temperature), logits
+    def _logps(self, model, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        # one forward per backward under DDP: the shared-prompt forward runs two
+        return completion_logps(model, mb, self.cfg.temperature, share_prompts=self.world == 1)
 
     def _update(self, loss: torch.Tensor | None) -> float:
         """One optimizer update, refused (NonFiniteError) when the loss or gradient norm is not finite."""
@@ -444,18 +413,18 @@ class GRPOTrainer:
         return float(norm)
 
     @torch.no_grad()
-    def _check_updated_policy(self, tensors: list[dict]) -> None:
+    def _check_updated_policy(self, micro_batches: list[MicroBatch]) -> None:
         """NonFiniteError when the updated weights, or the logits they give on two of this step's sequences,
         are not finite: huge but finite weights can overflow in the forward, and the next rollout would fail
         on them. The probe forward runs in eval mode and draws no random numbers."""
         largest = torch.stack([p.abs().amax() for p in self.model.parameters()]).amax()  # NaN propagates
         probe = torch.zeros((), device=largest.device)
-        if tensors:
-            t, device = tensors[0], self.model.device
+        if micro_batches:
+            mb, device = micro_batches[0], self.model.device
             was_training = self.model.training
             self.model.eval()
-            logits = self.model(input_ids=t["input_ids"][:2].to(device), attention_mask=t["attention_mask"][:2].to(device),
-                                position_ids=t["position_ids"][:2].to(device), use_cache=False).logits
+            logits = self.model(input_ids=mb.input_ids[:2].to(device), attention_mask=mb.attention_mask[:2].to(device),
+                                position_ids=mb.position_ids[:2].to(device), use_cache=False).logits
             self.model.train(was_training)
             probe = logits.float().abs().amax().to(largest.device)
         self._stop_unless_finite({"largest |weight|": largest, "largest |logit|": probe},

@@ -1,4 +1,4 @@
-"""From sampled completions to the tensors the loss needs: one scored, padded rollout batch.
+"""From sampled completions to the tensors the loss needs: one scored rollout batch, cut into padded micro-batches.
 
 Sequences are [left-padded prompt | right-padded completion]; position ids count real tokens only, so the
 trainer's forward sees the same positions the engine saw while sampling.
@@ -6,11 +6,34 @@ trainer's forward sees the same positions the engine saw while sampling.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from trainer.rollout.base import Completion
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """The padded tensors of some completions of a batch: what one forward and backward takes."""
+    input_ids: torch.Tensor  # [b, P + C] left-padded prompt | right-padded completion
+    attention_mask: torch.Tensor  # [b, P + C]
+    position_ids: torch.Tensor  # [b, P + C] counting real tokens only
+    completion_mask: torch.Tensor  # [b, C] float: 1 on the completion tokens that take part in the loss
+    behaviour_logps: torch.Tensor  # [b, C] the sampling engine's log-probs of those tokens (0 on padding)
+    advantages: torch.Tensor  # [b]
+    prompt_width: int  # P
+    prompt_rows: torch.Tensor  # the first row of each distinct prompt (rows of a GRPO group share one)
+    prompt_inverse: torch.Tensor  # [b] each row's distinct prompt, an index into prompt_rows
+
+    @property
+    def completion_ids(self) -> torch.Tensor:
+        return self.input_ids[:, self.prompt_width:]
+
+    def to(self, device: str | torch.device) -> MicroBatch:
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                                            if isinstance(getattr(self, f.name), torch.Tensor)})
 
 
 @dataclass
@@ -24,7 +47,11 @@ class RolloutBatch:
     def __len__(self) -> int:
         return len(self.completions)
 
-    def micro_batch(self, index: torch.Tensor, pad_id: int) -> dict[str, torch.Tensor]:
+    def num_tokens(self) -> int:
+        """Prompt and completion tokens of the whole batch (each prompt counted once per completion)."""
+        return sum(len(p) + len(c.token_ids) for p, c in zip(self.prompt_ids, self.completions, strict=True))
+
+    def micro_batch(self, index: torch.Tensor, pad_id: int) -> MicroBatch:
         """Padded tensors for the completions at `index`, trimmed to this micro-batch's longest rows."""
         rows = index.tolist()
         p_len = max(len(self.prompt_ids[i]) for i in rows)
@@ -53,7 +80,6 @@ class RolloutBatch:
                 unique_of[key] = len(unique_rows)
                 unique_rows.append(r)
             inverse.append(unique_of[key])
-        return {"prompt_rows": torch.tensor(unique_rows), "prompt_inverse": torch.tensor(inverse),
-                "input_ids": ids, "attention_mask": attn, "position_ids": positions, "completion_mask": cmask,
-                "behaviour_logps": behaviour, "advantages": self.advantages[index], "prompt_width": p_len,
-                "completion_ids": ids[:, p_len:]}
+        return MicroBatch(input_ids=ids, attention_mask=attn, position_ids=positions, completion_mask=cmask,
+                          behaviour_logps=behaviour, advantages=self.advantages[index], prompt_width=p_len,
+                          prompt_rows=torch.tensor(unique_rows), prompt_inverse=torch.tensor(inverse))

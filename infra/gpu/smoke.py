@@ -5,8 +5,8 @@ Builds a random Qwen2 model (hidden 256, 4 layers on cuda; smaller on cpu) with 
 spot by `trainer.bootstrap.build_tokenizer`, so it needs no model download and no bootstrap run. Checks, in
 order, each failing loudly:
   generate   HFEngine.generate, batched, n samples per prompt: shapes, finite log-probs <= 0, diverse samples
-  logprobs   the engine's behaviour log-probs against a full forward through the trainer's batch layout
-             (`RolloutBatch.micro_batch`) at the same temperature (default 0.5): max / mean abs difference
+  logprobs   the engine's behaviour log-probs against the trainer's own forward (`trainer.logprobs`) on its
+             batch layout (`RolloutBatch.micro_batch`) at the same temperature (default 0.5): max / mean abs difference
              within tolerance, and the mean below 0.3 of the gap to untempered log-probs (so log-probs that
              ignore the temperature fail even on a random model's flat distributions)
   vllm       (if vllm imports, cuda only) VLLMEngine on the saved model: same log-prob check at T != 1, then
@@ -15,7 +15,8 @@ order, each failing loudly:
   lmdeploy   (if lmdeploy imports, cuda only) LMDeployEngine(backend="pytorch"), same checks at T = 1
   train      one GRPO optimisation step with `trainer.loss` (dapo normalisation, truncated importance weights):
              finite loss and gradient norm, finite weights, weights changed
-  deepspeed  (if deepspeed imports) a ZeRO-2 engine around a fresh model, one step of the same loss
+  deepspeed  (if deepspeed imports) a ZeRO-2 engine around a fresh model, one policy-gradient step through the
+             trainer's forward
 Prints one JSON line with the results and timings, writes it to $OUT/smoke.json when OUT is set (or to
 --out), and exits non-zero when any check failed. Missing optional packages are reported as skipped;
 `--skip vllm,lmdeploy,deepspeed` leaves installed ones out (the engines share this process).
@@ -88,16 +89,6 @@ def build(args):
     return tokenizer, model, encode_prompts(tokenizer, rows)
 
 
-def completion_logps(model, t: dict, temperature: float) -> torch.Tensor:
-    """The trainer's forward (`GRPOTrainer._logps`): log-probs of the completion tokens under `model`."""
-    from trainer.loss import sequence_logps
-
-    c_len = t["completion_ids"].shape[1]
-    out = model(input_ids=t["input_ids"], attention_mask=t["attention_mask"], position_ids=t["position_ids"],
-                logits_to_keep=c_len + 1, use_cache=False)
-    return sequence_logps(out.logits[:, :-1], t["completion_ids"], temperature)
-
-
 def rollout_batch(prompts, groups, rewards=None):
     from trainer.rollout_batch import RolloutBatch
 
@@ -109,20 +100,20 @@ def rollout_batch(prompts, groups, rewards=None):
 
 def micro_batches(batch, size: int, pad_id: int, device: str):
     for idx in torch.arange(len(batch)).split(size):
-        t = batch.micro_batch(idx, pad_id)
-        yield {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in t.items()}
+        yield batch.micro_batch(idx, pad_id).to(device)
 
 
 @torch.no_grad()
 def logprob_gap(model, tokenizer, prompts, groups, temperature: float, args) -> dict:
     """Max and mean |engine log-prob - trainer forward log-prob| over all completion tokens."""
+    from trainer.logprobs import completion_logps
+
     was_training = model.training
     model.eval()
     gaps = []
-    for t in micro_batches(rollout_batch(prompts, groups), args.micro, tokenizer.pad_token_id, args.device):
-        logps = completion_logps(model, t, temperature)
-        mask = t["completion_mask"] > 0
-        gaps.append((logps - t["behaviour_logps"]).abs()[mask].float())
+    for mb in micro_batches(rollout_batch(prompts, groups), args.micro, tokenizer.pad_token_id, model.device):
+        logps, _ = completion_logps(model, mb, temperature)
+        gaps.append((logps - mb.behaviour_logps).abs()[mb.completion_mask > 0].float())
     model.train(was_training)
     gap = torch.cat(gaps)
     check(bool(torch.isfinite(gap).all()), "non-finite log-prob difference")
@@ -191,6 +182,7 @@ def run_logprobs(ctx, args) -> dict:
 
 def run_train(ctx, args) -> dict:
     from trainer import loss as L
+    from trainer.logprobs import completion_logps
 
     model, tokenizer, groups = ctx["model"], ctx["tokenizer"], ctx["groups"]
     rewards = torch.rand(sum(len(g) for g in groups), generator=torch.Generator().manual_seed(args.seed))
@@ -203,13 +195,13 @@ def run_train(ctx, args) -> dict:
     sync(args.device)
     t0 = time.perf_counter()
     loss_sum = 0.0
-    for t in micro_batches(batch, args.micro, tokenizer.pad_token_id, args.device):
-        logps = completion_logps(model, t, args.temperature)
+    for mb in micro_batches(batch, args.micro, tokenizer.pad_token_id, args.device):
+        logps, _ = completion_logps(model, mb, args.temperature)
         old = logps.detach()
-        weights = L.truncated_importance_weights(old, t["behaviour_logps"], cap=2.0)
-        per_token, _ = L.per_token_loss(logps, old, t["advantages"], epsilon_low=0.2, epsilon_high=0.28,
+        weights = L.truncated_importance_weights(old, mb.behaviour_logps, cap=2.0)
+        per_token, _ = L.per_token_loss(logps, old, mb.advantages, epsilon_low=0.2, epsilon_high=0.28,
                                         is_weights=weights)
-        loss = L.reduce_loss(per_token, t["completion_mask"], "dapo", total_sequences=len(batch),
+        loss = L.reduce_loss(per_token, mb.completion_mask, "dapo", total_sequences=len(batch),
                              total_tokens=total_tokens, max_completion_length=args.max_tokens)
         loss.backward()
         loss_sum += loss.item()
@@ -232,18 +224,19 @@ def run_train(ctx, args) -> dict:
 def run_deepspeed(ctx, args) -> dict:
     from trainer import loss as L
     from trainer.deepspeed_setup import initialize, zero_config
+    from trainer.logprobs import completion_logps
 
     model = type(ctx["model"])(ctx["model"].config).to(args.device)  # fresh fp32 weights; DeepSpeed casts them
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    t = next(micro_batches(rollout_batch(ctx["prompts"], ctx["groups"]), args.micro, ctx["tokenizer"].pad_token_id,
-                           args.device))
-    engine = initialize(model, optimizer, zero_config(stage=2, micro_batch_size=t["input_ids"].shape[0],
+    mb = next(micro_batches(rollout_batch(ctx["prompts"], ctx["groups"]), args.micro, ctx["tokenizer"].pad_token_id,
+                            args.device))
+    engine = initialize(model, optimizer, zero_config(stage=2, micro_batch_size=mb.input_ids.shape[0],
                                                       bf16=args.dtype == "bfloat16"))
     before = {name: p.detach().float().clone() for name, p in engine.module.named_parameters()}
     t0 = time.perf_counter()
-    logps = completion_logps(engine, t, args.temperature)
+    logps, _ = completion_logps(engine, mb, args.temperature)  # the plain forward: DeepSpeed wraps `forward` only
     advantages = torch.linspace(-1, 1, logps.shape[0], device=logps.device)
-    loss = L.masked_mean(-(logps * advantages[:, None]), t["completion_mask"])
+    loss = L.masked_mean(-(logps * advantages[:, None]), mb.completion_mask)
     engine.backward(loss)
     engine.step()
     sync(args.device)

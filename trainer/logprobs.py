@@ -1,0 +1,53 @@
+"""Log-probabilities of the completion tokens of a micro-batch under a model: the one forward that the loss,
+the reference model, the GPU smoke check and the tests all use.
+
+Two ways to the same numbers. `share_prompts=True` runs each distinct prompt once and indexes its KV cache
+(with its autograd graph) out to the completions that share it, so a group of G completions costs one prompt
+forward instead of G. The plain way runs each full sequence once: DDP needs it (one forward per backward),
+and any wrapper that only forwards `forward` (DeepSpeed) accepts it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trainer.loss import sequence_logps
+from trainer.rollout.hf_engine import cache_kwarg
+from trainer.rollout_batch import MicroBatch
+
+
+def completion_logps(model, mb: MicroBatch, temperature: float, *, share_prompts: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs [b, C] of `mb`'s completion tokens at `temperature`, and the logits they came from."""
+    logits = shared_prompt_logits(model, mb) if share_prompts else full_logits(model, mb)
+    return sequence_logps(logits, mb.completion_ids, temperature), logits
+
+
+def full_logits(model, mb: MicroBatch) -> torch.Tensor:
+    """Logits predicting each completion token, from one forward of the whole sequences."""
+    c_len = mb.completion_ids.shape[1]
+    out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+                logits_to_keep=c_len + 1, use_cache=False)
+    return out.logits[:, :-1]
+
+
+def shared_prompt_logits(model, mb: MicroBatch) -> torch.Tensor:
+    """The same logits as `full_logits`, each distinct prompt run once and its KV cache shared by its rows."""
+    from transformers import DynamicCache
+
+    P, cache_kw = mb.prompt_width, cache_kwarg(model)
+    mask, pos, firsts, inverse = mb.attention_mask, mb.position_ids, mb.prompt_rows, mb.prompt_inverse
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=mb.input_ids[firsts, :P], attention_mask=mask[firsts, :P], position_ids=pos[firsts, :P],
+                use_cache=True, logits_to_keep=1, **{cache_kw: cache})
+    first_logits = out.logits[:, -1][inverse]
+    cache.batch_select_indices(inverse)
+    completion = mb.completion_ids
+    if completion.shape[1] == 1:
+        return first_logits[:, None]
+    rest = model(input_ids=completion[:, :-1], attention_mask=mask[:, :-1], position_ids=pos[:, P:-1],
+                 use_cache=True, **{cache_kw: cache}).logits
+    return torch.cat([first_logits[:, None], rest], dim=1)
+
+
+__all__ = ["completion_logps", "full_logits", "shared_prompt_logits"]
