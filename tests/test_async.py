@@ -106,7 +106,7 @@ from trainer.recipe import load_recipe
 recipe = load_recipe(sys.argv[1], sys.argv[4:])
 trainer = GRPOTrainer(recipe, sys.argv[2], recipe.data.out, progress=False)
 trainer.setup()
-batch, _ = trainer.generate_and_score(0)
+batch, _ = trainer.rollout_source().next(0)
 batch.advantages = torch.linspace(-1, 1, len(batch))
 grads = {}
 def keep_grads(optimizer, args, kwargs):  # the gradient the optimizer steps with (after DDP's all-reduce)

@@ -15,9 +15,10 @@ import torch
 
 from conftest import REPO_ROOT
 from trainer import loss as L
-from trainer.grpo import GRPOTrainer, prompt_indices
+from trainer.grpo import GRPOTrainer
 from trainer.logprobs import completion_logps
 from trainer.recipe import load_recipe
+from trainer.rollout_source import prompt_indices
 
 TINY = REPO_ROOT / "configs" / "tiny-cpu.yaml"
 
@@ -40,7 +41,7 @@ def test_ratio_is_exactly_one_on_first_pass_and_not_after_an_update(tmp_path, ti
     recipe = small_recipe(tmp_path, tiny_base, tiny_data, "train.num_iterations=2", "train.learning_rate=1e-3")
     trainer = GRPOTrainer(recipe, tiny_base["path"], tiny_data, progress=False)
     trainer.setup()
-    batch, _ = trainer.generate_and_score(0)
+    batch, _ = trainer.rollout_source().next(0)
     mb = batch.micro_batch(torch.arange(len(batch)), trainer.tokenizer.pad_token_id)
     with torch.no_grad():
         before, _ = completion_logps(trainer.model, mb, recipe.train.temperature, share_prompts=True)

@@ -43,9 +43,12 @@ from data.manifest import (
     code_version,
     combined_sha256,
     file_hashes,
+    read_manifest,
     verify_output,
     write_json_atomic,
 )
+from trainer.recipe import Recipe
+from trainer.typed_config import ConfigError
 
 LATEST = "latest"
 KIND = "checkpoint"
@@ -144,6 +147,26 @@ def config_changes(saved: dict, current: dict) -> list[str]:
     return [f"{key}: {show(flat_saved, key)} -> {show(flat_now, key)}"
             for key in sorted(set(flat_saved) | set(flat_now))
             if key not in allowed and flat_saved.get(key, _UNSET) != flat_now.get(key, _UNSET)]
+
+
+def check_resumable(checkpoint: Path, recipe: Recipe, data_dir: Path, data_sha256: str | None) -> None:
+    """Refuse (ConfigError) a checkpoint made with another training configuration or other data."""
+    manifest = read_manifest(checkpoint)
+    where = f"train.output_dir {Path(recipe.train.output_dir).resolve()} holds {checkpoint.name}"
+    saved = manifest.get("recipe")
+    changes = config_changes(saved, recipe.to_dict()) if isinstance(saved, dict) else []
+    if changes:
+        raise ConfigError(f"{where}, trained with a different configuration: {'; '.join(changes)}. Resuming "
+                          "would half-apply it: use a new train.output_dir, or the recipe it was trained with "
+                          f"(only {', '.join(sorted(RESUMABLE_CHANGES))} may change on resume)")
+    recorded = manifest.get("data_sha256")
+    if recorded and recorded != data_sha256:
+        raise ConfigError(f"{where}, trained on other data: {data_dir / 'manifest.json'} has sha256 "
+                          f"{data_sha256}, the checkpoint recorded {recorded}. Use a new train.output_dir, "
+                          "or restore the data it was trained on")
+    if manifest.get("step", 0) > recipe.train.max_steps:
+        raise ConfigError(f"{where}, past train.max_steps={recipe.train.max_steps}; use train.max_steps >= "
+                          f"{manifest['step']} or a new train.output_dir")
 
 
 def load_trainer_state(checkpoint: Path) -> dict:

@@ -21,7 +21,9 @@ Features:
   saved.
 
 One "step" is one generated batch (`prompts_per_step` x `num_generations` completions) and mu optimizer
-updates on it.
+updates on it. This file holds the setup, the loop and the update; the pieces it calls each have one home:
+where batches come from (`rollout_source`), scoring them (`scoring`), the loss (`loss`), the log-prob forward
+(`logprobs`), the non-finite checks (`divergence`), checkpoints and what may resume (`checkpoint`).
 
 Raises: FileNotFoundError / DataError for missing, malformed or edited prepared data, ConfigError for bad
 recipes or a run directory trained with another configuration, RewardSpecError for unknown reward
@@ -31,7 +33,6 @@ not stop training: those completions get no reward and are counted in `rewards/<
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
@@ -48,52 +49,30 @@ from data.manifest import read_manifest
 from data.prepare import load_prepared
 from data.progress import Progress
 from trainer import loss as L
-from trainer.async_rollout import AsyncRollout
 from trainer.checkpoint import (
-    RESUMABLE_CHANGES,
-    config_changes,
+    check_resumable,
     load_trainer_state,
     resume_checkpoint,
     save_checkpoint,
     set_rng_state,
 )
+from trainer.divergence import NonFiniteError, stop_unless_finite, updated_policy_extremes
 from trainer.heldout import evaluate_greedy
+from trainer.launch import init_distributed
 from trainer.logprobs import completion_logps
 from trainer.metrics import MetricsFile, TrainerCallback
 from trainer.model_loading import load_model
 from trainer.plugins import load_plugin
-from trainer.prompts import columns_of, encode_prompts
 from trainer.recipe import Recipe
 from trainer.rewards import RewardRunner, accuracy_reward, format_reward, resolve_reward
-from trainer.rollout.base import SamplingParams
 from trainer.rollout.engines import make_engine
-from trainer.rollout.hf_engine import HFEngine
 from trainer.rollout.remote import cpu_threads_per_side
 from trainer.rollout_batch import MicroBatch, RolloutBatch
+from trainer.rollout_source import AsyncRollout, LocalEngine, RolloutSource, SyncRollout, step_prompts
+from trainer.scoring import score_groups
 from trainer.typed_config import ConfigError
 
 log = logging.getLogger("grpoflow.train")
-
-
-class NonFiniteError(RuntimeError):
-    """Training produced a non-finite loss, gradient norm or weights; nothing of that step is saved."""
-
-
-def prompt_indices(step: int, n_rows: int, per_step: int, seed: int) -> list[int]:
-    """The rows of `step` (0-based): consecutive slices of per-epoch seeded permutations."""
-    out = []
-    for k in range(step * per_step, (step + 1) * per_step):
-        epoch, pos = divmod(k, n_rows)
-        out.append(_epoch_order(n_rows, seed, epoch)[pos])
-    return out
-
-
-@functools.lru_cache(maxsize=4)
-def _epoch_order(n_rows: int, seed: int, epoch: int) -> tuple[int, ...]:
-    """One epoch's seeded permutation, shuffled once rather than once per prompt per step."""
-    perm = list(range(n_rows))
-    random.Random(seed * 1_000_003 + epoch).shuffle(perm)
-    return tuple(perm)
 
 
 @dataclass
@@ -138,7 +117,7 @@ class GRPOTrainer:
         self.heldout_rows = load_prepared(self.data_dir, "heldout")[: cfg.eval_heldout]
         self.data_sha256 = read_manifest(self.data_dir).get("sha256")
         if self.checkpoint is not None:
-            self._check_resumable(read_manifest(self.checkpoint))
+            check_resumable(self.checkpoint, self.recipe, self.data_dir, self.data_sha256)
             state = load_trainer_state(self.checkpoint)
             self.start_step = state["step"]
             log.info("resuming from %s (step %d)", self.checkpoint, self.start_step)
@@ -158,11 +137,10 @@ class GRPOTrainer:
         if cfg.beta > 0:  # the reference is the starting policy, never the resumed one
             self.ref_model, _ = load_model(self.model_path, self.recipe.model, device, verify=self.checkpoint is not None)
             self.ref_model.eval().requires_grad_(False)
-        # transformers: the engine shares this module, so it always samples the current policy. vLLM /
-        # LMDeploy hold their own copy: it is refreshed before each generation (see `_engine_awake`).
-        self.engine = make_engine(self.recipe.rollout, str(self.checkpoint or self.model_path), model=self.model,
-                                  tokenizer=self.tokenizer, dtype=self.recipe.model.dtype, seed=cfg.seed)
-        self._engine_shares_weights = isinstance(self.engine, HFEngine)
+        # synchronous rollout and held-out evaluation; it holds the current policy whenever it is used
+        engine = make_engine(self.recipe.rollout, str(self.checkpoint or self.model_path), model=self.model,
+                             tokenizer=self.tokenizer, dtype=self.recipe.model.dtype, seed=cfg.seed)
+        self.local_engine = LocalEngine(engine, self.recipe.rollout, version=self.start_step)
         self.callbacks += [load_plugin(spec, what="training callback")() for spec in cfg.callbacks]
         self.rewards = RewardRunner([(s.name.rsplit(":", 1)[-1], resolve_reward(s.name, s.args), s.weight)
                                      for s in self.recipe.rewards], timeout_s=cfg.reward_timeout_s)
@@ -180,25 +158,6 @@ class GRPOTrainer:
         elif self.metrics.path.exists():
             self.metrics.path.unlink()  # a fresh run in a reused directory without a checkpoint
         self.version = self.start_step
-        self.engine_version = self.start_step  # the policy version the engine's own weights hold
-
-    def _check_resumable(self, manifest: dict) -> None:
-        """Refuse (ConfigError) a checkpoint made with another training configuration or other data."""
-        where = f"train.output_dir {self.output_dir} holds {self.checkpoint.name}"
-        saved = manifest.get("recipe")
-        changes = config_changes(saved, self.recipe.to_dict()) if isinstance(saved, dict) else []
-        if changes:
-            raise ConfigError(f"{where}, trained with a different configuration: {'; '.join(changes)}. Resuming "
-                              "would half-apply it: use a new train.output_dir, or the recipe it was trained with "
-                              f"(only {', '.join(sorted(RESUMABLE_CHANGES))} may change on resume)")
-        recorded = manifest.get("data_sha256")
-        if recorded and recorded != self.data_sha256:
-            raise ConfigError(f"{where}, trained on other data: {self.data_dir / 'manifest.json'} has sha256 "
-                              f"{self.data_sha256}, the checkpoint recorded {recorded}. Use a new train.output_dir, "
-                              "or restore the data it was trained on")
-        if manifest.get("step", 0) > self.cfg.max_steps:
-            raise ConfigError(f"{where}, past train.max_steps={self.cfg.max_steps}; use train.max_steps >= "
-                              f"{manifest['step']} or a new train.output_dir")
 
     def _lr_factor(self, update: int) -> float:
         cfg, total = self.cfg, self.cfg.max_steps * self.cfg.num_iterations
@@ -220,43 +179,27 @@ class GRPOTrainer:
             self.heldout_before = self.evaluate_heldout()
             log.info("held-out before training: %s", _fmt(self.heldout_before))
         step_times, last = [], self.checkpoint
-        # only rank 0 talks to the rollout workers; it hands each batch to the other ranks
-        remote = AsyncRollout(self) if self.recipe.rollout.async_ and self.rank == 0 else None
-        try:
-            with Progress(cfg.max_steps, "GRPO", self.progress, completed=self.start_step) as bar:
-                if remote is not None:
-                    remote.start(self.start_step)
-                for step in range(self.start_step, cfg.max_steps):
-                    started = time.perf_counter()
-                    if not self.recipe.rollout.async_:
-                        batch, metrics = self.generate_and_score(step)
-                    else:
-                        batch, metrics = remote.collect(step) if remote is not None else (None, None)
-                        if self.world > 1:
-                            shared = [(batch, metrics)]
-                            torch.distributed.broadcast_object_list(shared, src=0)
-                            batch, metrics = shared[0]
-                    metrics.update(self.optimize(batch))
-                    if remote is not None and not remote.overlap:
-                        metrics["timing/weight_sync_s"] = remote.after_update(step)
-                    metrics["timing/step_s"] = time.perf_counter() - started
-                    if self.recipe.rollout.async_:
-                        metrics["trainer_idle_fraction"] = metrics["timing/wait_s"] / metrics["timing/step_s"]
-                        metrics["rollout_idle_fraction"] = max(0.0, 1 - metrics.pop("timing/generate_busy_s")
-                                                               / metrics["timing/step_s"])
-                    tokens = sum(len(p) + len(c.token_ids) for p, c in zip(batch.prompt_ids, batch.completions, strict=True))
-                    metrics["tokens_per_s"] = tokens / metrics["timing/step_s"]
-                    step_times.append(metrics["timing/step_s"])
-                    if self.rank != 0:
-                        continue
-                    self.metrics.append(step + 1, metrics)
-                    self._notify("on_step", step + 1, metrics)
-                    bar.update(1, reward=f"{metrics['reward']:.3f}", s_per_step=f"{metrics['timing/step_s']:.2f}")
-                    if (step + 1) % cfg.save_steps == 0 or step + 1 == cfg.max_steps:
-                        last = self.save(step + 1)
-        finally:
-            if remote is not None:
-                remote.close()
+        with self.rollout_source() as rollouts, \
+                Progress(cfg.max_steps, "GRPO", self.progress, completed=self.start_step) as bar:
+            rollouts.start(self.start_step)  # async: the workers start on the first batch before it is asked for
+            for step in range(self.start_step, cfg.max_steps):
+                started = time.perf_counter()
+                # sync: generated now by the current policy; async: generated by the workers while the last step
+                # trained, so one version behind (the loss corrects for that with importance weights)
+                batch, metrics = rollouts.next(step)
+                metrics.update(self.optimize(batch))  # mu passes over the batch, one optimizer update each
+                rollouts.after_update(step, metrics)  # async without overlap: the next batch may only start now
+                metrics["timing/step_s"] = time.perf_counter() - started  # weight sync included: it holds the step up
+                metrics.update(rollouts.idle_metrics(metrics))  # async: how long trainer and workers waited
+                metrics["tokens_per_s"] = batch.num_tokens() / metrics["timing/step_s"]
+                step_times.append(metrics["timing/step_s"])
+                if self.rank != 0:  # under DDP every rank trains on its share; rank 0 alone logs and saves
+                    continue
+                self.metrics.append(step + 1, metrics)
+                self._notify("on_step", step + 1, metrics)
+                bar.update(1, reward=f"{metrics['reward']:.3f}", s_per_step=f"{metrics['timing/step_s']:.2f}")
+                if (step + 1) % cfg.save_steps == 0 or step + 1 == cfg.max_steps:
+                    last = self.save(step + 1)
         if self.rank != 0:
             return None
         heldout_after = self.evaluate_heldout()
@@ -267,74 +210,19 @@ class GRPOTrainer:
         self._notify("on_train_end", result.summary())
         return result
 
-    def rows_for(self, step: int) -> tuple[list[dict], list[list[int]], SamplingParams]:
-        """The prompts of `step`, tokenized, and the sampling settings (seeded by step: resumable)."""
-        cfg = self.cfg
-        rows = [self.train_rows[i] for i in prompt_indices(step, len(self.train_rows), cfg.prompts_per_step,
-                                                           cfg.seed)]
-        prompt_ids = encode_prompts(self.tokenizer, rows, cfg.max_prompt_length)
-        sampling = SamplingParams(cfg.max_completion_length, cfg.temperature, cfg.top_p,
-                                  seed=cfg.seed * 1_000_003 + step)
-        return rows, prompt_ids, sampling
+    def rollout_source(self) -> RolloutSource:
+        """Where this run's batches come from: generated here when asked for, or by rollout workers meanwhile."""
+        prompts = functools.partial(step_prompts, rows=self.train_rows, tokenizer=self.tokenizer, cfg=self.cfg)
+        score = functools.partial(score_groups, self.rewards, self.cfg)
+        if not self.recipe.rollout.async_:
+            return SyncRollout(self.local_engine, self.cfg, prompts=prompts, score=score, policy=self.current_policy)
+        return AsyncRollout(self.recipe.rollout, self.cfg, str(self.checkpoint or self.model_path),
+                            self.recipe.model.dtype, prompts=prompts, score=score, policy=self.current_policy,
+                            rank=self.rank, world=self.world)
 
-    def generate_and_score(self, step: int) -> tuple[RolloutBatch, dict]:
-        """Synchronous rollout: generate with the policy being trained, in this process, then score."""
-        rows, prompt_ids, sampling = self.rows_for(step)
-        t0 = time.perf_counter()
-        with self._engine_awake():
-            groups = self.engine.generate(prompt_ids, self.cfg.num_generations, sampling)
-        return self.score(rows, prompt_ids, groups, {"timing/rollout_s": time.perf_counter() - t0})
-
-    @contextlib.contextmanager
-    def _engine_awake(self):
-        """The engine holding the current policy for the duration of the block.
-
-        Colocated engines sleep while the trainer uses the devices: wake the weights, send the new ones,
-        then wake the KV cache (so the cache is not allocated while the weights are copied), and sleep again.
-        """
-        if self._engine_shares_weights:
-            self.engine.version = self.version
-            yield
-            return
-        colocate = self.recipe.rollout.colocate
-        if colocate:
-            self.engine.wake_up(["weights"])
-        if self.engine_version != self.version:
-            self.engine.update_weights(self.model.named_parameters(), self.version)
-            self.engine_version = self.version
-        if colocate:
-            self.engine.wake_up(["kv_cache"])
-        try:
-            yield
-        finally:
-            if colocate:
-                self.engine.sleep(self.recipe.rollout.sleep_level)
-
-    def score(self, rows: list[dict], prompt_ids: list[list[int]], groups: list, metrics: dict
-              ) -> tuple[RolloutBatch, dict]:
-        """Rewards, group advantages and loss masks for generated groups."""
-        cfg, G = self.cfg, self.cfg.num_generations
-        completions = [c for g in groups for c in g]
-        t1 = time.perf_counter()
-        expanded = [r for r in rows for _ in range(G)]
-        result = self.rewards([r["prompt"] for r in expanded], [c.text for c in completions],
-                              completion_ids=[c.token_ids for c in completions], **columns_of(expanded))
-        rewards = torch.tensor([math.nan if r is None else r for r in result.total])
-        advantages, valid, stats = L.group_advantages(rewards, G, cfg.scale_rewards)
-        loss_mask = valid.clone()
-        if cfg.dynamic_sampling:
-            loss_mask &= ~L.zero_std_groups(rewards, G)
-        truncated = torch.tensor([c.finish_reason == "length" for c in completions])
-        if cfg.mask_truncated_completions:
-            loss_mask &= ~truncated
-        lengths = [len(c.token_ids) for c in completions]
-        metrics = {**metrics, **stats, **result.metrics(),
-                   "completions/mean_length": statistics.fmean(lengths), "completions/min_length": min(lengths),
-                   "completions/max_length": max(lengths), "completions/clipped_ratio": truncated.float().mean().item(),
-                   "timing/reward_s": time.perf_counter() - t1, "reward_errors": float(sum(result.errors.values()))}
-        batch = RolloutBatch([p for p in prompt_ids for _ in range(G)], completions, advantages,
-                             loss_mask.float(), policy_version=min(c.policy_version for c in completions))
-        return batch, metrics
+    def current_policy(self) -> tuple[torch.nn.Module, int]:
+        """The plain policy module and its version (the number of batches trained on so far)."""
+        return self.model, self.version
 
     def optimize(self, batch: RolloutBatch) -> dict:
         """mu passes over the batch in micro-batches; one optimizer update per pass."""
@@ -381,7 +269,8 @@ class GRPOTrainer:
                         w = is_weights[k][mb.completion_mask > 0]
                         sums["importance_ratio/mean"] = sums.get("importance_ratio/mean", 0.0) + w.sum().item() / totals["total_tokens"]
             grad_norms.append(self._update(pass_loss))
-        self._check_updated_policy(micro_batches)
+        self._stop_unless_finite(updated_policy_extremes(self.model, micro_batches[0] if micro_batches else None),
+                                 "after its optimizer update")
         if self.world > 1:  # the ranks' shares of the batch metrics add up
             keys = sorted(sums)
             packed = torch.tensor([sums[k] for k in keys] + [entropy], dtype=torch.float64)
@@ -412,35 +301,8 @@ class GRPOTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
-    @torch.no_grad()
-    def _check_updated_policy(self, micro_batches: list[MicroBatch]) -> None:
-        """NonFiniteError when the updated weights, or the logits they give on two of this step's sequences,
-        are not finite: huge but finite weights can overflow in the forward, and the next rollout would fail
-        on them. The probe forward runs in eval mode and draws no random numbers."""
-        largest = torch.stack([p.abs().amax() for p in self.model.parameters()]).amax()  # NaN propagates
-        probe = torch.zeros((), device=largest.device)
-        if micro_batches:
-            mb, device = micro_batches[0], self.model.device
-            was_training = self.model.training
-            self.model.eval()
-            logits = self.model(input_ids=mb.input_ids[:2].to(device), attention_mask=mb.attention_mask[:2].to(device),
-                                position_ids=mb.position_ids[:2].to(device), use_cache=False).logits
-            self.model.train(was_training)
-            probe = logits.float().abs().amax().to(largest.device)
-        self._stop_unless_finite({"largest |weight|": largest, "largest |logit|": probe},
-                                 "after its optimizer update")
-
     def _stop_unless_finite(self, values: dict[str, torch.Tensor], when: str) -> None:
-        """NonFiniteError naming the step and the values that are not finite; under DDP all ranks stop together."""
-        flags = torch.stack([torch.isfinite(v.detach()).all() for v in values.values()]).to(torch.int32)
-        if self.world > 1:
-            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN)
-        if bool(flags.all()):
-            return
-        bad = [f"{name} {v.item():g}" for (name, v), ok in zip(values.items(), flags.tolist(), strict=True) if not ok]
-        raise NonFiniteError(f"step {self.version + 1}: non-finite {' and '.join(bad)} {when}; training stopped "
-                             f"before anything of this step was saved to {self.output_dir}. Lower "
-                             "train.learning_rate, or check the rewards and the data")
+        stop_unless_finite(values, when, step=self.version + 1, output_dir=self.output_dir, world=self.world)
 
     def _notify(self, event: str, *args) -> None:
         for cb in self.callbacks:
@@ -451,8 +313,8 @@ class GRPOTrainer:
     def evaluate_heldout(self) -> dict:
         if not self.heldout_rows:
             return {}
-        with self._engine_awake():
-            return evaluate_greedy(self.engine, self.tokenizer, self.heldout_rows, accuracy_reward, format_reward,
+        with self.local_engine.holding(self.model, self.version) as engine:
+            return evaluate_greedy(engine, self.tokenizer, self.heldout_rows, accuracy_reward, format_reward,
                                    max_tokens=self.cfg.max_completion_length,
                                    max_prompt_length=self.cfg.max_prompt_length)
 
@@ -465,19 +327,6 @@ class GRPOTrainer:
                                self.cfg.save_total_limit)
         self._notify("on_checkpoint", step, path)
         return path
-
-
-def init_distributed(timeout_s: float) -> tuple[int, int]:
-    """(rank, world size) of the trainer ranks; (0, 1) unless launched by torchrun with WORLD_SIZE > 1."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return 0, 1
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=timeout_s))
-    return dist.get_rank(), dist.get_world_size()
 
 
 def _fmt(result: dict) -> str:
@@ -514,4 +363,4 @@ def train_recipe(recipe: Recipe, callbacks: list[TrainerCallback] = (), progress
     return result.summary() if result is not None else None
 
 
-__all__ = ["GRPOTrainer", "TrainResult", "check_supported", "prompt_indices", "train_recipe"]
+__all__ = ["GRPOTrainer", "NonFiniteError", "TrainResult", "check_supported", "prepare_inputs", "train_recipe"]

@@ -332,8 +332,8 @@ def run_limit(recipe_args: tuple, model_path: str, data_dir: Path, repeats: int 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from data.prepare import load_prepared
-    from trainer.grpo import prompt_indices
     from trainer.prompts import encode_prompts
+    from trainer.rollout_source import prompt_indices
 
     work, steps = recipe_args
     cfg = make_recipe(work, steps).train

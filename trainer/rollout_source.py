@@ -1,0 +1,213 @@
+"""Where each step's batch comes from: the prompts of a step, and one interface over both ways of rollout.
+
+`RolloutSource.next(step)` gives the scored batch of `step` and its metrics. `SyncRollout` generates it
+there and then, in this process, with the policy being trained. `AsyncRollout` takes the batch that the
+rollout workers generated while the previous step trained.
+
+Asynchronous order per step t (max_staleness >= 1): take batch t (generated while batch t-1 trained), send
+the current weights, request batch t+1, then train on batch t. Batch t was therefore produced by the policy
+one version behind the one that trains on it, and the loss corrects for that with importance weights.
+With max_staleness 0 the next batch is requested only after the update (no overlap, no staleness).
+Only rank 0 talks to the workers; under DDP it hands each batch to the other trainer ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import random
+import time
+from collections.abc import Callable
+
+import torch
+
+from trainer.prompts import encode_prompts
+from trainer.recipe import RolloutConfig, TrainConfig
+from trainer.rollout.base import SamplingParams
+from trainer.rollout.hf_engine import HFEngine
+from trainer.rollout.remote import RemoteRollout, cpu_threads_per_side
+from trainer.rollout_batch import RolloutBatch
+
+StepPrompts = tuple[list[dict], list[list[int]], SamplingParams]
+Score = Callable[[list[dict], list[list[int]], list, dict], tuple[RolloutBatch, dict]]
+
+
+def prompt_indices(step: int, n_rows: int, per_step: int, seed: int) -> list[int]:
+    """The rows of `step` (0-based): consecutive slices of per-epoch seeded permutations."""
+    out = []
+    for k in range(step * per_step, (step + 1) * per_step):
+        epoch, pos = divmod(k, n_rows)
+        out.append(_epoch_order(n_rows, seed, epoch)[pos])
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_order(n_rows: int, seed: int, epoch: int) -> tuple[int, ...]:
+    """One epoch's seeded permutation, shuffled once rather than once per prompt per step."""
+    perm = list(range(n_rows))
+    random.Random(seed * 1_000_003 + epoch).shuffle(perm)
+    return tuple(perm)
+
+
+def step_prompts(step: int, rows: list[dict], tokenizer, cfg: TrainConfig) -> StepPrompts:
+    """The prompt rows of `step`, tokenized, and the sampling settings (seeded by step: resumable)."""
+    chosen = [rows[i] for i in prompt_indices(step, len(rows), cfg.prompts_per_step, cfg.seed)]
+    prompt_ids = encode_prompts(tokenizer, chosen, cfg.max_prompt_length)
+    sampling = SamplingParams(cfg.max_completion_length, cfg.temperature, cfg.top_p, seed=cfg.seed * 1_000_003 + step)
+    return chosen, prompt_ids, sampling
+
+
+class RolloutSource:
+    """The scored batch of each step. Use as a context manager: `close` stops whatever generates batches."""
+
+    def start(self, step: int) -> None:
+        """Called once before the first `next(step)`."""
+
+    def next(self, step: int) -> tuple[RolloutBatch, dict]:
+        raise NotImplementedError
+
+    def after_update(self, step: int, metrics: dict) -> None:
+        """Called once the step's optimizer updates are applied."""
+
+    def idle_metrics(self, metrics: dict) -> dict:
+        """Figures that need the whole step's time (`metrics["timing/step_s"]`)."""
+        return {}
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> RolloutSource:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class LocalEngine:
+    """The rollout engine in this process (synchronous rollout, held-out evaluation), made to hold the trainer's
+    current policy whenever it is used.
+
+    transformers' engine shares the trainer's module, so it always samples the current policy. vLLM / LMDeploy
+    hold their own copy: it is refreshed when the policy has moved on. Colocated engines sleep while the trainer
+    uses the devices: wake the weights, send the new ones, then wake the KV cache (so the cache is not allocated
+    while the weights are copied), and sleep again.
+    """
+
+    def __init__(self, engine, rollout: RolloutConfig, version: int):
+        self.engine, self.rollout = engine, rollout
+        self.version = version  # the policy version the engine's own weights hold
+        self.shares_weights = isinstance(engine, HFEngine)
+
+    @contextlib.contextmanager
+    def holding(self, model, version: int):
+        """The engine, holding policy `version` (the weights of `model`) for the duration of the block."""
+        if self.shares_weights:
+            self.engine.version = version
+            yield self.engine
+            return
+        colocate = self.rollout.colocate
+        if colocate:
+            self.engine.wake_up(["weights"])
+        if self.version != version:
+            self.engine.update_weights(model.named_parameters(), version)
+            self.version = version
+        if colocate:
+            self.engine.wake_up(["kv_cache"])
+        try:
+            yield self.engine
+        finally:
+            if colocate:
+                self.engine.sleep(self.rollout.sleep_level)
+
+
+class SyncRollout(RolloutSource):
+    """Generate each batch when it is asked for, with the policy being trained, in this process.
+
+    `policy()` returns the trainer's (model, policy version) at the time of asking."""
+
+    def __init__(self, engine: LocalEngine, cfg: TrainConfig, *, prompts: Callable[[int], StepPrompts], score: Score,
+                 policy: Callable):
+        self.engine, self.cfg, self.prompts, self.score, self.policy = engine, cfg, prompts, score, policy
+
+    def next(self, step: int) -> tuple[RolloutBatch, dict]:
+        rows, prompt_ids, sampling = self.prompts(step)
+        t0 = time.perf_counter()
+        with self.engine.holding(*self.policy()) as engine:
+            groups = engine.generate(prompt_ids, self.cfg.num_generations, sampling)
+        return self.score(rows, prompt_ids, groups, {"timing/rollout_s": time.perf_counter() - t0})
+
+
+class AsyncRollout(RolloutSource):
+    """Batches generated by rollout worker processes while the trainer trains; see the module docstring.
+
+    `policy()` returns the trainer's (model, policy version) at the time of asking."""
+
+    def __init__(self, rollout: RolloutConfig, cfg: TrainConfig, model_path: str, dtype: str, *,
+                 prompts: Callable[[int], StepPrompts], score: Score, policy: Callable, rank: int, world: int):
+        self.prompts, self.score, self.policy, self.cfg = prompts, score, policy, cfg
+        self.overlap, self.world, self.remote, self.inflight = rollout.max_staleness >= 1, world, None, None
+        if rank != 0:
+            return
+        devices = ([f"cuda:{d}" for d in rollout.rollout_devices]
+                   if rollout.rollout_devices and torch.cuda.is_available() else None)
+        self.synced_version = policy()[1]
+        self.remote = RemoteRollout(model_path, dtype, devices, rollout.num_engines, rollout.sync_timeout_s,
+                                    cpu_threads_per_side(rollout.num_engines), version=self.synced_version)
+
+    def start(self, step: int) -> None:
+        if self.remote is not None:
+            self._submit(step)
+
+    def next(self, step: int) -> tuple[RolloutBatch, dict]:
+        scored = self._collect(step) if self.remote is not None else (None, None)
+        if self.world > 1:
+            shared = [scored]
+            torch.distributed.broadcast_object_list(shared, src=0)
+            scored = shared[0]
+        return scored
+
+    def after_update(self, step: int, metrics: dict) -> None:
+        """Without overlap, the next batch starts only now, from the updated weights."""
+        if self.remote is not None and not self.overlap:
+            metrics["timing/weight_sync_s"] = self._sync_and_submit(step + 1)
+
+    def idle_metrics(self, metrics: dict) -> dict:
+        step_s = metrics["timing/step_s"]
+        return {"trainer_idle_fraction": metrics["timing/wait_s"] / step_s,
+                "rollout_idle_fraction": max(0.0, 1 - metrics["timing/rollout_s"] / step_s)}
+
+    def close(self) -> None:
+        if self.remote is not None:
+            self.remote.close()
+
+    def _submit(self, step: int) -> None:
+        if step >= self.cfg.max_steps:
+            return
+        rows, prompt_ids, sampling = self.prompts(step)
+        self.inflight = (rows, prompt_ids)
+        self.remote.submit(step, prompt_ids, self.cfg.num_generations, sampling)
+
+    def _sync_and_submit(self, next_step: int) -> float:
+        """Send the current weights (unless the workers hold them already), then request `next_step`."""
+        seconds = 0.0
+        model, version = self.policy()
+        if version != self.synced_version:
+            seconds = self.remote.sync_weights(model, version)
+            self.synced_version = version
+        self._submit(next_step)
+        return seconds
+
+    def _collect(self, step: int) -> tuple[RolloutBatch, dict]:
+        """Batch `step`, scored, with timing metrics; starts the next batch when overlapping."""
+        rows, prompt_ids = self.inflight
+        t0, busy_before = time.perf_counter(), self.remote.busy_s
+        groups = self.remote.collect(step)
+        # workers generate their shards in parallel: the batch kept each of them busy this long on average
+        busy = (self.remote.busy_s - busy_before) / len(self.remote.procs)
+        metrics = {"timing/wait_s": time.perf_counter() - t0, "timing/rollout_s": busy, "timing/weight_sync_s": 0.0}
+        if self.overlap:
+            metrics["timing/weight_sync_s"] = self._sync_and_submit(step + 1)
+        return self.score(rows, prompt_ids, groups, metrics)
+
+
+__all__ = ["AsyncRollout", "LocalEngine", "RolloutSource", "StepPrompts", "SyncRollout", "prompt_indices", "step_prompts"]
