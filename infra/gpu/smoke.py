@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""GPU smoke check: the rollout engines, their behaviour log-probs and one GRPO update, on a small random model.
+"""GPU smoke check: the rollout engines, their behaviour log-probs and a few GRPO steps, on a small random model.
 
 Builds a random Qwen2 model (hidden 256, 4 layers on cuda; smaller on cpu) with a tokenizer trained on the
 spot by `trainer.bootstrap.build_tokenizer`, so it needs no model download and no bootstrap run. Checks, in
@@ -10,11 +10,13 @@ order, each failing loudly:
              within tolerance, and the mean below 0.3 of the gap to untempered log-probs (so log-probs that
              ignore the temperature fail even on a random model's flat distributions)
   vllm       (if vllm imports, cuda only) VLLMEngine on the saved model: same log-prob check at T != 1, then
-             sleep(1) / wake_up(["weights"]) / update_weights(trained weights) / wake_up(["kv_cache"]) and the
-             check again against the trained model
+             (after train) sleep(1) / wake_up(["weights"]) / update_weights(trained weights) / wake_up(["kv_cache"])
+             and the check again against the trained model
   lmdeploy   (if lmdeploy imports, cuda only) LMDeployEngine(backend="pytorch"), same checks at T = 1
-  train      one GRPO optimisation step with `trainer.loss` (dapo normalisation, truncated importance weights):
-             finite loss and gradient norm, finite weights, weights changed
+  train      the real `GRPOTrainer` (trainer/grpo.py) for a few steps on the saved model, with synthetic addition
+             data and a reward that differs between completions (a random model solves nothing): transformers
+             rollout, dapo loss, held-out greedy evaluation, a checkpoint; finite losses and gradient norms,
+             finite weights, weights changed
   deepspeed  (if deepspeed imports) a ZeRO-2 engine around a fresh model, one policy-gradient step through the
              trainer's forward
 Prints one JSON line with the results and timings, writes it to $OUT/smoke.json when OUT is set (or to
@@ -32,10 +34,12 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
 import traceback
+import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -50,6 +54,7 @@ SIZES = {
 TOLERANCE = {"float32": (2e-3, 2e-4), "bfloat16": (0.25, 0.03), "float16": (0.1, 0.01)}
 ENGINE_TOLERANCE = {"float32": (1e-2, 1e-3), "bfloat16": (0.5, 0.05), "float16": (0.2, 0.02)}
 RELATIVE_TOLERANCE = 0.3
+TRAIN_STEPS = 3
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -89,13 +94,13 @@ def build(args):
     return tokenizer, model, encode_prompts(tokenizer, rows)
 
 
-def rollout_batch(prompts, groups, rewards=None):
+def rollout_batch(prompts, groups):
+    """The trainer's batch layout for `groups` (zero advantages: only the log-prob checks use it)."""
     from trainer.rollout_batch import RolloutBatch
 
     flat = [c for g in groups for c in g]
     n = len(groups[0])
-    adv = torch.zeros(len(flat)) if rewards is None else rewards
-    return RolloutBatch([p for p in prompts for _ in range(n)], flat, adv, torch.ones(len(flat)))
+    return RolloutBatch([p for p in prompts for _ in range(n)], flat, torch.zeros(len(flat)), torch.ones(len(flat)))
 
 
 def micro_batches(batch, size: int, pad_id: int, device: str):
@@ -180,45 +185,59 @@ def run_logprobs(ctx, args) -> dict:
                       "HFEngine vs trainer forward")
 
 
-def run_train(ctx, args) -> dict:
-    from trainer import loss as L
-    from trainer.logprobs import completion_logps
+def scattered_reward(prompts, completions, **columns) -> list[float]:
+    """A reward in [0, 1) that differs between the completions of a group, fixed by their text."""
+    return [zlib.crc32(text.encode()) / 2 ** 32 for text in completions]
 
-    model, tokenizer, groups = ctx["model"], ctx["tokenizer"], ctx["groups"]
-    rewards = torch.rand(sum(len(g) for g in groups), generator=torch.Generator().manual_seed(args.seed))
-    advantages, _, stats = L.group_advantages(rewards, args.n)
-    batch = rollout_batch(ctx["prompts"], groups, advantages)
-    total_tokens = sum(len(c.token_ids) for c in batch.completions)
-    before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-    model.train()
+
+def saved_model(ctx) -> str:
+    """The untrained smoke model and its tokenizer in HF format, saved once."""
+    if "checkpoint" not in ctx:
+        ctx["checkpoint"] = os.path.join(ctx["work"], "model")
+        ctx["model"].save_pretrained(ctx["checkpoint"])
+        ctx["tokenizer"].save_pretrained(ctx["checkpoint"])
+    return ctx["checkpoint"]
+
+
+def run_train(ctx, args) -> dict:
+    """TRAIN_STEPS steps of the real GRPOTrainer on the saved model; the trained model is kept for weight sync."""
+    from data.prepare import prepare
+    from trainer.grpo import GRPOTrainer
+    from trainer.recipe import load_recipe
+
+    work = Path(ctx["work"])
+    prepare("synthetic", "synthetic:addition", work / "data", heldout=8, synthetic_rows=64, system_prompt="brief")
+    recipe = load_recipe(None, [
+        f"model.name_or_path={saved_model(ctx)}", f"model.dtype={args.dtype}", f"data.out={work / 'data'}",
+        f"train.output_dir={work / 'run'}", f"train.max_steps={TRAIN_STEPS}", f"train.seed={args.seed}",
+        f"train.prompts_per_step={args.prompts}", f"train.num_generations={args.n}",
+        f"train.micro_batch_size={args.micro}", f"train.max_completion_length={args.max_tokens}",
+        f"train.temperature={args.temperature}", "train.learning_rate=1e-2", "train.epsilon_high=0.28",
+        "train.loss_type=dapo", "train.eval_heldout=8",
+        f"rewards=[{{name: {json.dumps(str(Path(__file__).resolve()) + ':scattered_reward')}}}]"])
+    trainer = GRPOTrainer(recipe, saved_model(ctx), work / "data", progress=False)  # on cuda when there is one
     sync(args.device)
     t0 = time.perf_counter()
-    loss_sum = 0.0
-    for mb in micro_batches(batch, args.micro, tokenizer.pad_token_id, args.device):
-        logps, _ = completion_logps(model, mb, args.temperature)
-        old = logps.detach()
-        weights = L.truncated_importance_weights(old, mb.behaviour_logps, cap=2.0)
-        per_token, _ = L.per_token_loss(logps, old, mb.advantages, epsilon_low=0.2, epsilon_high=0.28,
-                                        is_weights=weights)
-        loss = L.reduce_loss(per_token, mb.completion_mask, "dapo", total_sequences=len(batch),
-                             total_tokens=total_tokens, max_completion_length=args.max_tokens)
-        loss.backward()
-        loss_sum += loss.item()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    result = trainer.train()
     sync(args.device)
     seconds = time.perf_counter() - t0
-    check(math.isfinite(loss_sum), f"loss is {loss_sum}")
-    check(math.isfinite(grad_norm) and grad_norm > 0, f"gradient norm is {grad_norm}")
+    rows = [json.loads(line) for line in Path(result.metrics_path).read_text().splitlines()]
+    check(len(rows) == TRAIN_STEPS, f"{len(rows)} metrics rows for {TRAIN_STEPS} steps")
+    for row in rows:
+        check(math.isfinite(row["loss"]), f"step {row['step']}: loss is {row['loss']}")
+        check(math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0,
+              f"step {row['step']}: gradient norm is {row['grad_norm']}")
+    ctx["trained_model"] = trained = trainer.model
+    before = dict(ctx["model"].named_parameters())
     changed = 0
-    for name, p in model.named_parameters():
-        check(bool(torch.isfinite(p).all()), f"{name} has non-finite values after the step")
-        changed += int(not torch.equal(p.detach(), before[name]))
+    for name, p in trained.named_parameters():
+        check(bool(torch.isfinite(p).all()), f"{name} has non-finite values after training")
+        changed += int(not torch.equal(p.detach(), before[name].detach().to(p.device)))
     check(changed >= 0.95 * len(before), f"only {changed} of {len(before)} weight tensors changed")
-    return {"loss": loss_sum, "grad_norm": grad_norm, "changed_tensors": changed, "tensors": len(before),
-            "reward": stats["reward"], "seconds": seconds}
+    last = rows[-1]
+    return {"steps": len(rows), "loss": last["loss"], "grad_norm": last["grad_norm"], "changed_tensors": changed,
+            "tensors": len(before), "reward": last["reward"], "seconds": seconds,
+            "s_per_step": result.seconds_per_step, "heldout_accuracy": result.heldout_after.get("accuracy")}
 
 
 def run_deepspeed(ctx, args) -> dict:
@@ -254,19 +273,19 @@ def run_engine(ctx, args, name: str) -> dict:
     if name == "vllm":
         from trainer.rollout.vllm_engine import VLLMEngine
 
-        engine = VLLMEngine(ctx["checkpoint"], gpu_memory_utilization=0.2, enable_sleep_mode=True, dtype=args.dtype,
+        engine = VLLMEngine(saved_model(ctx), gpu_memory_utilization=0.2, enable_sleep_mode=True, dtype=args.dtype,
                             seed=args.seed, enforce_eager=True, max_model_len=1024)
     else:
         from trainer.rollout.lmdeploy_engine import LMDeployEngine
 
-        engine = LMDeployEngine(ctx["checkpoint"], backend="pytorch", gpu_memory_utilization=0.2, dtype=args.dtype,
+        engine = LMDeployEngine(saved_model(ctx), backend="pytorch", gpu_memory_utilization=0.2, dtype=args.dtype,
                                 seed=args.seed, session_len=1024)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, seed=args.seed)
     t0 = time.perf_counter()
     groups = engine.generate(ctx["prompts"], args.n, sampling)
     seconds = time.perf_counter() - t0
     stats = check_groups(groups, args.prompts, args.n, args.max_tokens, len(ctx["tokenizer"]))
-    gap = engine_gap(ctx["initial_model"], ctx, groups, temperature, args, ENGINE_TOLERANCE[args.dtype],
+    gap = engine_gap(ctx["model"], ctx, groups, temperature, args, ENGINE_TOLERANCE[args.dtype],
                      f"{name} vs trainer forward")
     result = {**stats, "seconds": seconds, "tokens_per_s": stats["tokens"] / seconds, "logprobs": gap}
     ctx.setdefault("engines", {})[name] = (engine, sampling)
@@ -278,12 +297,12 @@ def run_engine_sync(ctx, args, name: str) -> dict:
     t0 = time.perf_counter()
     engine.sleep(1)
     engine.wake_up(["weights"])
-    engine.update_weights(ctx["model"].named_parameters(), version=1)
+    engine.update_weights(ctx["trained_model"].named_parameters(), version=1)
     engine.wake_up(["kv_cache"])
     sync_seconds = time.perf_counter() - t0
     groups = engine.generate(ctx["prompts"], args.n, sampling)
     check(all(c.policy_version == 1 for g in groups for c in g), "completions after the sync must carry version 1")
-    gap = engine_gap(ctx["model"], ctx, groups, sampling.temperature, args, ENGINE_TOLERANCE[args.dtype],
+    gap = engine_gap(ctx["trained_model"], ctx, groups, sampling.temperature, args, ENGINE_TOLERANCE[args.dtype],
                      f"{name} after weight sync vs trained model")
     return {"sleep_wake_sync_seconds": sync_seconds, "logprobs": gap}
 
@@ -312,7 +331,7 @@ def main(argv=None) -> int:
 
     result = {"device": args.device, "torch": torch.__version__, "dtype": args.dtype,
               "gpu": torch.cuda.get_device_name() if kind == "cuda" else None, "checks": {}}
-    ctx = {}
+    ctx = {"work": tempfile.mkdtemp(prefix="grpoflow-smoke-")}
     t_start = time.perf_counter()
     try:
         tokenizer, model, prompts = build(args)
@@ -338,22 +357,17 @@ def main(argv=None) -> int:
         steps.append((f"{name}_weight_sync", lambda c, a, n=name: run_engine_sync(c, a, n), optional(name, gpu_only)))
     steps.append(("deepspeed", run_deepspeed, optional("deepspeed")))
 
-    needs = {"logprobs": "generate", "train": "generate", "deepspeed": "generate", "vllm": "generate",
-             "lmdeploy": "generate", "vllm_weight_sync": "vllm", "lmdeploy_weight_sync": "lmdeploy"}
+    needs = {"logprobs": ("generate",), "deepspeed": ("generate",), "vllm": ("generate",),
+             "lmdeploy": ("generate",), "vllm_weight_sync": ("vllm", "train"),
+             "lmdeploy_weight_sync": ("lmdeploy", "train")}
     for name, fn, skip in steps:
-        dependency = needs.get(name)
-        if skip is None and dependency and not result["checks"].get(dependency, {}).get("ok"):
-            skip = f"{dependency} did not pass"
+        failed = [d for d in needs.get(name, ()) if not result["checks"].get(d, {}).get("ok")]
+        if skip is None and failed:
+            skip = f"{' and '.join(failed)} did not pass"
         if skip is not None:
             print(f"{name}: {skip}, skipped", flush=True)
             result["checks"][name] = {"ok": None, "skipped": skip}
             continue
-        if name in ("vllm", "lmdeploy") and "checkpoint" not in ctx:
-            ctx["checkpoint"] = tempfile.mkdtemp(prefix="grpoflow-smoke-")
-            model.save_pretrained(ctx["checkpoint"])
-            tokenizer.save_pretrained(ctx["checkpoint"])
-            ctx["initial_model"] = type(model)(model.config).to(args.device, DTYPES[args.dtype]).eval()
-            ctx["initial_model"].load_state_dict(model.state_dict())
         try:
             result["checks"][name] = {"ok": True, **fn(ctx, args)}
             print(f"{name}: ok", flush=True)
@@ -370,6 +384,7 @@ def main(argv=None) -> int:
     out = args.out or (os.path.join(os.environ["OUT"], "smoke.json") if os.environ.get("OUT") else None)
     if out:
         Path(out).write_text(line + "\n")
+    shutil.rmtree(ctx["work"], ignore_errors=True)
     return 0 if result["ok"] else 1
 
 

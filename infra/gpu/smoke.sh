@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU smoke check for grpoflow: rollout engines, behaviour log-probs, one GRPO step, optional vLLM / LMDeploy /
-# DeepSpeed (see infra/gpu/smoke.py for the list). About a minute on one H200 without the optional engines.
+# GPU smoke check for grpoflow: rollout engines, behaviour log-probs, a few steps of the real GRPOTrainer,
+# optional vLLM / LMDeploy / DeepSpeed (see infra/gpu/smoke.py for the list). About a minute on one H200
+# without the optional engines.
 #
 # Runs from the repository root with $PYTHON (default python3): it needs torch, transformers, tokenizers and
 # pyyaml. It imports trainer.bootstrap, which imports the reward library and so math-verify; a GPU image
