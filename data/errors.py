@@ -19,6 +19,10 @@ class GrpoflowUserError(Exception):
     """Bad input or an unusable service named by the user: exit status 2, one line naming file, field or URL."""
 
 
+class UsageError(GrpoflowUserError, ValueError):
+    """Bad input from the user (a flag, an output path, a model reference) that no narrower class names."""
+
+
 class ServiceUnavailable(GrpoflowUserError):
     """A service the command needs (MLflow, Prefect, an evaluation endpoint) did not answer within its timeout;
     the message names it (credentials masked), what was tried, and the setting that bounds the wait."""

@@ -17,14 +17,10 @@ import os
 import sys
 from pathlib import Path
 
-from data.errors import GrpoflowUserError
+from data.errors import GrpoflowUserError, UsageError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "tiny-cpu.yaml"
-
-
-class UsageError(GrpoflowUserError, ValueError):
-    """Bad input from the user: exit status 2."""
 
 
 class _ArgumentError(Exception):
@@ -65,8 +61,14 @@ def _recipe(args, extra_overrides: list[str] = ()):
     return load_recipe(config, list(extra_overrides) + list(args.overrides))
 
 
+def _source(args) -> str:
+    """How an error names the recipe."""
+    return str(args.config or args.default_config or "<defaults>")
+
+
 def cmd_prep(args) -> dict:
     from data.prepare import prepare
+    from tasks.preflight import check_writable
 
     flags = {"task": args.task, "source": args.source, "out": args.out, "seed": args.seed,
              "heldout": args.heldout, "limit": args.limit, "split": args.split, "hub_config": args.hub_config,
@@ -75,33 +77,19 @@ def cmd_prep(args) -> dict:
     if args.skip_invalid:
         overrides.append("data.skip_invalid=true")
     kwargs = _recipe(args, overrides).data.prepare_kwargs()
-    _check_writable(kwargs["out"], "--out" if args.out else "data.out")
+    check_writable(kwargs["out"], "--out" if args.out else "data.out")
     result = prepare(**kwargs)
     _say(args, f"prepared {result['rows']['train']} train + {result['rows']['heldout']} held-out rows "
                f"into {result['out']}" + (f" (dropped: {result['dropped']})" if result["dropped"] else ""))
     return result
 
 
-def _check_writable(path: str | Path, setting: str) -> None:
-    """Refuse an output path whose nearest existing folder cannot be written (read-only file system, no
-    permission) before any work; an output is written next to its final place and renamed there."""
-    path = Path(path).expanduser().resolve()
-    folder = path.parent
-    while not folder.exists():
-        folder = folder.parent
-    if not folder.is_dir():
-        raise UsageError(f"{setting} {path}: {folder} is a file, not a folder")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
-        raise UsageError(f"{setting} {path}: cannot write in {folder} "
-                         f"({'read-only file system' if read_only else 'permission denied'})")
-
-
 def cmd_bootstrap(args) -> dict:
+    from tasks.preflight import check_writable
     from trainer.bootstrap import bootstrap
 
     recipe = _recipe(args, [f"bootstrap.out={json.dumps(args.out)}"] if args.out else [])
-    _check_writable(recipe.bootstrap.out, "--out" if args.out else "bootstrap.out")
+    check_writable(recipe.bootstrap.out, "--out" if args.out else "bootstrap.out")
     result = bootstrap(recipe.bootstrap, system_prompt=recipe.data.system_prompt)
     _say(args, f"tiny base model at {result['path']}: held-out greedy accuracy {result['heldout_accuracy']:.3f} "
                f"after {result['warmup_steps']} warm-up steps" + (" (cached)" if result["cached"] else ""))
@@ -134,7 +122,9 @@ def cmd_run(args) -> dict:
 
     services = configure(args.state_dir)
     recipe = services.place_outputs(_recipe(args))
-    _check_before_run(args, services, recipe)
+    from tasks.preflight import check_before_run
+
+    check_before_run(recipe, services, _source(args))
     from flows.pipeline import grpo_pipeline  # after configure(): Prefect reads its settings at import
 
     summary = grpo_pipeline(recipe.to_dict(), services.flow_parameters())
@@ -146,88 +136,22 @@ def cmd_run(args) -> dict:
     return summary
 
 
-PREFECT_PROBE_TIMEOUT_S = 10.0
-
-
-def _check_before_run(args, services, recipe) -> None:
-    """What would stop the pipeline late, checked before it starts: the Prefect API and MLflow answer (a
-    dead server is one line, not minutes of client retries), the evaluation settings are usable."""
-    from data.reachability import require_reachable
-    from tasks import tracking
-    from trainer.grpo import check_supported
-
-    check_supported(recipe)
-    if services.prefect_api_url:
-        require_reachable(services.prefect_api_url.rstrip("/") + "/health", "the Prefect API",
-                          PREFECT_PROBE_TIMEOUT_S, hint="PREFECT_API_URL")
-    tracking.client_for(services.tracking_uri, services.registry_uri)
-    _check_eval_settings(args, recipe)
-
-
-def _check_eval_settings(args, recipe, endpoint: str | None = None, **endpoint_settings) -> None:
-    """The recipe's `eval` section checked as EvalScope will use it (benchmark names, local paths, an API key
-    variable), and an endpoint's reachability, before any model is resolved, downloaded, trained or served."""
-    from evaluation import EvalInputError, check_evaluation
-
-    try:
-        check_evaluation(recipe.eval, api_url=endpoint, **endpoint_settings)
-    except EvalInputError as err:
-        raise UsageError(f"{args.config or args.default_config or '<defaults>'}: eval: {err}") from None
-
-
 def cmd_eval(args) -> dict:
     from tasks.services import configure
 
     services = configure(args.state_dir)
     recipe = services.place_outputs(_recipe(args))
-    from evaluation import evaluate
-    from tasks import tracking
-    from tasks.evaluation import heldout_accuracy, record_evaluation, resolve_model
-
-    e = recipe.eval
-    endpoint = args.model if args.model.startswith(("http://", "https://")) else None
     if args.api_key_env and not os.environ.get(args.api_key_env):
         raise UsageError(f"--api-key-env {args.api_key_env}: the environment variable {args.api_key_env} is not "
                          "set (or empty)")
-    _check_eval_settings(args, recipe, endpoint, api_key_env=None if args.serve else args.api_key_env,
-                         eval_batch_size=args.concurrency if endpoint else 1)
-    client = tracking.client_for(services.tracking_uri, services.registry_uri)
-    ref = resolve_model(args.model, client, services.state_dir / "models-cache")
-    name = ref.model_name and f"{ref.model_name}-v{ref.model_version}" or Path(ref.local_path or "endpoint").name
-    with _served_for_eval(args, ref, name) as served:  # --serve: the checkpoint behind a local endpoint
-        api_url = served.url if served else ref.api_url
-        result = evaluate(served.model_name if served else ref.local_path or args.served_model_name or "default", e,
-                          work_dir=Path(e.out).resolve() / (f"{name}-served" if served else name), api_url=api_url,
-                          api_key_env=None if served else args.api_key_env,
-                          eval_batch_size=args.concurrency if api_url else 1)
-    scores = dict(result.scores)
-    if ref.local_path and (acc := heldout_accuracy(ref.local_path, recipe.data.out, recipe)) is not None:
-        scores["heldout_accuracy"] = acc
-    experiment = tracking.ensure_experiment(client, recipe.registry.experiment, services.artifact_root)
-    run_id = record_evaluation(client, experiment, ref, scores, e, result.work_dir / "report.json")
-    for bench, score in scores.items():
+    from tasks.evaluation import evaluate_reference
+
+    result = evaluate_reference(args.model, recipe, services, source=_source(args), serve=args.serve,
+                                served_model_name=args.served_model_name, api_key_env=args.api_key_env,
+                                concurrency=args.concurrency)
+    for bench, score in result["scores"].items():
         _say(args, f"{bench}: {score:.4f}")
-    return {"model": ref.text, "model_name": ref.model_name, "model_version": ref.model_version,
-            "scores": scores, "num_samples": result.num_samples, "report": str(result.work_dir / "report.json"),
-            "work_dir": str(result.work_dir), "mlflow_run_id": run_id,
-            "tracking_uri": services.flow_parameters()["tracking_uri"],
-            "served_by": served.engine if served else None}
-
-
-def _served_for_eval(args, ref, name: str):
-    """`eval --serve`: a context serving the local checkpoint on loopback (None without --serve)."""
-    from contextlib import nullcontext
-
-    if args.concurrency < 1:
-        raise UsageError(f"--concurrency must be >= 1, got {args.concurrency}")
-    if not args.serve:
-        return nullcontext(None)
-    if not ref.local_path:
-        raise UsageError(f"--serve needs a checkpoint directory or a models:/ reference, not the endpoint {args.model}")
-    from evaluation.serving import served_model
-
-    return served_model(ref.local_path, served_model_name=args.served_model_name or name,
-                        max_batch_size=args.concurrency)
+    return result
 
 
 def cmd_serve_model(args) -> dict:
@@ -279,27 +203,13 @@ def cmd_gate(args) -> dict:
 
 
 def _comparison(args, baseline: str, candidate: str, **gate) -> dict:
-    """Run the comparison; errors of the inputs or the services become exit 2 (for `gate`, every error does)."""
     from tasks.services import configure
 
     services = configure(args.state_dir)
     recipe = services.place_outputs(_recipe(args))
-    from mlflow.exceptions import MlflowException
+    from tasks.comparison import run_comparison_for_command
 
-    from tasks.comparison import ComparisonError, run_comparison
-    from tasks.tracking import TrackingError
-
-    try:
-        return run_comparison(baseline, candidate, recipe, services.flow_parameters(), **gate)
-    except GrpoflowUserError:
-        raise
-    except (TrackingError, MlflowException, ComparisonError, ValueError, OSError) as e:
-        raise UsageError(str(e)) from e
-    except Exception as e:
-        if not gate:
-            raise
-        logging.getLogger("grpoflow").exception("%s failed", args.command)  # exit 1 means "regression" here
-        raise UsageError(f"{type(e).__name__}: {e}") from e
+    return run_comparison_for_command(baseline, candidate, recipe, services.flow_parameters(), **gate)
 
 
 def _say(args, text: str) -> None:

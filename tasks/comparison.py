@@ -23,7 +23,7 @@ from pathlib import Path
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
-from data.errors import ServiceUnavailable
+from data.errors import GrpoflowUserError, ServiceUnavailable, UsageError
 from data.manifest import write_json_atomic
 from evaluation import made_with, settings_hash
 from evaluation.compare import (
@@ -226,6 +226,24 @@ def run_comparison(baseline: str, candidate: str, recipe: Recipe | dict, service
                                                   "failing": [r.to_dict() for r in verdict.failing],
                                                   "report": verdict.markdown()},
             "promoted": promoted, "tracking_uri": services["tracking_uri"]}
+
+
+def run_comparison_for_command(baseline: str, candidate: str, recipe: Recipe, services: dict,
+                               max_drop: float | None = None, promote_to: str | None = None) -> dict:
+    """`run_comparison` as `grpoflow compare` and `gate` run it: an error of the inputs or the services (MLflow,
+    a reference, a missing evaluation) becomes a `UsageError` (exit 2); for a gate (`max_drop`) every error
+    does, since its exit 1 means "regression"."""
+    try:
+        return run_comparison(baseline, candidate, recipe, services, max_drop, promote_to)
+    except GrpoflowUserError:
+        raise
+    except (tracking.TrackingError, MlflowException, ComparisonError, ValueError, OSError) as e:
+        raise UsageError(str(e)) from e
+    except Exception as e:
+        if max_drop is None:
+            raise
+        logging.getLogger("grpoflow").exception("%s failed", "gate")
+        raise UsageError(f"{type(e).__name__}: {e}") from e
 
 
 def is_registered(ref: str) -> bool:

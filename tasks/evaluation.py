@@ -2,25 +2,30 @@
 
 A reference is a checkpoint directory, a registered version (`models:/name@alias`, `models:/name/3`), or
 an OpenAI-compatible endpoint URL. Registered versions are downloaded once into the state folder.
+`evaluate_reference` is all of `grpoflow eval` but its flags and its printing.
 """
 
 from __future__ import annotations
 
 import re
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mlflow import MlflowClient
 
+from data.errors import UsageError
 from data.manifest import MANIFEST, read_manifest
 from data.redact import mask_uri, redact
 from tasks import tracking
+from tasks.preflight import check_eval_settings
 from trainer.model_loading import verify_if_ours
 from trainer.typed_config import to_dict
 
 if TYPE_CHECKING:
-    from trainer.recipe import EvalConfig
+    from tasks.services import Services
+    from trainer.recipe import EvalConfig, Recipe
 
 _MODELS_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))$")
 
@@ -116,3 +121,49 @@ def heldout_accuracy(model_path: str, data_dir: str | Path, recipe) -> float | N
     return evaluate_greedy(HFEngine(model, tokenizer), tokenizer, rows, accuracy_reward, format_reward,
                            max_tokens=recipe.train.max_completion_length,
                            max_prompt_length=recipe.train.max_prompt_length)["accuracy"]
+
+
+def evaluate_reference(model: str, recipe: Recipe, services: Services, *, source: str, serve: bool = False,
+                       served_model_name: str | None = None, api_key_env: str | None = None,
+                       concurrency: int = 8) -> dict:
+    """`grpoflow eval`: evaluate `model` (a reference, see `resolve_model`) with the recipe's eval settings,
+    through a local endpoint when `serve`, and record it in MLflow; returns the command's summary.
+
+    `source` names the recipe in errors; `concurrency`: requests in flight against an endpoint."""
+    from evaluation import evaluate
+
+    endpoint = model if model.startswith(("http://", "https://")) else None
+    check_eval_settings(recipe, source, endpoint, api_key_env=None if serve else api_key_env,
+                        eval_batch_size=concurrency if endpoint else 1)
+    client = tracking.client_for(services.tracking_uri, services.registry_uri)
+    ref = resolve_model(model, client, services.state_dir / "models-cache")
+    name = ref.model_name and f"{ref.model_name}-v{ref.model_version}" or Path(ref.local_path or "endpoint").name
+    with _served(ref, model, name, serve, served_model_name, concurrency) as served:
+        api_url = served.url if served else ref.api_url
+        result = evaluate(served.model_name if served else ref.local_path or served_model_name or "default",
+                          recipe.eval, work_dir=Path(recipe.eval.out).resolve() / (f"{name}-served" if served else name),
+                          api_url=api_url, api_key_env=None if served else api_key_env,
+                          eval_batch_size=concurrency if api_url else 1)
+    scores = dict(result.scores)
+    if ref.local_path and (acc := heldout_accuracy(ref.local_path, recipe.data.out, recipe)) is not None:
+        scores["heldout_accuracy"] = acc
+    experiment = tracking.ensure_experiment(client, recipe.registry.experiment, services.artifact_root)
+    run_id = record_evaluation(client, experiment, ref, scores, recipe.eval, result.report_json)
+    return {"model": ref.text, "model_name": ref.model_name, "model_version": ref.model_version,
+            "scores": scores, "num_samples": result.num_samples, "report": str(result.report_json),
+            "work_dir": str(result.work_dir), "mlflow_run_id": run_id,
+            "tracking_uri": services.flow_parameters()["tracking_uri"],
+            "served_by": served.engine if served else None}
+
+
+def _served(ref: ModelRef, model: str, name: str, serve: bool, served_model_name: str | None, concurrency: int):
+    """`eval --serve`: a context serving the local checkpoint on loopback (None without --serve)."""
+    if concurrency < 1:
+        raise UsageError(f"--concurrency must be >= 1, got {concurrency}")
+    if not serve:
+        return nullcontext(None)
+    if not ref.local_path:
+        raise UsageError(f"--serve needs a checkpoint directory or a models:/ reference, not the endpoint {model}")
+    from evaluation.serving import served_model
+
+    return served_model(ref.local_path, served_model_name=served_model_name or name, max_batch_size=concurrency)
