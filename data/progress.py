@@ -16,6 +16,14 @@ def progress_enabled(enabled: bool | None = None) -> bool:
     return sys.stderr.isatty() and not os.environ.get("CI")
 
 
+def quiet_transformers_progress() -> None:
+    """Turn off transformers' own bars ("Loading weights", "Writing model shards"): one per load and per
+    checkpoint would bury the run's own progress, which is what a user should see."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 class Progress:
     """A rich progress bar with live fields (`bar.update(1, reward="0.42")`), or nothing at all."""
 

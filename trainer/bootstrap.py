@@ -39,7 +39,7 @@ from data.manifest import (
     verify_output,
     write_json_atomic,
 )
-from data.progress import Progress
+from data.progress import Progress, quiet_transformers_progress
 from data.schema import make_row, resolve_system_prompt
 from trainer.heldout import evaluate_greedy
 from trainer.prompts import encode_prompts
@@ -191,6 +191,7 @@ def bootstrap(cfg: BootstrapConfig, out: str | Path | None = None, system_prompt
     with atomic_dir(out, kind=KIND) as tmp:
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model.generation_config.pad_token_id = tokenizer.pad_token_id
+        quiet_transformers_progress()
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         files = file_hashes(tmp)

@@ -47,6 +47,7 @@ from data.manifest import (
     verify_output,
     write_json_atomic,
 )
+from data.progress import quiet_transformers_progress
 from trainer.recipe import Recipe
 from trainer.typed_config import ConfigError
 
@@ -80,6 +81,7 @@ def save_checkpoint(output_dir: Path, step: int, model, tokenizer, trainer_state
     output_dir = Path(output_dir)
     final = output_dir / f"checkpoint-{step}"
     with atomic_dir(final, kind=KIND) as tmp:
+        quiet_transformers_progress()
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         torch.save({**trainer_state, "rng": rng_state()}, tmp / "trainer_state.pt")

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from data.manifest import MANIFEST, verify_output
+from data.progress import quiet_transformers_progress
 from trainer.recipe import ModelConfig, Recipe
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
@@ -40,6 +41,7 @@ def load_model(name_or_path: str, cfg: ModelConfig | None = None, device: str | 
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    quiet_transformers_progress()
     if verify:
         verify_if_ours(name_or_path)
 
