@@ -28,18 +28,6 @@ def _modules() -> dict[str, Path]:
 
 MODULES = _modules()
 
-# Issue 9 is not finished: these are the places that still break a rule, each a strict xfail so that the
-# check goes red the moment one is mended (then delete it here). Nothing else may join this list.
-NOT_YET = {
-    "size": {"evaluation.evalscope_runner", "flows.cli", "trainer.grpo"},
-}
-
-
-def _params(modules, known: set[str], why: str) -> list:
-    mark = pytest.mark.xfail(strict=True, reason=f"issue 9, not done yet: {why}")
-    return [pytest.param(m, marks=mark) if m in known else m for m in modules]
-
-
 def _imported_names(module: str, path: Path) -> set[str]:
     """Every dotted name `module` imports: `import a.b` gives a.b; `from a import b` gives a and a.b."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
@@ -150,6 +138,6 @@ def test_no_module_imports_another_modules_private_names(module):
     assert private == set()
 
 
-@pytest.mark.parametrize("module", _params(sorted(MODULES), NOT_YET["size"], "module over 400 lines"))
+@pytest.mark.parametrize("module", sorted(MODULES))
 def test_no_module_over_400_lines(module):
     assert len(MODULES[module].read_text().splitlines()) <= MAX_LINES
