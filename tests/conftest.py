@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -45,3 +49,16 @@ def tiny_data(tmp_path_factory, tiny_recipe) -> Path:
     out = tmp_path_factory.mktemp("data") / "addition"
     prepare(**{**tiny_recipe.data.prepare_kwargs(), "out": out, "synthetic_rows": 600})
     return out
+
+
+@contextmanager
+def loopback_http(handler: type[BaseHTTPRequestHandler]) -> Iterator[ThreadingHTTPServer]:
+    """A real HTTP server on 127.0.0.1 (a free port) serving `handler` in daemon threads, shut down on exit."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import threading
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
-from conftest import shared
+from conftest import loopback_http, shared
 from evaluation import load_result, run_evalscope
 
 LEVELS = [f"Level {i}" for i in range(1, 6)]
@@ -130,14 +129,8 @@ def stub_chat_endpoint(answer):
         def log_message(self, *args):
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with loopback_http(Handler) as server:
         yield f"http://127.0.0.1:{server.server_port}/v1", requests
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_openai_api_mode_scores_a_served_model_with_the_key_from_the_environment(tmp_path, monkeypatch):

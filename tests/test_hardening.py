@@ -27,14 +27,14 @@ import time
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
 import torch
 
-from conftest import REPO_ROOT, shared
+from conftest import REPO_ROOT, loopback_http, shared
 from data.manifest import IntegrityError, OutputDirError, atomic_dir, read_manifest, sha256_dir, sha256_file
 from data.redact import mask_uri, redact
 from flows.cli import main
@@ -444,14 +444,11 @@ def hanging_endpoint():
         def log_message(self, *args):
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server.server_address[1]
-    release.set()
-    server.shutdown()
-    server.server_close()
+    with loopback_http(Handler) as server:
+        try:
+            yield server.server_address[1]
+        finally:
+            release.set()  # a handler still waiting is let go before the server shuts down
 
 
 # --- 5. a gate that cannot be talked into passing; finite, in-range numbers everywhere -----------------------------
@@ -915,14 +912,8 @@ def guarded_relay(upstream: str, user: str, password: str, query_key: str):
         def log_message(self, *args):
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with loopback_http(Handler) as server:
         yield f"http://127.0.0.1:{server.server_port}", seen
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @contextmanager
