@@ -773,9 +773,12 @@ def test_json_is_printed_on_argparse_errors(args):
 
 def test_json_is_printed_on_sigint_with_exit_130(silent_port, tmp_path):
     port = silent_port.getsockname()[1]
+    # A test run started in the background (`make test &`) has SIGINT ignored, and a child inherits that:
+    # Python then installs no KeyboardInterrupt handler. The child gets the default back, as in a terminal.
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *_eval_args(tmp_path, f"http://127.0.0.1:{port}/v1",
                                                                             "--json")],
-                            cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         readable, _, _ = select.select([silent_port], [], [], GUARD_S)  # the command is now waiting on us
         assert readable, "the command never connected"
