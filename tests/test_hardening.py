@@ -600,7 +600,7 @@ def test_an_endpoint_that_hangs_on_requests_is_bounded_by_eval_request_timeout_s
 @pytest.mark.parametrize("server", ["closed", "silent"])
 def test_gate_with_an_unreachable_mlflow_server_is_one_line_exit_2(server, silent_port, closed_port, tmp_path):
     port = closed_port if server == "closed" else silent_port.getsockname()[1]
-    proc = grpoflow_run("gate", "--candidate", "models:/grpoflow_run-tiny/2", "--baseline", "models:/grpoflow_run-tiny@champion",
+    proc = grpoflow_run("gate", "--candidate", "models:/grpoflow-tiny/2", "--baseline", "models:/grpoflow-tiny@champion",
                     "--state-dir", str(tmp_path / "state"), "--json",
                     env={"MLFLOW_TRACKING_URI": f"http://ci:{ERRORS_SECRET}@127.0.0.1:{port}"})
     line = one_line_error(proc, "gate")
@@ -611,7 +611,7 @@ def test_gate_with_an_unreachable_mlflow_server_is_one_line_exit_2(server, silen
 
 
 def test_compare_with_an_unreachable_mlflow_server_is_one_line_exit_2(closed_port, tmp_path):
-    proc = grpoflow_run("compare", "models:/grpoflow_run-tiny/1", "models:/grpoflow_run-tiny/2", "--state-dir",
+    proc = grpoflow_run("compare", "models:/grpoflow-tiny/1", "models:/grpoflow-tiny/2", "--state-dir",
                     str(tmp_path / "state"), env={"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{closed_port}"})
     assert "is unreachable: connection refused" in one_line_error(proc, "compare")
 
