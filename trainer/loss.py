@@ -37,7 +37,7 @@ def _valid_mean_std(x: Tensor) -> tuple[Tensor, Tensor]:
     mean = torch.where(valid, x, 0.0).sum(dim=1) / count.clamp(min=1)
     squares = torch.where(valid, (x - mean[:, None]) ** 2, 0.0).sum(dim=1)
     std = torch.where(count > 1, (squares / (count - 1).clamp(min=1)).sqrt(), 0.0)
-    return mean, torch.where(_all_equal(x), 0.0, std)  # equal rewards: 0, not a rounding residue
+    return mean, std
 
 
 def _all_equal(x: Tensor) -> Tensor:
@@ -87,12 +87,12 @@ def group_advantages(
         advantages = advantages / (group_std.repeat_interleave(group_size) + eps)
     elif scale_rewards == "batch":
         advantages = advantages / (batch_std + eps)
-    flat = _all_equal(rewards.view(-1, group_size)).repeat_interleave(group_size)
+    flat = zero_std_groups(rewards, group_size)  # exactly 0 there, not rounding residue over (std + eps)
     advantages = torch.where(valid & ~flat, advantages, 0.0)
     stats = {
         "reward": rewards[valid].mean().item() if valid.any() else float("nan"),
         "reward_std": batch_std.item(),
-        "frac_reward_zero_std": zero_std_groups(rewards, group_size).float().mean().item(),
+        "frac_reward_zero_std": flat.float().mean().item(),  # groups are equal-sized: per completion = per group
     }
     return advantages, valid, stats
 
