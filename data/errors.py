@@ -3,7 +3,7 @@
 `GrpoflowUserError` is what the command line turns into exit status 2 with a one-line message: every error
 that means "your input (config, data, flag) or a service you named is wrong" derives from it, wherever it is
 raised (`ConfigError`, `DataError`, `RewardSpecError`, `PluginError`, `MissingExtraError`, `UsageError`,
-`ServiceUnavailable`, ...). It lives here, in the bottom layer, so that every package can raise one.
+`MissingPathError`, `ServiceUnavailable`, ...). It lives here, in the bottom layer, so that every package can raise one.
 
 Dataset preparation has two: `DataError` for the user, `FieldError` inside an adapter.
 
@@ -21,6 +21,11 @@ class GrpoflowUserError(Exception):
 
 class UsageError(GrpoflowUserError, ValueError):
     """Bad input from the user (a flag, an output path, a model reference) that no narrower class names."""
+
+
+class MissingPathError(GrpoflowUserError, FileNotFoundError):
+    """A path the user named (a checkpoint, a dataset, a work dir, a manifest) is not there or not what was expected;
+    the message names the path and what it should have been. Still a `FileNotFoundError` for callers that catch that."""
 
 
 class ServiceUnavailable(GrpoflowUserError):

@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from data.errors import DataError
+from data.errors import DataError, MissingPathError
 
 MANIFEST = "manifest.json"
 _REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -120,7 +120,7 @@ def write_jsonl_atomic(path: str | os.PathLike, rows) -> None:
 def read_manifest(directory: str | os.PathLike) -> dict:
     path = Path(directory) / MANIFEST
     if not path.is_file():
-        raise FileNotFoundError(f"no {MANIFEST} in {directory}: not a complete grpoflow output")
+        raise MissingPathError(f"no {MANIFEST} in {directory}: not a complete grpoflow output")
     return json.loads(path.read_text())
 
 

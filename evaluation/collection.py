@@ -33,6 +33,7 @@ from collections import Counter
 from importlib.metadata import version
 from pathlib import Path
 
+from data.errors import MissingPathError
 from data.manifest import (
     MANIFEST,
     atomic_dir,
@@ -164,12 +165,12 @@ def check_local_paths(local_paths: dict[str, str]) -> dict[str, str]:
     paths = {}
     for bench in R1_DISTILL_MATH_TEST:
         if bench not in local_paths:
-            raise FileNotFoundError(f"no local path for benchmark {bench!r}: R1-Distill-Math-Test needs a "
+            raise MissingPathError(f"no local path for benchmark {bench!r}: R1-Distill-Math-Test needs a "
                                     f"directory for each of {list(R1_DISTILL_MATH_TEST)}")
         path = Path(local_paths[bench]).expanduser().resolve()
         if not path.is_dir():
             what = "is a file, not a directory" if path.exists() else "not found"
-            raise FileNotFoundError(f"local path for benchmark {bench!r} {what}: {path}")
+            raise MissingPathError(f"local path for benchmark {bench!r} {what}: {path}")
         paths[bench] = str(path)
     return paths
 

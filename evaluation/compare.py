@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from data.errors import MissingPathError
 from evaluation.eval_settings import setting_differences
 from evaluation.evalscope_reports import review_score
 
@@ -82,7 +83,7 @@ def load_samples(work_dir: str | os.PathLike) -> Samples:
     work_dir = Path(work_dir)
     report_file = work_dir / "report.json"
     if not report_file.is_file():
-        raise FileNotFoundError(f"no report.json in {work_dir}: not a finished evaluation")
+        raise MissingPathError(f"no report.json in {work_dir}: not a finished evaluation")
     report = json.loads(report_file.read_text())
     samples: Samples = {}
     for bench, paths in report["review_paths"].items():

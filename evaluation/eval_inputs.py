@@ -17,7 +17,7 @@ from importlib.metadata import version
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from data.errors import GrpoflowUserError
+from data.errors import GrpoflowUserError, MissingPathError
 from data.redact import mask_uri
 from evaluation.evalscope_child import OFFLINE_ENV, WORKER
 
@@ -41,7 +41,7 @@ def check_model_and_paths(model, benchmarks, local_paths: dict, api_url, api_key
     if api_url is None and model is not None:
         path = Path(model).expanduser().resolve()
         if not path.exists():
-            raise FileNotFoundError(f"model checkpoint directory not found: {path} (pass a save_pretrained "
+            raise MissingPathError(f"model checkpoint directory not found: {path} (pass a save_pretrained "
                                     "directory, or api_url=... to evaluate a served model)")
         if not (path / "config.json").is_file():
             raise EvalInputError(f"model {path} is not a save_pretrained checkpoint directory: "
@@ -60,7 +60,7 @@ def check_model_and_paths(model, benchmarks, local_paths: dict, api_url, api_key
             raise EvalInputError(f"local_paths names benchmark {bench!r}, which is not among {benchmarks}")
         path = Path(raw).expanduser().resolve()
         if not path.exists():
-            raise FileNotFoundError(f"local_path for benchmark {bench!r} not found: {path}")
+            raise MissingPathError(f"local_path for benchmark {bench!r} not found: {path}")
         if not path.is_dir():
             raise EvalInputError(f"local_path for benchmark {bench!r} must be a directory holding its "
                                  f"data file (e.g. test.jsonl), got the file {path}")

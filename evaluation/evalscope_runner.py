@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
-from data.errors import ServiceUnavailable
+from data.errors import MissingPathError, ServiceUnavailable
 from data.manifest import write_json_atomic
 from data.progress import progress_enabled
 from data.redact import mask_uri, strip_credentials
@@ -212,7 +212,7 @@ def load_result(work_dir: str | os.PathLike) -> EvalResult:
     work_dir = Path(work_dir).resolve()
     path = work_dir / REPORT
     if not path.is_file():
-        raise FileNotFoundError(f"no {REPORT} in {work_dir}: not a finished evaluation")
+        raise MissingPathError(f"no {REPORT} in {work_dir}: not a finished evaluation")
     data = json.loads(path.read_text())
     return EvalResult(
         scores=data["scores"], subsets=data["subsets"], num_samples=data["num_samples"],

@@ -56,6 +56,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from data.errors import MissingPathError
 from data.manifest import write_jsonl_atomic
 from data.progress import progress_enabled
 from evaluation.thinking_inputs import Sample, default_out, read_samples
@@ -132,7 +133,7 @@ def load_tokenizer(name_or_path: str) -> CountTokens:
     try:
         return token_counter(AutoTokenizer.from_pretrained(name_or_path))
     except OSError as e:  # transformers' "can't load tokenizer": a bad path or an unreachable hub id
-        raise FileNotFoundError(f"tokenizer {name_or_path!r} could not be loaded: {e}") from None
+        raise MissingPathError(f"tokenizer {name_or_path!r} could not be loaded: {e}") from None
 
 
 def grade(text: str, golds: Sequence[str]) -> bool | None:

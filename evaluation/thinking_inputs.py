@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from data.errors import DataError
+from data.errors import DataError, MissingPathError
 from evaluation.evalscope_reports import review_score
 from evaluation.evalscope_runner import REPORT, load_result
 
@@ -43,7 +43,7 @@ def read_samples(path: str | os.PathLike) -> list[Sample]:
     """The samples of an EvalScope work dir (a directory) or of a JSONL file (anything else)."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"no such EvalScope work dir or JSONL file: {path}")
+        raise MissingPathError(f"no such EvalScope work dir or JSONL file: {path}")
     return list(_work_dir_samples(path) if path.is_dir() else _jsonl_samples(path))
 
 
@@ -56,7 +56,7 @@ def default_out(path: str | os.PathLike) -> Path:
 
 def _work_dir_samples(work_dir: Path) -> Iterator[Sample]:
     if not (work_dir / REPORT).is_file():
-        raise FileNotFoundError(f"{work_dir} is a directory without {REPORT}: not a finished grpoflow EvalScope "
+        raise MissingPathError(f"{work_dir} is a directory without {REPORT}: not a finished grpoflow EvalScope "
                                 "work dir (pass the work dir of `grpoflow eval`, or a JSONL file)")
     for bench, paths in load_result(work_dir).review_paths.items():
         for path in paths:

@@ -23,7 +23,7 @@ from pathlib import Path
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
-from data.errors import GrpoflowUserError, ServiceUnavailable, UsageError
+from data.errors import GrpoflowUserError, MissingPathError, ServiceUnavailable, UsageError
 from data.manifest import write_json_atomic
 from evaluation import made_with, settings_hash
 from evaluation.compare import (
@@ -108,7 +108,7 @@ def evaluated_side(ref: str, client: MlflowClient, experiment_id: str, recipe: R
         if (work_dir / "report.json").is_file():  # evaluated before, by an earlier comparison
             return Side(ref, str(work_dir), list(settings.benchmarks))
     else:
-        raise FileNotFoundError(f"{ref!r}: expected models:/name@alias, models:/name/<version>, a checkpoint "
+        raise MissingPathError(f"{ref!r}: expected models:/name@alias, models:/name/<version>, a checkpoint "
                                 "directory, or a finished evaluation (a work dir with report.json, or the file)")
     model = resolve_model(ref, client, Path(services["state_dir"]) / "models-cache")
     run_id = _evaluate(model, work_dir, client, experiment_id, settings)
