@@ -1129,7 +1129,8 @@ def test_eval_and_compare_write_under_the_state_dir_never_the_working_directory(
 KEY_VAR, KEY = "GRPOFLOW_TEST_SERVER_KEY", "sk-test-9f2c61d0a7e84b35"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 # a big request: 32 sampled completions of up to 1000 tokens (at temperature 2 a tiny model rarely says EOS)
-BIG = {"prompt": "1+1", "n": 32, "max_tokens": 1000, "temperature": 2.0, "seed": 1}
+# ignore_eos: the model's EOS cannot end it early (on a fast CPU 64 completions that all stopped early took < 2 s)
+BIG = {"prompt": "1+1", "n": 32, "max_tokens": 1000, "temperature": 2.0, "seed": 1, "ignore_eos": True}
 
 
 def grpoflow_serve(*args: str, env: dict | None = None, **kwargs) -> subprocess.Popen:

@@ -11,7 +11,8 @@ Parsing, tokenizing and cutting at stop strings run in worker threads, never on 
 `/health` answers while a big body is being handled.
 
 Honoured request fields: `messages` / `prompt`, `max_tokens` (or `max_completion_tokens`), `temperature`
-(0 is greedy), `top_p`, `n`, `seed`, `stop`. Other OpenAI fields are accepted and ignored, except
+(0 is greedy), `top_p`, `n`, `seed`, `stop`, and vLLM's `ignore_eos` (decode `max_tokens` tokens even past EOS:
+for load tests and benchmarks). Other OpenAI fields are accepted and ignored, except
 `stream: true`, which is refused (use the vLLM engine for streaming). A seeded sampled request runs in a
 batch of its own, so its seed alone decides its tokens.
 """
@@ -53,6 +54,7 @@ class _Sampled(BaseModel):
     seed: int | None = Field(None, ge=_SEED_RANGE[0], le=_SEED_RANGE[1])
     stop: str | list[str] | None = None
     stream: bool | None = False
+    ignore_eos: bool = False
 
 
 class ChatRequest(_Sampled):
@@ -217,7 +219,8 @@ class _Parser:
         if temperature < _GREEDY_BELOW:
             temperature = 0.0
         return SamplingParams(max_tokens=asked, temperature=temperature,
-                              top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed)
+                              top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
+                              ignore_eos=req.ignore_eos)
 
 
 def _response(prepared: _Prepared, groups: list[list[Completion]], tokenizer, model_name: str, rid: str) -> bytes:

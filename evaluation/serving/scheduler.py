@@ -47,10 +47,10 @@ class Job:
         """Jobs with equal keys can share one batched generation."""
         s = self.sampling
         if s.temperature <= 0:  # greedy: top_p and seed change nothing
-            return (self.n, s.max_tokens, 0.0)
+            return (self.n, s.max_tokens, 0.0, s.ignore_eos)
         if s.seed is not None:  # a shared generator would make its tokens depend on its batch-mates
             return ("seeded", next(_unique))
-        return (self.n, s.max_tokens, s.temperature, s.top_p)
+        return (self.n, s.max_tokens, s.temperature, s.top_p, s.ignore_eos)
 
 
 @dataclass(eq=False)

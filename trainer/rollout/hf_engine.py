@@ -157,7 +157,7 @@ class Decoding:
             tok = torch.where(done, engine.pad_id, tok)
             self.tokens_out[:, t] = tok
             self.logps_out[:, t] = torch.where(done, 0.0, logp)
-            hit = ~done & torch.isin(tok, self.eos)
+            hit = ~done & torch.isin(tok, self.eos) if not sampling.ignore_eos else torch.zeros_like(done)
             self.lengths = torch.where(hit, t + 1, self.lengths)
             done |= hit
             self.t = t + 1
@@ -188,7 +188,8 @@ class Decoding:
                 row = p * self.n + j
                 k = int(lengths_cpu[row])
                 ids_row = tokens_cpu[row, :k].tolist()
-                reason = "stop" if ids_row and ids_row[-1] in eos_set else "length"
+                stopped = ids_row and ids_row[-1] in eos_set and not self.sampling.ignore_eos
+                reason = "stop" if stopped else "length"
                 text = engine.tokenizer.decode(ids_row, skip_special_tokens=True)
                 group.append(Completion(ids_row, logps_cpu[row, :k].tolist(), reason, engine.version, text))
             results.append(group)

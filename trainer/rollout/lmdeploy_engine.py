@@ -107,7 +107,7 @@ class LMDeployEngine:
         cfg = {"n": 1, "max_new_tokens": sampling.max_tokens, "do_sample": not greedy, "top_k": 0,
                "top_p": 1.0 if greedy else sampling.top_p, "temperature": 1.0 if greedy else sampling.temperature,
                "random_seed": seed, "logprobs": 1, "include_stop_str_in_output": True,
-               "skip_special_tokens": True}
+               "skip_special_tokens": True, "ignore_eos": sampling.ignore_eos}
         return self._gen_cls(**{k: v for k, v in cfg.items() if k in self._gen_fields})
 
     def _exact_logprobs(self, sampling: SamplingParams) -> bool:
