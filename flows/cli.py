@@ -148,7 +148,7 @@ def cmd_eval(args) -> dict:
 
     result = evaluate_reference(args.model, recipe, services, source=_source(args), serve=args.serve,
                                 served_model_name=args.served_model_name, api_key_env=args.api_key_env,
-                                concurrency=args.concurrency)
+                                concurrency=args.concurrency, serve_engine=args.serve_engine)
     for bench, score in result["scores"].items():
         _say(args, f"{bench}: {score:.4f}")
     return result
@@ -258,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key-env", help="environment variable holding the endpoint's API key")
     p.add_argument("--serve", action="store_true",
                    help="serve the checkpoint on loopback (vLLM on a GPU, else transformers) and evaluate through it")
+    p.add_argument("--serve-engine", choices=("auto", "transformers", "vllm"), default="auto",
+                   help="the engine --serve starts (default auto: vLLM when installed and a GPU is seen)")
     p.add_argument("--concurrency", type=number(int, ge=1), default=8,
                    help="requests in flight against an endpoint (--serve or a URL; default 8)")
     p.add_argument("--state-dir", help="where the embedded stores live (default .state, or $GRPOFLOW_STATE)")
@@ -357,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 datefmt="%H:%M:%S"))
     try:
         result = args.func(args)
-    except (GrpoflowUserError, FileNotFoundError) as e:  # ConfigError, DataError, UsageError, ServiceUnavailable...
+    except GrpoflowUserError as e:  # ConfigError, DataError, UsageError, MissingPathError, ServiceUnavailable...
         return _fail(args, f"grpoflow {args.command}: error: {e}", 2)
     except KeyboardInterrupt:
         return _fail(args, f"grpoflow {args.command}: error: interrupted", 130)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from mlflow import MlflowClient
 
-from data.errors import UsageError
+from data.errors import MissingPathError, UsageError
 from data.manifest import MANIFEST, read_manifest
 from data.redact import mask_uri, redact
 from tasks import tracking
@@ -79,7 +79,7 @@ def resolve_model(ref: str, client: MlflowClient | None, cache_dir: Path) -> Mod
         return ModelRef(ref, local_path=str(target), model_name=name, model_version=str(mv.version))
     path = Path(ref).expanduser()
     if not path.is_dir():
-        raise FileNotFoundError(f"model {mask_uri(ref)!r}: not a checkpoint directory, a models:/ URI or an http(s) URL")
+        raise MissingPathError(f"model {mask_uri(ref)!r}: not a checkpoint directory, a models:/ URI or an http(s) URL")
     verify_if_ours(str(path))
     return ModelRef(ref, local_path=str(path.resolve()))
 
@@ -125,7 +125,7 @@ def heldout_accuracy(model_path: str, data_dir: str | Path, recipe) -> float | N
 
 def evaluate_reference(model: str, recipe: Recipe, services: Services, *, source: str, serve: bool = False,
                        served_model_name: str | None = None, api_key_env: str | None = None,
-                       concurrency: int = 8) -> dict:
+                       concurrency: int = 8, serve_engine: str = "auto") -> dict:
     """`grpoflow eval`: evaluate `model` (a reference, see `resolve_model`) with the recipe's eval settings,
     through a local endpoint when `serve`, and record it in MLflow; returns the command's summary.
 
@@ -138,7 +138,7 @@ def evaluate_reference(model: str, recipe: Recipe, services: Services, *, source
     client = tracking.client_for(services.tracking_uri, services.registry_uri)
     ref = resolve_model(model, client, services.state_dir / "models-cache")
     name = ref.model_name and f"{ref.model_name}-v{ref.model_version}" or Path(ref.local_path or "endpoint").name
-    with _served(ref, model, name, serve, served_model_name, concurrency) as served:
+    with _served(ref, model, name, serve, served_model_name, concurrency, serve_engine) as served:
         api_url = served.url if served else ref.api_url
         result = evaluate(served.model_name if served else ref.local_path or served_model_name or "default",
                           recipe.eval, work_dir=Path(recipe.eval.out).resolve() / (f"{name}-served" if served else name),
@@ -156,7 +156,8 @@ def evaluate_reference(model: str, recipe: Recipe, services: Services, *, source
             "served_by": served.engine if served else None}
 
 
-def _served(ref: ModelRef, model: str, name: str, serve: bool, served_model_name: str | None, concurrency: int):
+def _served(ref: ModelRef, model: str, name: str, serve: bool, served_model_name: str | None, concurrency: int,
+            engine: str = "auto"):
     """`eval --serve`: a context serving the local checkpoint on loopback (None without --serve)."""
     if concurrency < 1:
         raise UsageError(f"--concurrency must be >= 1, got {concurrency}")
@@ -166,4 +167,6 @@ def _served(ref: ModelRef, model: str, name: str, serve: bool, served_model_name
         raise UsageError(f"--serve needs a checkpoint directory or a models:/ reference, not the endpoint {model}")
     from evaluation.serving import served_model
 
-    return served_model(ref.local_path, served_model_name=served_model_name or name, max_batch_size=concurrency)
+    # vLLM's server starts in minutes on a CPU (three processes, each importing vLLM), seconds for transformers
+    return served_model(ref.local_path, served_model_name=served_model_name or name, max_batch_size=concurrency,
+                        engine=engine, startup_timeout_s=600 if engine == "vllm" else 120)

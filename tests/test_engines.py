@@ -54,6 +54,19 @@ def test_transformers_engine_wraps_the_given_model(tiny_lm):
     assert [len(c.token_ids) for c in groups[0]] == [len(c.logprobs) for c in groups[0]]
 
 
+def test_ignore_eos_decodes_max_tokens_past_every_eos(tiny_lm):
+    """Every token id is an EOS here: a normal request stops after one token, an ignore_eos one runs to max_tokens."""
+    model, tokenizer = tiny_lm
+    engine = HFEngine(model, tokenizer, eos_token_ids=range(len(tokenizer)))
+    prompt = tokenizer("3 + 4 =", add_special_tokens=False)["input_ids"]
+    stopped = engine.generate([prompt], 3, SamplingParams(max_tokens=7, temperature=1.0, seed=2))[0]
+    assert [(len(c.token_ids), c.finish_reason) for c in stopped] == [(1, "stop")] * 3
+    params = SamplingParams(max_tokens=7, temperature=1.0, seed=2, ignore_eos=True)
+    full = engine.generate([prompt], 3, params)[0]
+    assert [(len(c.token_ids), len(c.logprobs), c.finish_reason) for c in full] == [(7, 7, "length")] * 3
+    assert [c.token_ids[0] for c in full] == [c.token_ids[0] for c in stopped]  # same seed, same first token
+
+
 def test_transformers_engine_loads_from_a_checkpoint(tiny_lm, tmp_path):
     model, tokenizer = tiny_lm
     model.save_pretrained(tmp_path)
@@ -111,7 +124,7 @@ def test_bad_engine_choices_are_refused(tmp_path):
 
 
 def test_vllm_server_engine_names_an_unreachable_server():
-    from trainer.rollout.vllm_engine import VLLMServerEngine, VLLMServerError
+    from trainer.rollout.vllm_server import VLLMServerEngine, VLLMServerError
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -123,7 +136,7 @@ def test_vllm_server_engine_names_an_unreachable_server():
 def test_server_completions_are_grouped_by_prompt_from_an_openai_body():
     """Our parser on a hand-written body in the OpenAI /v1/completions format that vLLM answers with
     (choices prompt-major by `index`); it says nothing about a live server."""
-    from trainer.rollout.vllm_engine import VLLMServerError, completions_from_response
+    from trainer.rollout.vllm_server import VLLMServerError, completions_from_response
 
     def choice(index, ids, logps, reason, with_ids=True):
         c = {"index": index, "text": f"t{index}", "finish_reason": reason,

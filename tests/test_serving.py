@@ -194,52 +194,6 @@ def test_serve_model_cli_prints_its_url_and_stops_cleanly_on_sigint(tiny_base):
         assert stop_cleanly(proc, signal.SIGINT) == {**ready, "batches": 0, "requests": 0}
 
 
-FAKE_VLLM = '''
-import argparse, json, os, signal, sys, threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
-p = argparse.ArgumentParser()
-for flag in ("--model", "--host", "--served-model-name"):
-    p.add_argument(flag, required=True)
-p.add_argument("--port", type=int, required=True)
-p.add_argument("--max-num-seqs", type=int, required=True)
-a = p.parse_args()
-with open(os.environ["FAKE_VLLM_RECORD"], "w") as f:
-    json.dump({"argv": sys.argv[1:], "pid": os.getpid()}, f)
-class Handler(BaseHTTPRequestHandler):
-    def do_GET(self):
-        body = b"" if self.path == "/health" else json.dumps({"data": [{"id": a.served_model_name}]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-    def log_message(self, *args):
-        pass
-server = HTTPServer((a.host, a.port), Handler)
-signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
-server.serve_forever()
-'''
-
-
-def test_vllm_adapter_command_and_signals_with_a_fake_vllm_since_vllm_cannot_run_here(tiny_base, tmp_path):
-    """A fake `vllm.entrypoints.openai.api_server` stands in for vLLM (GPU-only, not installed here): it
-    checks the flags we pass, answers /health and /v1/models, and exits on SIGTERM."""
-    package = tmp_path / "fake" / "vllm" / "entrypoints" / "openai"
-    package.mkdir(parents=True)
-    for folder in (package, package.parent, package.parent.parent):
-        (folder / "__init__.py").write_text("")
-    (package / "api_server.py").write_text(FAKE_VLLM)
-    record = tmp_path / "vllm-args.json"
-    env = {**os.environ, "PYTHONPATH": str(tmp_path / "fake"), "FAKE_VLLM_RECORD": str(record)}
-    with serve_cli(tiny_base["path"], "--engine", "vllm", "--max-batch-size", "4", env=env) as (proc, ready):
-        assert ready["engine"] == "vllm" and ready["model"] == "tiny-base"
-        assert get_json(ready["url"] + "/models")["data"][0]["id"] == "tiny-base"
-        argv = json.loads(record.read_text())["argv"]
-        port = ready["url"].rsplit(":", 1)[1].removesuffix("/v1")
-        assert argv == ["--model", str(tiny_base["path"]), "--host", "127.0.0.1", "--port", port,
-                        "--served-model-name", "tiny-base", "--max-num-seqs", "4"]
-        assert stop_cleanly(proc, signal.SIGTERM)["exit_code"] == 0
-
-
 def test_eval_serve_scores_through_the_endpoint_like_a_direct_run(tiny_base, tmp_path):
     common = ["eval.limit=1", "eval.max_tokens=16", "eval.benchmarks=[aime24]",
               f"eval.local_paths={{aime24: {shared('aime24')}}}", f"eval.out={tmp_path / 'eval'}",

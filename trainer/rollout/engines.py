@@ -10,14 +10,23 @@ from trainer.recipe import RolloutConfig
 from trainer.rollout.base import RolloutEngine
 
 
+def vllm_settings(cfg: RolloutConfig, max_model_len: int | None = None) -> dict:
+    """The recipe's settings of an in-process vLLM engine (`VLLMEngine` keyword arguments)."""
+    return dict(tensor_parallel_size=cfg.tensor_parallel_size, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                enable_sleep_mode=cfg.colocate, enforce_eager=cfg.enforce_eager,
+                max_model_len=cfg.max_model_len or max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens)
+
+
 def make_engine(cfg: RolloutConfig, model_path: str, *, model=None, tokenizer=None, device: str = "cpu",
-                dtype: str = "auto", seed: int = 0, lmdeploy_backend: str = "pytorch") -> RolloutEngine:
+                dtype: str = "auto", seed: int = 0, lmdeploy_backend: str = "pytorch",
+                max_model_len: int | None = None) -> RolloutEngine:
     """The engine `cfg.engine` names, built for `model_path`.
 
     transformers: wraps `model` and `tokenizer` when given (the trainer's own copy: generation then always
     sees the current weights), else loads both from `model_path` onto `device`.
-    vllm: an in-process `vllm.LLM` (sleep mode on when `cfg.colocate`), or a client of the running server
-    at `cfg.server_url`. lmdeploy: an in-process pipeline; `lmdeploy_backend` "pytorch" is the one whose
+    vllm: an in-process `vllm.LLM` with the recipe's engine settings (sleep mode on when `cfg.colocate` and the
+    platform can sleep; `max_model_len` when the recipe sets none), or a client of the running server at
+    `cfg.server_url`. lmdeploy: an in-process pipeline; `lmdeploy_backend` "pytorch" is the one whose
     weights can be updated in place.
     """
     if cfg.engine == "transformers":
@@ -32,14 +41,13 @@ def make_engine(cfg: RolloutConfig, model_path: str, *, model=None, tokenizer=No
         return HFEngine(model, tokenizer)
     if cfg.engine == "vllm":
         if cfg.server_url:
-            from trainer.rollout.vllm_engine import VLLMServerEngine
+            from trainer.rollout.vllm_server import VLLMServerEngine
 
-            return VLLMServerEngine(cfg.server_url, timeout_s=cfg.sync_timeout_s)
+            return VLLMServerEngine(cfg.server_url, timeout_s=cfg.sync_timeout_s, weight_sync=cfg.weight_sync,
+                                    weights_dir=cfg.weights_dir)
         from trainer.rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_path, tensor_parallel_size=cfg.tensor_parallel_size,
-                          gpu_memory_utilization=cfg.gpu_memory_utilization, enable_sleep_mode=cfg.colocate,
-                          dtype=dtype, seed=seed)
+        return VLLMEngine(model_path, dtype=dtype, seed=seed, **vllm_settings(cfg, max_model_len))
     if cfg.engine == "lmdeploy":
         if cfg.server_url:
             raise ValueError("rollout.server_url is supported for engine: vllm only; LMDeploy runs in-process here")

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.multiprocessing as mp
 
+from trainer.recipe import RolloutConfig
 from trainer.rollout.base import SamplingParams
 
 
@@ -40,6 +41,9 @@ class WorkerSpec:
     threads: int
     timeout_s: float
     version: int = 0  # the policy version of the weights it loads (a resumed run's step)
+    rollout: RolloutConfig | None = None  # which engine to build, and its settings (None: transformers)
+    max_model_len: int | None = None
+    seed: int = 0
 
 
 def free_port() -> int:
@@ -49,9 +53,13 @@ def free_port() -> int:
 
 
 def _worker_main(spec: WorkerSpec, commands, results) -> None:
-    """A rollout worker: load the policy, then serve 'sync' / 'generate' / 'weights' / 'stop' commands."""
+    """A rollout worker: load the policy, then serve 'sync' / 'generate' / 'weights' / 'stop' commands.
+
+    The transformers engine generates with the very module the weights are received into. vLLM and LMDeploy
+    hold their own copy: the received weights are handed to the engine's own update path."""
     from trainer.model_loading import load_model
     from trainer.recipe import ModelConfig
+    from trainer.rollout.engines import make_engine
     from trainer.rollout.hf_engine import HFEngine
     from trainer.rollout.weight_sync import SyncGroup, receive_weights, sync_order
 
@@ -62,7 +70,10 @@ def _worker_main(spec: WorkerSpec, commands, results) -> None:
         # the trainer verified this checkpoint before it started the workers
         model, tokenizer = load_model(spec.model_path, ModelConfig(dtype=spec.dtype), spec.device, verify=False)
         model.eval()
-        engine = HFEngine(model, tokenizer)
+        rollout = spec.rollout or RolloutConfig()
+        engine = make_engine(rollout, spec.model_path, model=model, tokenizer=tokenizer, device=spec.device,
+                             dtype=spec.dtype, seed=spec.seed, max_model_len=spec.max_model_len)
+        shares_weights = isinstance(engine, HFEngine)
         engine.version = spec.version
         results.put(("ready", spec.rank, None))
         parent = os.getppid()
@@ -78,7 +89,10 @@ def _worker_main(spec: WorkerSpec, commands, results) -> None:
             if kind == "sync":
                 started = time.perf_counter()
                 receive_weights(sync_order(model), group)
-                engine.version = payload
+                if shares_weights:
+                    engine.version = payload
+                else:  # every checkpoint tensor, tied ones under each name (the engine's lm_head is its own copy)
+                    engine.update_weights(model.state_dict().items(), payload)
                 results.put(("synced", spec.rank, time.perf_counter() - started))
             elif kind == "generate":
                 step, prompts, n, sampling = payload
@@ -95,7 +109,8 @@ class RemoteRollout:
     """Trainer-side handle on N rollout worker processes (ranks 1..N of the sync group)."""
 
     def __init__(self, model_path: str, dtype: str = "float32", devices: list[str] | None = None,
-                 num_engines: int = 1, timeout_s: float = 600.0, threads_per_worker: int = 1, version: int = 0):
+                 num_engines: int = 1, timeout_s: float = 600.0, threads_per_worker: int = 1, version: int = 0,
+                 rollout: RolloutConfig | None = None, max_model_len: int | None = None, seed: int = 0):
         from trainer.rollout.weight_sync import SyncGroup
 
         self.timeout_s = timeout_s
@@ -107,7 +122,8 @@ class RemoteRollout:
         self.commands, self.procs = [], []
         for rank, device in enumerate(devices, start=1):
             q = ctx.Queue()
-            spec = WorkerSpec(rank, world, port, model_path, dtype, device, threads_per_worker, timeout_s, version)
+            spec = WorkerSpec(rank, world, port, model_path, dtype, device, threads_per_worker, timeout_s, version,
+                              rollout, max_model_len, seed)
             p = ctx.Process(target=_worker_main, args=(spec, q, self.results), name=f"rollout-worker-{rank}",
                             daemon=True)
             p.start()

