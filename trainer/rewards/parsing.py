@@ -13,10 +13,8 @@ from collections.abc import Mapping, Sequence
 
 def completion_text(completion: object) -> str:
     """The text of one completion, given as a string or as a TRL conversational list of messages."""
-    if completion is None:
-        return ""
-    if isinstance(completion, str):
-        return completion
+    if (text := _plain_text(completion)) is not None:
+        return text
     if isinstance(completion, Mapping):
         return _content_text(completion.get("content"))
     if isinstance(completion, Sequence):
@@ -26,12 +24,17 @@ def completion_text(completion: object) -> str:
     )
 
 
+def _plain_text(value: object) -> str | None:
+    """The empty string for None, a string as it is; None for anything that still has to be taken apart."""
+    if value is None:
+        return ""
+    return value if isinstance(value, str) else None
+
+
 def _content_text(content: object) -> str:
     # Message content is a string, or (multimodal chat templates) a list of typed parts of which only text counts.
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
+    if (text := _plain_text(content)) is not None:
+        return text
     if isinstance(content, Sequence):
         return "".join(
             part.get("text") or "" for part in content if isinstance(part, Mapping) and part.get("type") == "text"
