@@ -52,8 +52,10 @@ test: $(STAMP) $(VLLM_STAMP)
 test-vllm: $(VLLM_STAMP)
 	GRPOFLOW_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m "not bench" tests/test_vllm.py $(ARGS)
 
-bench: $(STAMP)
-	$(PY) -m pytest -m bench tests/benchmarks -s $(ARGS)
+# the engine axis (transformers vs vLLM rollouts) runs in the vLLM venv
+bench: $(STAMP) $(VLLM_STAMP)
+	$(PY) -m pytest -m bench tests/benchmarks -s --ignore=tests/benchmarks/test_bench_engines.py $(ARGS)
+	GRPOFLOW_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m bench tests/benchmarks/test_bench_engines.py -s $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

