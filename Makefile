@@ -44,9 +44,10 @@ install-vllm: $(VLLM_STAMP)
 run: $(STAMP)
 	$(VENV)/bin/grpoflow run --config $(CONFIG) $(ARGS)
 
+# both suites run whatever the first one gives, so one CI log shows every failure
 test: $(STAMP) $(VLLM_STAMP)
-	$(PY) -m pytest -m "not bench" tests --ignore=tests/test_vllm.py $(ARGS)
-	$(MAKE) test-vllm
+	@status=0; $(PY) -m pytest -m "not bench" tests --ignore=tests/test_vllm.py $(ARGS) || status=$$?; \
+	$(MAKE) test-vllm || status=$$?; exit $$status
 
 # the real vLLM (CPU build) tests, in the vLLM venv
 test-vllm: $(VLLM_STAMP)

@@ -81,8 +81,9 @@ def _sleep_available(platform) -> bool:
 
 @contextlib.contextmanager
 def _rng_kept():
-    """Building an `LLM` reseeds the process' global RNGs (torch, random, numpy): the trainer's own draws
-    (dropout, a resumed run's restored RNG state) must not depend on whether an engine was built."""
+    """Building an `LLM` reseeds the process' global RNGs (torch, random, numpy), and importing vLLM's modules
+    draws from them: the trainer's own draws (dropout, a resumed run's restored RNG state) must not depend on
+    whether an engine was built. Used as a decorator, it restores them after every call."""
     import random
 
     import numpy as np
@@ -140,6 +141,7 @@ class VLLMEngine:
     logprobs_mode="processed_logprobs" (older than 0.10.2) or with no known in-place weight-loading path.
     """
 
+    @_rng_kept()  # importing vLLM draws from the global RNGs and building an LLM reseeds them
     def __init__(self, model_path: str, *, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9,
                  enable_sleep_mode: bool = False, dtype: str = "auto", seed: int = 0, in_process: bool = True,
                  enforce_eager: bool = False, max_model_len: int | None = None,
@@ -179,8 +181,7 @@ class VLLMEngine:
                 kwargs["max_num_batched_tokens"] = max(max_num_batched_tokens or 0, max_model_len)
         self.settings = {k: v for k, v in kwargs.items() if k != "model"}
         try:
-            with _rng_kept():
-                self.llm = vllm.LLM(**kwargs)
+            self.llm = vllm.LLM(**kwargs)
         except (TypeError, ValueError) as e:
             if "logprobs_mode" in str(e) or "processed_logprobs" in str(e):
                 raise RuntimeError(
