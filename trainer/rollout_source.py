@@ -24,7 +24,7 @@ import torch
 from trainer.prompts import encode_prompts
 from trainer.recipe import RolloutConfig, TrainConfig
 from trainer.rollout.base import SamplingParams
-from trainer.rollout.hf_engine import HFEngine
+from trainer.rollout.engines import load_policy, shares_weights
 from trainer.rollout.remote import RemoteRollout, cpu_threads_per_side
 from trainer.rollout_batch import RolloutBatch
 
@@ -96,7 +96,7 @@ class LocalEngine:
     def __init__(self, engine, rollout: RolloutConfig, version: int):
         self.engine, self.rollout = engine, rollout
         self.version = version  # the policy version the engine's own weights hold
-        self.shares_weights = isinstance(engine, HFEngine)
+        self.shares_weights = shares_weights(engine)
 
     @contextlib.contextmanager
     def holding(self, model, version: int):
@@ -109,8 +109,7 @@ class LocalEngine:
         if colocate:
             self.engine.wake_up(["weights"])
         if self.version != version:
-            # every checkpoint tensor, tied ones under each name: the engine's lm_head is a copy of its own
-            self.engine.update_weights(model.state_dict().items(), version)
+            load_policy(self.engine, model, version)
             self.version = version
         if colocate:
             self.engine.wake_up(["kv_cache"])

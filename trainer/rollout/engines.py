@@ -17,6 +17,26 @@ def vllm_settings(cfg: RolloutConfig, max_model_len: int | None = None) -> dict:
                 max_model_len=cfg.max_model_len or max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens)
 
 
+def shares_weights(engine: RolloutEngine) -> bool:
+    """True for the transformers engine: it generates with the module the weights live in, so it always samples
+    them. vLLM and LMDeploy hold their own copy, which `load_policy` refreshes."""
+    from trainer.rollout.hf_engine import HFEngine
+
+    return isinstance(engine, HFEngine)
+
+
+def load_policy(engine: RolloutEngine, model, version: int) -> None:
+    """Make `engine` sample policy `version`, the weights `model` holds now.
+
+    An engine with its own copy gets every checkpoint tensor, tied ones under each name (`state_dict()`, not
+    `named_parameters()`): vLLM keeps a separate copy of a tied `lm_head`, which a sync without
+    `lm_head.weight` leaves on the old weights."""
+    if shares_weights(engine):
+        engine.version = version
+    else:
+        engine.update_weights(model.state_dict().items(), version)
+
+
 def make_engine(cfg: RolloutConfig, model_path: str, *, model=None, tokenizer=None, device: str = "cpu",
                 dtype: str = "auto", seed: int = 0, lmdeploy_backend: str = "pytorch",
                 max_model_len: int | None = None) -> RolloutEngine:

@@ -59,8 +59,7 @@ def _worker_main(spec: WorkerSpec, commands, results) -> None:
     hold their own copy: the received weights are handed to the engine's own update path."""
     from trainer.model_loading import load_model
     from trainer.recipe import ModelConfig
-    from trainer.rollout.engines import make_engine
-    from trainer.rollout.hf_engine import HFEngine
+    from trainer.rollout.engines import load_policy, make_engine
     from trainer.rollout.weight_sync import SyncGroup, receive_weights, sync_order
 
     torch.set_num_threads(spec.threads)
@@ -73,7 +72,6 @@ def _worker_main(spec: WorkerSpec, commands, results) -> None:
         rollout = spec.rollout or RolloutConfig()
         engine = make_engine(rollout, spec.model_path, model=model, tokenizer=tokenizer, device=spec.device,
                              dtype=spec.dtype, seed=spec.seed, max_model_len=spec.max_model_len)
-        shares_weights = isinstance(engine, HFEngine)
         engine.version = spec.version
         results.put(("ready", spec.rank, None))
         parent = os.getppid()
@@ -89,10 +87,7 @@ def _worker_main(spec: WorkerSpec, commands, results) -> None:
             if kind == "sync":
                 started = time.perf_counter()
                 receive_weights(sync_order(model), group)
-                if shares_weights:
-                    engine.version = payload
-                else:  # every checkpoint tensor, tied ones under each name (the engine's lm_head is its own copy)
-                    engine.update_weights(model.state_dict().items(), payload)
+                load_policy(engine, model, payload)
                 results.put(("synced", spec.rank, time.perf_counter() - started))
             elif kind == "generate":
                 step, prompts, n, sampling = payload
