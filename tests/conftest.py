@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,6 +24,17 @@ def shared(*parts: str) -> Path:
     if not path.exists():
         pytest.skip(f"reference data not found: {path} (tests read ../shared/data next to the repo)")
     return path
+
+
+def require_vllm(how_to_run: str) -> None:
+    """Skip the calling module when this Python has no vLLM, unless GRPOFLOW_REQUIRE_VLLM=1 (set by `make
+    test-vllm` and `make bench`): there a missing vLLM is an error, never a skip."""
+    if importlib.util.find_spec("vllm") is not None:
+        return
+    if os.environ.get("GRPOFLOW_REQUIRE_VLLM") == "1":
+        raise RuntimeError("GRPOFLOW_REQUIRE_VLLM=1 but vLLM is not installed in this Python "
+                           f"({sys.executable}): `make install-vllm` creates .venv-vllm")
+    pytest.skip(f"vLLM is not installed here: {how_to_run}", allow_module_level=True)
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,6 @@ checkpoint-reload weight sync; `grpoflow serve-model` and `grpoflow eval --serve
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 import random
@@ -27,13 +26,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO_ROOT, shared
+from conftest import REPO_ROOT, require_vllm, shared
 
-if importlib.util.find_spec("vllm") is None:
-    if os.environ.get("GRPOFLOW_REQUIRE_VLLM") == "1":
-        raise RuntimeError("GRPOFLOW_REQUIRE_VLLM=1 but vLLM is not installed in this Python "
-                           f"({sys.executable}): run `make test-vllm`, which creates .venv-vllm")
-    pytest.skip("vLLM is not installed here: `make test-vllm` runs these tests in .venv-vllm", allow_module_level=True)
+require_vllm("`make test-vllm` runs these tests in .venv-vllm")
 
 from trainer.recipe import RolloutConfig  # noqa: E402
 from trainer.rollout.base import SamplingParams  # noqa: E402

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import importlib.util
 import json
 import logging
 import math
@@ -60,8 +59,9 @@ from pathlib import Path
 import pytest
 
 BENCH_DIR = Path(__file__).resolve().parent
-if str(BENCH_DIR) not in sys.path:  # pytest's importlib mode, or run from elsewhere
-    sys.path.insert(0, str(BENCH_DIR))
+for _folder in (BENCH_DIR, BENCH_DIR.parent):  # pytest's importlib mode, or run from elsewhere
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 
 import test_bench_grpo as grpo_bench  # noqa: E402
 from test_bench_grpo import (  # noqa: E402
@@ -73,11 +73,9 @@ from test_bench_grpo import (  # noqa: E402
     prepare_inputs,
 )
 
-if importlib.util.find_spec("vllm") is None:
-    if os.environ.get("GRPOFLOW_REQUIRE_VLLM") == "1":
-        raise RuntimeError("GRPOFLOW_REQUIRE_VLLM=1 but vLLM is not installed in this Python "
-                           f"({sys.executable}): `make install-vllm` creates .venv-vllm")
-    pytest.skip("vLLM is not installed here: run this benchmark with .venv-vllm/bin/python", allow_module_level=True)
+from conftest import require_vllm  # noqa: E402
+
+require_vllm("run this benchmark with .venv-vllm/bin/python (make bench)")
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default asks for 90% of all RAM
 
