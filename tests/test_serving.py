@@ -162,15 +162,15 @@ def test_concurrent_requests_are_batched(server, client):
     assert requests == 8 and 1 <= batches < requests
 
 
-def test_vllm_without_vllm_names_the_gpu_extra(tiny_base):
+def test_vllm_without_vllm_names_the_vllm_extra(tiny_base):
     if _has_vllm():
         pytest.skip("vLLM is installed here")
-    with pytest.raises(ServingInputError, match=r"pip install \.\[gpu\]"):
+    with pytest.raises(ServingInputError, match=r"pip install \.\[vllm\]"):
         with served_model(tiny_base["path"], engine="vllm"):
             pass
     proc = grpoflow("serve-model", tiny_base["path"], "--engine", "vllm", "--json")
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 2 and "pip install .[gpu]" in err
+    assert proc.returncode == 2 and "pip install .[vllm]" in err
     assert json.loads(out.strip().splitlines()[-1])["exit_code"] == 2
 
 

@@ -1,7 +1,9 @@
-"""Optional packages (the `[gpu]` extra: vLLM, LMDeploy, DeepSpeed), imported only when a recipe asks for them.
+"""Optional packages (the `vllm`, `lmdeploy` and `deepspeed` extras), imported only when a recipe asks for them.
 
 Asking for one that is not installed raises `MissingExtraError` (an `ImportError`, and a user error: exit 2)
-whose message names what needed it and the command that installs it.
+whose message names what needed it and the command that installs it. Each engine is its own extra: vLLM and
+LMDeploy pin torch versions that do not overlap (pyproject.toml says which), so they go in separate
+environments; `gpu` is vLLM + DeepSpeed.
 """
 
 from __future__ import annotations
@@ -12,9 +14,13 @@ from types import ModuleType
 from data.errors import GrpoflowUserError
 
 INSTALL_HINTS = {
-    "vllm": "pip install '.[gpu]' (or pip install vllm)",
-    "lmdeploy": "pip install '.[gpu]' (or pip install lmdeploy)",
-    "deepspeed": "pip install '.[gpu]' (or pip install deepspeed)",
+    "vllm": "pip install '.[vllm]' (or pip install vllm)",
+    "lmdeploy": "pip install '.[lmdeploy]' in an environment without vLLM (or pip install lmdeploy)",
+    "deepspeed": "pip install --no-build-isolation '.[deepspeed]' (or pip install deepspeed)",
+}
+CPU_NOTES = {
+    "vllm": " On CPU use vLLM's CPU build (`make install-vllm`) or rollout.engine: transformers.",
+    "lmdeploy": " LMDeploy has no CPU backend: on CPU use rollout.engine: transformers.",
 }
 
 
@@ -29,5 +35,4 @@ def import_extra(module: str, what: str) -> ModuleType:
     except ImportError as e:
         hint = INSTALL_HINTS.get(module, f"pip install {module}")
         raise MissingExtraError(f"{what} needs the {module!r} package, which is not installed here ({e}). "
-                                f"Install the GPU extra: {hint}. It needs a CUDA machine; on CPU use "
-                                "rollout.engine: transformers.") from e
+                                f"Install its extra: {hint}.{CPU_NOTES.get(module, '')}") from e

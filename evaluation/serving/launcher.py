@@ -12,7 +12,7 @@ unknown host is a `ServingInputError` naming host:port. A non-loopback address n
 (`--api-key-env VAR`; clients send `Authorization: Bearer <value>`); the key is never printed or logged,
 and vLLM gets it through its environment (`VLLM_API_KEY`), not its command line.
 
-vLLM is a GPU extra (`pip install .[gpu]`); it is only ever run as a child process, never imported here.
+vLLM is the `vllm` extra (`pip install .[vllm]`); it is only ever run as a child process, never imported here.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def choose_engine(engine: str) -> str:
         raise ServingInputError(f"engine must be one of {ENGINES}, got {engine!r}")
     has_vllm = importlib.util.find_spec("vllm") is not None
     if engine == "vllm" and not has_vllm:
-        raise ServingInputError("engine 'vllm' needs vLLM, which is not installed: pip install .[gpu] "
+        raise ServingInputError("engine 'vllm' needs vLLM, which is not installed: pip install .[vllm] "
                                 "(or use --engine transformers)")
     if engine == "auto":
         import torch

@@ -1,9 +1,11 @@
 """The LMDeploy rollout engine: an `lmdeploy.pipeline` in this process, generating from token ids.
 
-LMDeploy is part of the `[gpu]` extra, imported inside the constructor; without it the constructor raises
-`MissingExtraError` naming `pip install '.[gpu]'`.
+LMDeploy is the `lmdeploy` extra (its own environment: its torch pin excludes the `vllm` extra's), imported
+inside the constructor; without it the constructor raises `MissingExtraError` naming `pip install '.[lmdeploy]'`.
+LMDeploy has no CPU backend, so nothing here has run in this project: the plain functions below
+(`engine_config`, `call_on_loop`) are unit-tested on CPU, the engine itself only by `infra/gpu/smoke.sh`.
 
-What was read (LMDeploy's source at v0.10.0 to v0.16.0; nothing here has run on a GPU in this project):
+What was read (LMDeploy's source at the git tags v0.10.0 to v0.16.0, and the published 0.17.0 and 0.18.0 wheels):
 - `GenerationConfig` supports n = 1 only, so each of a prompt's n samples is its own request with its own
   `random_seed`. Its defaults are greedy (`do_sample=False`) with top_k = 50, so both are set explicitly.
   The stop token is dropped from the output unless `include_stop_str_in_output` (0.11+), which is set so a
@@ -20,10 +22,23 @@ What was read (LMDeploy's source at v0.10.0 to v0.16.0; nothing here has run on 
   nucleus otherwise; greedy decoding filters to the top token first, so greedy log-probs are reported as nan.
 - In-place weights: the PyTorch backend's `engine.update_params(UpdateParamsRequest(serialized_named_tensors=
   serialize_state_dict(...), finished=...))` loads CUDA-IPC-shared tensors through the model's own
-  `load_weights` (same node, CUDA tensors). TurboMind's `update_params` is a layer-by-layer loader for engines
-  built with `empty_init=True` (0.10 to 0.12) and is not wired up from 0.15, so `update_weights` raises
-  NotImplementedError for backend="turbomind".
-- `sleep(level)` / `wakeup(tags)` exist on the async engine from 0.10 (coroutine from 0.13).
+  `load_weights` (same node, CUDA tensors). Only the Ray executor implements `update_params` (0.10 to 0.18):
+  the single-process `UniExecutor`, which LMDeploy picks for tp = 1, and the `MPExecutor` inherit
+  `ExecutorBase.update_params`, which raises NotImplementedError. So the PyTorch engine is always built with
+  `distributed_executor_backend="ray"` (`engine_config`): the model then lives in a Ray worker process on a
+  local Ray instance (`ray.init` by LMDeploy, its GPUs this process's CUDA_VISIBLE_DEVICES), and the
+  IPC-shared tensors cross into it (the worker rebuilds them on its own current device). Ray puts the worker
+  on a GPU this process sees: right for a rollout worker (it sees its engine's GPUs only) and a lone trainer;
+  several trainer ranks that see the same GPUs, each with its own colocated LMDeploy engine, are not placed
+  rank by rank (not handled yet). `update_params` blocks on the Ray workers; LMDeploy's own server calls it
+  from a worker thread too (a plain `def` FastAPI endpoint), so it is called from this thread.
+  TurboMind's `update_params` is a layer-by-layer loader for engines built with `empty_init=True` (0.10 to
+  0.12) and is not wired up from 0.15, so `update_weights` raises NotImplementedError for backend="turbomind".
+- `sleep(level)` / `wakeup(tags)` exist on the async engine from 0.10; `sleep` is a coroutine from 0.13,
+  `wakeup` a plain method throughout. The PyTorch engine's `wakeup` (0.16+) unblocks requests and sets the
+  engine loop's `asyncio.Event`s (`EngineLoop.resume_from_sleep`), which is only safe on the loop that owns
+  them: the pipeline's `internal_thread.loop`, on which `Pipeline.__init__` starts the engine. Both are
+  therefore run there (`call_on_loop`), as LMDeploy's server does from its `async def` endpoints.
 """
 
 from __future__ import annotations
@@ -45,15 +60,64 @@ from trainer.rollout.weight_sync import buckets as weight_buckets
 log = logging.getLogger("grpoflow.rollout.lmdeploy")
 BACKENDS = ("pytorch", "turbomind")
 BUCKET_BYTES = 512 << 20
+# the only PyTorch-backend executor with update_params (LMDeploy 0.10 to 0.18)
+WEIGHT_UPDATE_EXECUTOR = "ray"
 
 
 def _field_names(cls) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
 
 
+def engine_config(config_cls, backend: str, *, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.8,
+                  dtype: str = "auto", session_len: int | None = None, version: str = "unknown",
+                  **engine_kwargs):
+    """LMDeploy's backend config (`config_cls`: `PytorchEngineConfig` or `TurbomindEngineConfig`) for a
+    rollout engine whose weights are updated in place.
+
+    PyTorch backend: raw log-probs (`logprobs_mode="raw_logprobs"`) and the Ray executor, the only one with
+    `update_params`. Raises RuntimeError for an LMDeploy without those fields (older than 0.11), ValueError
+    when `engine_kwargs` asks for another executor.
+    """
+    fields = _field_names(config_cls)
+    kwargs = {"tp": tensor_parallel_size, "dtype": dtype, "cache_max_entry_count": gpu_memory_utilization,
+              **engine_kwargs}
+    if session_len is not None:
+        kwargs["session_len"] = session_len
+    if backend == "pytorch":
+        for field in ("logprobs_mode", "distributed_executor_backend"):
+            if field not in fields:
+                raise RuntimeError(f"LMDeploy {version}'s PyTorch engine has no {field}; grpoflow needs >= 0.11")
+        executor = kwargs.setdefault("distributed_executor_backend", WEIGHT_UPDATE_EXECUTOR)
+        if executor != WEIGHT_UPDATE_EXECUTOR:
+            raise ValueError(f"distributed_executor_backend={executor!r} cannot take the trainer's weights: only "
+                             f"LMDeploy's {WEIGHT_UPDATE_EXECUTOR!r} executor implements update_params (its 'uni' "
+                             "and 'mp' executors raise NotImplementedError)")
+        kwargs["logprobs_mode"] = "raw_logprobs"
+    return config_cls(**kwargs)
+
+
+def call_on_loop(loop: asyncio.AbstractEventLoop, fn, *args, timeout_s: float | None = None):
+    """`fn(*args)` called on `loop` (running in another thread), awaited there if it returns an awaitable;
+    waits for and returns the result. For LMDeploy methods that touch objects owned by its event loop."""
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        raise RuntimeError("call_on_loop would wait for its own event loop: call it from another thread")
+
+    async def on_loop():
+        result = fn(*args)
+        return await result if inspect.isawaitable(result) else result
+
+    return asyncio.run_coroutine_threadsafe(on_loop(), loop).result(timeout_s)
+
+
 class LMDeployEngine:
     """Rollout engine over an in-process LMDeploy pipeline (backend "pytorch" or "turbomind").
 
+    With the PyTorch backend the model runs in a Ray worker process that LMDeploy starts on this node (its Ray
+    executor, the one that takes weight updates; `engine_kwargs` asking for another executor raise ValueError).
     `gpu_memory_utilization` becomes LMDeploy's `cache_max_entry_count`: the share of the GPU memory left
     after loading the weights that the KV cache takes (vLLM's setting counts the weights in). Raises
     `MissingExtraError` without LMDeploy, ValueError for a float32 dtype (LMDeploy runs float16/bfloat16),
@@ -70,19 +134,14 @@ class LMDeployEngine:
         lmdeploy = import_extra("lmdeploy", "the 'lmdeploy' rollout engine")
         version = getattr(lmdeploy, "__version__", "unknown")
         config_cls = lmdeploy.PytorchEngineConfig if backend == "pytorch" else lmdeploy.TurbomindEngineConfig
-        kwargs = {"tp": tensor_parallel_size, "dtype": dtype, "cache_max_entry_count": gpu_memory_utilization,
-                  **engine_kwargs}
-        if session_len is not None:
-            kwargs["session_len"] = session_len
-        if backend == "pytorch":
-            if "logprobs_mode" not in _field_names(config_cls):
-                raise RuntimeError(f"LMDeploy {version}'s PyTorch engine has no logprobs_mode; grpoflow needs >= 0.11")
-            kwargs["logprobs_mode"] = "raw_logprobs"
+        backend_config = engine_config(config_cls, backend, tensor_parallel_size=tensor_parallel_size,
+                                       gpu_memory_utilization=gpu_memory_utilization, dtype=dtype,
+                                       session_len=session_len, version=version, **engine_kwargs)
         self._gen_fields = _field_names(lmdeploy.GenerationConfig)
         if "include_stop_str_in_output" not in self._gen_fields:
             raise RuntimeError(f"LMDeploy {version} cannot return the stop token; grpoflow needs >= 0.11")
         self._gen_cls = lmdeploy.GenerationConfig
-        self.pipe = lmdeploy.pipeline(model_path, backend_config=config_cls(**kwargs), log_level="ERROR")
+        self.pipe = lmdeploy.pipeline(model_path, backend_config=backend_config, log_level="ERROR")
         # 0.12+: the pipeline wraps an AsyncEngine; before, the pipeline was one
         self._async_engine = getattr(self.pipe, "async_engine", self.pipe)
         self.backend, self.seed, self.timeout_s = backend, seed, timeout_s
@@ -99,8 +158,8 @@ class LMDeployEngine:
         return asyncio.run_coroutine_threadsafe(coro, loop).result(self.timeout_s)
 
     def _call(self, fn, *args):
-        result = fn(*args)
-        return self._run(result) if inspect.isawaitable(result) else result
+        """`fn(*args)` on the pipeline's event loop, sync or coroutine alike (see `call_on_loop`)."""
+        return call_on_loop(self.pipe.internal_thread.loop, fn, *args, timeout_s=self.timeout_s)
 
     def _gen_config(self, sampling: SamplingParams, seed: int | None):
         greedy = sampling.temperature <= 0
