@@ -9,6 +9,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.grpoflow-installed
 CONFIG ?= configs/tiny-cpu.yaml
+DEEPSPEED_SPEC ?= deepspeed==0.19.8
 
 .PHONY: install install-vllm run test test-vllm bench lint clean-state
 
@@ -24,6 +25,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
+	@# DeepSpeed ships as a source distribution: built in isolation it pulls a CUDA torch; against the installed
+	@# one it builds in seconds and runs ZeRO on CPU (DS_ACCELERATOR=cpu, gloo) for tests/test_deepspeed.py
+	$(PY) -m pip install -q --no-build-isolation "$(DEEPSPEED_SPEC)"
 	@touch $(STAMP)
 
 install: $(STAMP)

@@ -53,6 +53,7 @@ from trainer.typed_config import ConfigError
 
 LATEST = "latest"
 KIND = "checkpoint"
+ZERO_DIR = "zero"  # DeepSpeed's optimizer state (one shard per trainer rank) inside a checkpoint trained under ZeRO
 # The recipe sections that decide what a checkpoint holds (the pipeline's run-directory fingerprint).
 TRAINING_SECTIONS = ("model", "bootstrap", "data", "train", "rollout", "rewards")
 RESUMABLE_CHANGES = frozenset({"train.max_steps", "train.save_steps", "train.save_total_limit", "train.callbacks",
@@ -77,13 +78,17 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(output_dir: Path, step: int, model, tokenizer, trainer_state: dict, manifest: dict,
-                    keep: int) -> Path:
+                    keep: int, extra: Path | None = None) -> Path:
+    """Write checkpoint `step` whole or not at all; `extra`, a directory of more state (DeepSpeed's optimizer
+    shards), is moved into it as `zero/` and covered by its manifest like every other file."""
     output_dir = Path(output_dir)
     final = output_dir / f"checkpoint-{step}"
     with atomic_dir(final, kind=KIND) as tmp:
         quiet_transformers_progress()
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        if extra is not None:
+            os.replace(extra, tmp / ZERO_DIR)
         torch.save({**trainer_state, "rng": rng_state()}, tmp / "trainer_state.pt")
         files = file_hashes(tmp)
         write_json_atomic(tmp / MANIFEST, {**manifest, "kind": KIND, "step": step, "code_version": code_version(),

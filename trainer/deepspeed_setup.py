@@ -1,23 +1,45 @@
-"""DeepSpeed ZeRO for the trainer ranks: the config in one place, and the engine built around our optimizer.
+"""DeepSpeed ZeRO for the trainer ranks: the config, the engine around our optimizer and schedule, and whole
+parameters out of ZeRO-3 shards.
 
-DeepSpeed is the `[gpu]` extra; it is imported inside `initialize`, so this module imports anywhere. The
-optimizer is torch's AdamW handed to DeepSpeed (with `zero_allow_untested_optimizer`), so nothing has to be
-compiled: DeepSpeed's fused Adam builds a CUDA extension on first use. Stage 2 shards optimizer state and
-gradients; stage 3 also shards parameters (then weight sync must gather them, see `rollout/weight_sync.py`).
+`train.deepspeed` names a preset (`zero1`, `zero2`, `zero3`) or a user's ds_config.json. Either way the recipe
+stays the one source of truth for what it owns: micro-batch size, gradient clipping and bf16 are written over
+whatever the JSON says (a differing value is logged), and gradient accumulation is the trainer's own (it marks
+the boundary of each optimizer update itself, so `gradient_accumulation_steps` is 1).
+
+With `model.dtype: bfloat16` DeepSpeed computes in bf16 and its ZeRO optimizer keeps fp32 master weights and
+Adam states (at lr 7e-5 most bf16-only updates would round away). The optimizer is torch's AdamW handed to
+DeepSpeed (`zero_allow_untested_optimizer`), so nothing is compiled: DeepSpeed's fused Adam builds a CUDA
+extension on first use. Stage 2 shards optimizer state and gradients; stage 3 also shards the parameters, so
+whatever needs whole weights (a weight sync to an engine, a checkpoint, generation with the policy itself)
+gathers them here, collectively: every trainer rank must take part.
+
+DeepSpeed is the `deepspeed` extra, imported only when a recipe asks for it. On CPU it runs with its CPU
+accelerator and gloo (`DS_ACCELERATOR=cpu`, set here when no GPU is visible).
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import shutil
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
+from data.errors import MissingPathError
 from trainer.extras import import_extra
+from trainer.recipe import ZERO_PRESETS, Recipe
+from trainer.typed_config import ConfigError
+
+log = logging.getLogger("grpoflow.train")
 
 
 def zero_config(stage: int = 2, micro_batch_size: int = 1, grad_accum: int = 1, max_grad_norm: float = 1.0,
                 bf16: bool = True) -> dict:
-    """A DeepSpeed config dict for ZeRO `stage` (1, 2 or 3) with bf16 compute and fp32 master weights."""
+    """A DeepSpeed config dict for ZeRO `stage` (1, 2 or 3): bf16 compute with fp32 master weights when `bf16`."""
     if stage not in (1, 2, 3):
         raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
     return {
@@ -32,8 +54,61 @@ def zero_config(stage: int = 2, micro_batch_size: int = 1, grad_accum: int = 1, 
     }
 
 
-def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: dict):
-    """The DeepSpeed engine for `model`; a single process without torchrun gets a world of one."""
+def recipe_config(spec: str, *, micro_batch_size: int, max_grad_norm: float, bf16: bool) -> dict:
+    """The DeepSpeed config for `train.deepspeed` = `spec`, with the recipe's own values written over it."""
+    if spec in ZERO_PRESETS:
+        return zero_config(int(spec[-1]), micro_batch_size, 1, max_grad_norm, bf16)
+    path = Path(spec)
+    if not path.is_file():
+        raise MissingPathError(f"train.deepspeed: {path} is not a file (expected zero1, zero2, zero3 or a DeepSpeed "
+                               "ds_config.json)")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"train.deepspeed: {path} is not readable JSON: {e}") from e
+    if not isinstance(config, dict) or not isinstance(config.get("zero_optimization", {}), dict):
+        raise ConfigError(f"train.deepspeed: {path} must hold a JSON object with a 'zero_optimization' object")
+    ours = {"train_micro_batch_size_per_gpu": micro_batch_size, "gradient_accumulation_steps": 1,
+            "gradient_clipping": max_grad_norm if max_grad_norm > 0 else 0.0}
+    for key, value in ours.items():
+        if config.get(key, "auto") not in ("auto", value):
+            log.warning("train.deepspeed: %s sets %s = %r; the recipe's %r is used", path, key, config[key], value)
+    config.pop("train_batch_size", None)  # derived from the two above and the world size
+    for key in ("optimizer", "scheduler"):
+        if key in config:
+            log.warning("train.deepspeed: %s has an %r section; the recipe's AdamW and schedule are used", path, key)
+            del config[key]
+    config.update(ours)
+    config["bf16"] = {**config.get("bf16", {}), "enabled": bf16}
+    config.setdefault("zero_allow_untested_optimizer", True)
+    config.setdefault("steps_per_print", 10 ** 9)
+    return config
+
+
+def trainer_config(recipe: Recipe) -> dict:
+    """The DeepSpeed config of a recipe with `train.deepspeed` set (its ZeRO stage checked against the rollout)."""
+    cfg = recipe.train
+    config = recipe_config(cfg.deepspeed, micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
+                           bf16=recipe.model.dtype == "bfloat16")
+    check_stage(int(config.get("zero_optimization", {}).get("stage", 0)), recipe)  # a JSON config's own stage
+    return config
+
+
+def check_stage(stage: int, recipe: Recipe) -> None:
+    """ZeRO-3 gathers whole weights collectively (every trainer rank takes part); the async workers and a rollout
+    server are synced by rank 0 alone, so that combination would hang at the first sync: refused up front."""
+    if stage == 3 and (recipe.rollout.async_ or recipe.rollout.server_url):
+        raise ConfigError("train.deepspeed: ZeRO stage 3 with rollout.async or rollout.server_url is not supported: "
+                          "their weight syncs are sent by trainer rank 0 alone, while gathering ZeRO-3 shards needs "
+                          "every rank. Use zero2 (weights whole on every rank) or synchronous in-process rollout.")
+
+
+def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: dict,
+               lr_lambda: Callable[[int], float] | None = None):
+    """The DeepSpeed engine for `model` (its optimizer steps the LambdaLR `lr_lambda` at every update);
+    a single process without torchrun gets a world of one."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     deepspeed = import_extra("deepspeed", "DeepSpeed ZeRO training")
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
@@ -42,5 +117,108 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config:
 
         os.environ["MASTER_PORT"] = str(free_port())
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    scheduler = None if lr_lambda is None else (lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda))
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     return engine
+
+
+# --------------------------------------------------------------------------------------- checkpoints
+STATE_TAG = "state"
+
+
+def save(engine, output_dir: Path, step: int, rank: int, write: Callable[[Path], Path]) -> Path | None:
+    """Checkpoint `step` under ZeRO; every trainer rank calls this. Each rank writes its shard of the optimizer
+    state (fp32 master weights, Adam moments) and the schedule into a staging directory with DeepSpeed's own
+    `save_checkpoint` (one node, or a shared `output_dir`); then rank 0 calls `write(staging)`, which writes the
+    model (whole: ZeRO-3 gathers it) and moves the staging directory into the checkpoint before its manifest
+    is hashed. Returns the checkpoint on rank 0, None elsewhere."""
+    import torch.distributed as dist
+
+    staging = Path(output_dir) / f".zero-state-{step}"
+    if rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)  # a killed run's leftovers
+        staging.parent.mkdir(parents=True, exist_ok=True)
+    _barrier(dist)
+    engine.save_checkpoint(str(staging), tag=STATE_TAG)
+    _barrier(dist)
+    with whole_parameters(engine.module):
+        path = write(staging) if rank == 0 else None
+    _barrier(dist)  # no rank moves on (and may be killed) before the checkpoint is complete
+    return path
+
+
+def load_state(engine, checkpoint: Path) -> None:
+    """Every rank reads its shard of the optimizer state and the schedule from a checkpoint `save` wrote."""
+    from trainer.checkpoint import ZERO_DIR
+
+    state = Path(checkpoint) / ZERO_DIR
+    if not (state / STATE_TAG).is_dir():
+        raise MissingPathError(f"{checkpoint} has no DeepSpeed state ({state / STATE_TAG} is missing): it was not "
+                               "written by a run with train.deepspeed, or was cut short")
+    loaded, _ = engine.load_checkpoint(str(state), tag=STATE_TAG, load_module_strict=False,
+                                       load_optimizer_states=True, load_lr_scheduler_states=True)
+    if loaded is None:
+        raise MissingPathError(f"DeepSpeed could not load its state from {state}")
+
+
+def _barrier(dist) -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+# ---------------------------------------------------------------------------- whole parameters out of ZeRO-3
+def is_sharded(model: torch.nn.Module) -> bool:
+    """True when ZeRO-3 holds `model`'s parameters as shards (each rank keeps a slice of every tensor)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+@contextmanager
+def whole_parameters(model: torch.nn.Module):
+    """Every parameter of `model` whole on this rank for the block; a no-op unless ZeRO-3 shards it.
+    Collective: all trainer ranks enter together."""
+    if not is_sharded(model):
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+        yield
+
+
+def gathered(named: Iterable[tuple[str, torch.Tensor]], budget_mb: int = 512) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole tensor) for each pair, in order. ZeRO-3 shards are gathered a group at a time (at most
+    `budget_mb` of whole parameters at once, and at least one) and copied out, so a weight sync of a model
+    larger than one device holds one group, not the model. Collective under ZeRO-3: every trainer rank
+    iterates to the end, even those that drop what they get. Tied weights (one parameter under two names)
+    are gathered once."""
+    budget = budget_mb << 20
+    group: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named:
+        if not hasattr(t, "ds_id"):
+            if group:  # keep the order: flush the sharded ones first
+                yield from _gather_group(group)
+                group, size = [], 0
+            yield name, t.detach()
+            continue
+        nbytes = t.ds_numel * t.element_size()
+        if group and size + nbytes > budget:
+            yield from _gather_group(group)
+            group, size = [], 0
+        group.append((name, t))
+        size += nbytes
+    if group:
+        yield from _gather_group(group)
+
+
+def _gather_group(group: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    import deepspeed
+
+    unique = list({id(p): p for _, p in group}.values())
+    with deepspeed.zero.GatheredParameters(unique, modifier_rank=None):
+        copies = [(name, p.detach().clone()) for name, p in group]
+    yield from copies
+
+
+__all__ = ["check_stage", "gathered", "initialize", "is_sharded", "load_state", "recipe_config", "save",
+           "trainer_config", "whole_parameters", "zero_config"]

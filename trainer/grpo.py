@@ -16,6 +16,7 @@ Features:
   (corrupt ones are set aside with a warning, see `trainer.checkpoint`), recorded with the same training
   configuration (a changed one is refused naming the keys) and the same prepared data (its files are
   checked against their manifest, and its sha256 against the one the checkpoint recorded);
+- DeepSpeed ZeRO 1/2/3 (`train.deepspeed`) instead of DDP for the trainer ranks, fp32 master weights under bf16;
 - a non-finite loss or gradient norm stops the run before the update is applied; non-finite weights, or
   weights whose forward overflows, right after it (NonFiniteError naming the step); nothing of that step is
   saved.
@@ -48,6 +49,7 @@ import torch
 from data.manifest import read_manifest
 from data.prepare import load_prepared
 from data.progress import Progress
+from trainer import deepspeed_setup as zero
 from trainer import loss as L
 from trainer.checkpoint import (
     check_resumable,
@@ -128,8 +130,8 @@ class GRPOTrainer:
         self.model.train()
         # Trainer ranks under torchrun: gradients are averaged across ranks by DDP; `policy` is what
         # the loss runs through, `model` the plain module (engine, checkpoints).
-        self.policy = self.model
-        if self.world > 1:
+        self.policy, self.ds = self.model, None
+        if self.world > 1 and not cfg.deepspeed:
             from torch.nn.parallel import DistributedDataParallel
 
             self.policy = DistributedDataParallel(self.model)
@@ -147,12 +149,19 @@ class GRPOTrainer:
                                      for s in self.recipe.rewards], timeout_s=cfg.reward_timeout_s)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.learning_rate,
                                            weight_decay=cfg.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        if cfg.deepspeed:  # ZeRO: DeepSpeed's optimizer wraps ours (fp32 master weights) and steps our schedule
+            self.ds = zero.initialize(self.model, self.optimizer, zero.trainer_config(self.recipe), self._lr_factor)
+            self.policy, self.optimizer, self.scheduler = self.ds, self.ds.optimizer, self.ds.lr_scheduler
+        else:
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.metrics = MetricsFile(self.output_dir / "metrics.jsonl")
         self.heldout_before = None
         if state is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
+            if self.ds is not None:  # every rank reads its own shard of the optimizer state
+                zero.load_state(self.ds, self.checkpoint)
+            else:
+                self.optimizer.load_state_dict(state["optimizer"])
+                self.scheduler.load_state_dict(state["scheduler"])
             set_rng_state(state["rng"])
             self.heldout_before = state.get("heldout_before")
             self.metrics.truncate_after(self.start_step)
@@ -176,9 +185,10 @@ class GRPOTrainer:
         """Train to max_steps; the result on rank 0 (None on other trainer ranks)."""
         self.setup()
         cfg = self.cfg
-        if self.heldout_before is None and self.rank == 0:
-            self.heldout_before = self.evaluate_heldout()
-            log.info("held-out before training: %s", _fmt(self.heldout_before))
+        if self.heldout_before is None:
+            self.heldout_before = self._heldout_on_rank0()
+            if self.rank == 0:
+                log.info("held-out before training: %s", _fmt(self.heldout_before))
         step_times, last = [], self.checkpoint
         with self.rollout_source() as rollouts, \
                 Progress(cfg.max_steps, "GRPO", self.progress, completed=self.start_step) as bar:
@@ -194,16 +204,17 @@ class GRPOTrainer:
                 metrics.update(rollouts.idle_metrics(metrics))  # async: how long trainer and workers waited
                 metrics["tokens_per_s"] = batch.num_tokens() / metrics["timing/step_s"]
                 step_times.append(metrics["timing/step_s"])
-                if self.rank != 0:  # under DDP every rank trains on its share; rank 0 alone logs and saves
-                    continue
-                self.metrics.append(step + 1, metrics)
-                self._notify("on_step", step + 1, metrics)
-                bar.update(1, reward=f"{metrics['reward']:.3f}", s_per_step=f"{metrics['timing/step_s']:.2f}")
-                if (step + 1) % cfg.save_steps == 0 or step + 1 == cfg.max_steps:
+                if self.rank == 0:  # under DDP / ZeRO every rank trains on its share; rank 0 alone logs
+                    self.metrics.append(step + 1, metrics)
+                    self._notify("on_step", step + 1, metrics)
+                    bar.update(1, reward=f"{metrics['reward']:.3f}", s_per_step=f"{metrics['timing/step_s']:.2f}")
+                # rank 0 saves; under ZeRO every rank also writes its shard of the optimizer state
+                if ((step + 1) % cfg.save_steps == 0 or step + 1 == cfg.max_steps) and \
+                        (self.rank == 0 or self.ds is not None):
                     last = self.save(step + 1)
+        heldout_after = self._heldout_on_rank0()
         if self.rank != 0:
             return None
-        heldout_after = self.evaluate_heldout()
         log.info("held-out after training: %s", _fmt(heldout_after))
         result = TrainResult(cfg.max_steps, self.heldout_before, heldout_after, str(last),
                              str(self.metrics.path), statistics.fmean(step_times) if step_times else 0.0,
@@ -254,12 +265,19 @@ class GRPOTrainer:
                         if off_policy:
                             is_weights[k] = L.truncated_importance_weights(
                                 old_logps[k], mb.behaviour_logps, self.recipe.rollout.importance_ratio_cap)
+                        # the engine's log-probs against the trainer's on the same tokens (TRL's metric); on an
+                        # on-policy batch (staleness 0) only the two sides' numerics differ. Every rank adds
+                        # the key (the all-reduce below needs the same keys); unreported (nan) tokens count 0.
+                        gap = (old_logps[k] - mb.behaviour_logps).abs() * mb.completion_mask
+                        gap = torch.where(torch.isfinite(gap), gap, torch.zeros_like(gap))
+                        key = "sampling/sampling_logp_difference/mean"
+                        sums[key] = sums.get(key, 0.0) + gap.sum().item() / totals["total_tokens"]
                 per_token, stats = L.per_token_loss(
                     logps, old_logps[k], mb.advantages, epsilon_low=cfg.epsilon,
                     epsilon_high=cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon,
                     beta=cfg.beta, ref_logps=ref_logps[k], is_weights=is_weights[k])
                 loss = L.reduce_loss(per_token, mb.completion_mask, cfg.loss_type, **totals)
-                (loss * self.world).backward()
+                self._backward(loss * self.world, last=k == len(micro_batches) - 1)
                 pass_loss = loss.detach() if pass_loss is None else pass_loss + loss.detach()
                 if iteration == cfg.num_iterations - 1:  # report the last pass, where clipping can act
                     weight = mb.completion_mask.sum().item() / totals["total_tokens"]
@@ -287,12 +305,28 @@ class GRPOTrainer:
                 "staleness": float(staleness)}
 
     def _logps(self, model, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        # one forward per backward under DDP: the shared-prompt forward runs two
-        return completion_logps(model, mb, self.cfg.temperature, share_prompts=self.world == 1)
+        # one forward per backward under DDP and DeepSpeed: the shared-prompt forward runs two
+        return completion_logps(model, mb, self.cfg.temperature, share_prompts=self.world == 1 and self.ds is None)
+
+    def _backward(self, loss: torch.Tensor, last: bool) -> None:
+        if self.ds is None:
+            loss.backward()
+            return
+        # the trainer accumulates its micro-batches itself: DeepSpeed reduces and steps on the pass's last one
+        self.ds.set_gradient_accumulation_boundary(last)
+        self.ds.backward(loss, scale_wrt_gas=False)
 
     def _update(self, loss: torch.Tensor | None) -> float:
         """One optimizer update, refused (NonFiniteError) when the loss or gradient norm is not finite."""
         cfg = self.cfg
+        if self.ds is not None:
+            # DeepSpeed clips and steps (gradients are sharded under ZeRO-2/3: their norm is its to compute);
+            # a non-finite gradient then shows in the weights, which the check after the update refuses
+            if loss is not None:
+                self._stop_unless_finite({"loss": loss}, "before its optimizer update")
+            self.ds.step()
+            norm = self.ds.get_global_grad_norm()
+            return float(norm) if norm is not None else math.nan
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         checked = {"gradient norm": norm} if loss is None else {"loss": loss.to(norm.device), "gradient norm": norm}
@@ -319,13 +353,25 @@ class GRPOTrainer:
                                    max_tokens=self.cfg.max_completion_length,
                                    max_prompt_length=self.cfg.max_prompt_length)
 
-    def save(self, step: int) -> Path:
-        state = {"step": step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                 "heldout_before": self.heldout_before}
+    def _heldout_on_rank0(self) -> dict | None:
+        """Rank 0 evaluates (None elsewhere); under ZeRO-3 every rank first gathers the whole policy with it."""
+        with zero.whole_parameters(self.model):
+            return self.evaluate_heldout() if self.rank == 0 else None
+
+    def save(self, step: int) -> Path | None:
+        """Checkpoint `step` (rank 0 writes it; under ZeRO every rank calls this, see `trainer.deepspeed_setup`)."""
+        state = {"step": step, "heldout_before": self.heldout_before}
         manifest = {"base_model": self.model_path, "data": str(self.data_dir),
                     "data_sha256": self.data_sha256, "recipe": self.recipe.to_dict()}
+        if self.ds is not None:
+            return zero.save(self.ds, self.output_dir, step, self.rank,
+                             lambda extra: self._save(step, state, manifest, extra))
+        state.update(optimizer=self.optimizer.state_dict(), scheduler=self.scheduler.state_dict())
+        return self._save(step, state, manifest)
+
+    def _save(self, step: int, state: dict, manifest: dict, extra: Path | None = None) -> Path:
         path = save_checkpoint(self.output_dir, step, self.model, self.tokenizer, state, manifest,
-                               self.cfg.save_total_limit)
+                               self.cfg.save_total_limit, extra=extra)
         self._notify("on_checkpoint", step, path)
         return path
 
@@ -341,6 +387,8 @@ def check_supported(recipe: Recipe) -> None:
         raise ConfigError(f"model.modality: {recipe.model.modality!r} is accepted by the recipe but not trained yet: "
                           "this trainer feeds models text only, and a vision model trained on the questions "
                           "without their images would learn the wrong task. Use model.modality: text.")
+    if recipe.train.deepspeed in ("zero1", "zero2", "zero3"):
+        zero.check_stage(int(recipe.train.deepspeed[-1]), recipe)
 
 
 def prepare_inputs(recipe: Recipe) -> str:

@@ -102,6 +102,9 @@ class RewardSpec:
     args: dict = _f({}, "keyword arguments for parameterised rewards (cosine, repetition, soft_overlong)")
 
 
+ZERO_PRESETS = ("zero1", "zero2", "zero3")  # train.deepspeed shorthands: ZeRO stage 1, 2 or 3
+
+
 @dataclass
 class TrainConfig:
     output_dir: str = _f(".state/runs/train", "checkpoints and metrics.jsonl; rerunning with the same dir resumes")
@@ -133,11 +136,16 @@ class TrainConfig:
     callbacks: list[str] = _f([], "extra training callbacks, 'module:factory' or 'file.py:factory'; each factory "
                                   "returns an object with on_step / on_checkpoint / on_train_end")
     seed: int = _f(0, "seed for sampling and data order")
+    deepspeed: str | None = _f(None, "DeepSpeed ZeRO for the trainer ranks: zero2, zero3 or a path to a ds_config.json "
+                                     "(None: plain DDP); with model.dtype bfloat16 it keeps fp32 master weights")
 
     def __post_init__(self):
         # Ranges and finiteness of single values are the fields' metadata (typed_config checks them).
         if self.num_generations < 2:
             raise ValueError("num_generations must be >= 2: GRPO compares completions within a group")
+        if self.deepspeed is not None and self.deepspeed not in ZERO_PRESETS and not self.deepspeed.endswith(".json"):
+            raise ValueError(f"deepspeed must be one of {', '.join(ZERO_PRESETS)} or a path to a .json DeepSpeed "
+                             f"config, got {self.deepspeed!r}")
 
 
 @dataclass
