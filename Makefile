@@ -50,12 +50,14 @@ run: $(STAMP)
 
 # both suites run whatever the first one gives, so one CI log shows every failure
 test: $(STAMP) $(VLLM_STAMP)
-	@status=0; $(PY) -m pytest -m "not bench" tests --ignore=tests/test_vllm.py $(ARGS) || status=$$?; \
+	@status=0; $(PY) -m pytest -m "not bench" tests $(VLLM_TESTS:%=--ignore=%) $(ARGS) || status=$$?; \
 	$(MAKE) test-vllm || status=$$?; exit $$status
 
-# the real vLLM (CPU build) tests, in the vLLM venv
+# the real vLLM (CPU build) tests, in the vLLM venv: the engine's own, and the multi-GPU logic (placement, process
+# groups, vLLM under the external launcher, rank 0 alone driving a vLLM server), whose vLLM tests must not skip
+VLLM_TESTS := tests/test_vllm.py tests/test_multigpu.py
 test-vllm: $(VLLM_STAMP)
-	GRPOFLOW_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m "not bench" tests/test_vllm.py $(ARGS)
+	GRPOFLOW_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m "not bench" $(VLLM_TESTS) $(ARGS)
 
 # the engine axis (transformers vs vLLM rollouts) runs in the vLLM venv
 bench: $(STAMP) $(VLLM_STAMP)

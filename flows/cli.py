@@ -97,10 +97,18 @@ def cmd_bootstrap(args) -> dict:
 
 
 def cmd_train(args) -> dict | None:
+    recipe = _recipe(args)
+    if args.gpus is not None and not args.dry_run:
+        raise UsageError("--gpus plans a node of that size for --dry-run; a real run uses the GPUs it sees")
+    if args.dry_run:  # where each process would run; nothing is loaded, no GPU touched
+        from trainer.placement import dry_run
+
+        summary, text = dry_run(recipe.rollout, args.gpus)
+        _say(args, f"{recipe.name}: {text}")
+        return {"dry_run": True, "recipe": recipe.name, **summary}
     from trainer.grpo import prepare_inputs, train_recipe
     from trainer.launch import launch_ranks, needs_launch
 
-    recipe = _recipe(args)
     if needs_launch(recipe):  # data and base model first, once, then the trainer ranks
         prepare_inputs(recipe)
         code = launch_ranks(recipe, sys.argv[sys.argv.index("train") + 1:])
@@ -249,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bootstrap)
 
     p = sub.add_parser("train", help="train a policy with GRPO (prepares data and the base model if missing)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print where each process would run (GPUs, CUDA_VISIBLE_DEVICES) and stop; touches no GPU")
+    p.add_argument("--gpus", type=number(int, ge=0), help="with --dry-run: plan for a node with this many GPUs")
     _add_recipe_args(p, DEFAULT_CONFIG)
     p.set_defaults(func=cmd_train)
 

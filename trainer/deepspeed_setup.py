@@ -113,7 +113,7 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config:
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(key, value)
     if "MASTER_PORT" not in os.environ:
-        from trainer.rollout.remote import free_port
+        from trainer.launch import free_port
 
         os.environ["MASTER_PORT"] = str(free_port())
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")

@@ -37,11 +37,9 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 import random
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -62,8 +60,9 @@ from trainer.divergence import NonFiniteError, stop_unless_finite, updated_polic
 from trainer.heldout import evaluate_greedy
 from trainer.launch import init_distributed
 from trainer.logprobs import completion_logps
-from trainer.metrics import MetricsFile, TrainerCallback
+from trainer.metrics import MetricsFile, TrainerCallback, TrainResult
 from trainer.model_loading import load_model
+from trainer.placement import trainer_device
 from trainer.plugins import load_plugin
 from trainer.recipe import Recipe
 from trainer.rewards import RewardRunner, accuracy_reward, format_reward, resolve_reward
@@ -75,24 +74,6 @@ from trainer.scoring import score_groups
 from trainer.typed_config import ConfigError
 
 log = logging.getLogger("grpoflow.train")
-
-
-@dataclass
-class TrainResult:
-    steps: int
-    heldout_before: dict
-    heldout_after: dict
-    checkpoint: str
-    metrics_path: str
-    seconds_per_step: float
-    resumed_from: int
-
-    def summary(self) -> dict:
-        return {"steps": self.steps, "heldout_accuracy_before": self.heldout_before.get("accuracy"),
-                "heldout_accuracy_after": self.heldout_after.get("accuracy"),
-                "heldout_before": self.heldout_before, "heldout_after": self.heldout_after,
-                "seconds_per_step": self.seconds_per_step, "checkpoint": self.checkpoint,
-                "metrics": self.metrics_path, "resumed_from_step": self.resumed_from}
 
 
 class GRPOTrainer:
@@ -109,7 +90,7 @@ class GRPOTrainer:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
-        self.rank, self.world = init_distributed(self.recipe.rollout.sync_timeout_s)
+        self.rank, self.world = init_distributed(self.recipe.rollout.sync_timeout_s, self.recipe.rollout)
         self.checkpoint = resume_checkpoint(self.output_dir, repair=self.rank == 0)
         self.start_step, state = 0, None
         if self.recipe.rollout.async_ and not torch.cuda.is_available():
@@ -123,7 +104,7 @@ class GRPOTrainer:
             state = load_trainer_state(self.checkpoint)
             self.start_step = state["step"]
             log.info("resuming from %s (step %d)", self.checkpoint, self.start_step)
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+        device = trainer_device(self.recipe.rollout)  # this rank's GPU in the plan (trainer.placement), or cpu
         # a resumed checkpoint was verified just now; the base model is verified when it is loaded
         self.model, self.tokenizer = load_model(str(self.checkpoint or self.model_path), self.recipe.model, device,
                                                  verify=self.checkpoint is None)
@@ -227,7 +208,8 @@ class GRPOTrainer:
         prompts = functools.partial(step_prompts, rows=self.train_rows, tokenizer=self.tokenizer, cfg=self.cfg)
         score = functools.partial(score_groups, self.rewards, self.cfg)
         if not self.recipe.rollout.async_:
-            return SyncRollout(self.local_engine, self.cfg, prompts=prompts, score=score, policy=self.current_policy)
+            return SyncRollout(self.local_engine, self.cfg, prompts=prompts, score=score, policy=self.current_policy,
+                               rank=self.rank, world=self.world)
         return AsyncRollout(self.recipe.rollout, self.cfg, str(self.checkpoint or self.model_path),
                             self.recipe.model.dtype, prompts=prompts, score=score, policy=self.current_policy,
                             rank=self.rank, world=self.world)

@@ -1,8 +1,15 @@
 """Starting the right processes for a recipe: one command, one node.
 
-- `rollout.train_devices` with more than one device: trainer ranks under torchrun (DDP; gloo on CPU,
-  NCCL on GPU), one per device (CUDA_VISIBLE_DEVICES restricted to them on GPU).
-- `rollout.async`: rank 0 spawns the rollout workers itself (trainer/rollout/remote.py).
+- Several trainer ranks (`rollout.train_devices`): `grpoflow train` re-runs itself as N torchrun ranks (DDP),
+  started with the CUDA_VISIBLE_DEVICES of `trainer.placement` (the train devices in rank order, then the
+  rollout devices: rank r trains on ordinal r = LOCAL_RANK, and the rollout GPUs stay visible). A single rank
+  whose GPUs are not where the plan wants them (a lone trainer with an in-process engine on another GPU) is
+  started the same way, as one rank.
+- The trainer ranks' process group has gloo for CPU tensors (metrics, `broadcast_object_list`) and, on GPUs,
+  NCCL for CUDA tensors (`cpu:gloo,cuda:nccl`); each rank selects its own GPU before the group is made, so
+  NCCL never puts two ranks on one device.
+- `rollout.async`: rank 0 spawns the rollout workers itself (trainer/rollout/remote.py), each with its
+  engine's CUDA_VISIBLE_DEVICES.
 Multi-node: run the same `grpoflow train` command under your own launcher, e.g.
 `torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 -m flows.cli train ...`;
 the trainer picks its rank from the environment (`init_distributed`) and does not relaunch.
@@ -11,34 +18,73 @@ the trainer picks its rank from the environment (`init_distributed`) and does no
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+from collections.abc import Mapping
 
 import torch
 
-from trainer.recipe import Recipe
+from trainer.placement import node_gpus, plan, trainer_device, trainer_env, visible_gpus
+from trainer.recipe import Recipe, RolloutConfig
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (for a rendezvous store)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def trainer_ranks(recipe: Recipe) -> int:
-    return max(1, len(recipe.rollout.train_devices))
+    return len(plan(recipe.rollout, node_gpus()).trainers)
 
 
-def needs_launch(recipe: Recipe) -> bool:
-    return trainer_ranks(recipe) > 1 and "WORLD_SIZE" not in os.environ
+def needs_launch(recipe: Recipe, environ: Mapping[str, str] | None = None, count: int | None = None) -> bool:
+    """True unless this process already is the (only) trainer rank the plan asks for, with the GPUs it wants.
+    `count`: the GPUs torch sees (default: asks torch)."""
+    environ = os.environ if environ is None else environ
+    if "WORLD_SIZE" in environ:  # under a launcher already
+        return False
+    placement = plan(recipe.rollout, node_gpus(environ, count))
+    if len(placement.trainers) > 1:
+        return True
+    wanted = placement.trainers[0].cuda_visible_devices
+    return bool(placement.gpus) and visible_gpus(environ, count) != wanted.split(",")
+
+
+def launch_command(recipe: Recipe, cli_args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={len(plan(recipe.rollout, node_gpus()).trainers)}", "-m", "flows.cli", "train",
+            *cli_args]
+
+
+def launch_env(recipe: Recipe, environ: Mapping[str, str] | None = None, count: int | None = None) -> dict[str, str]:
+    """The environment the trainer ranks are started with (see `trainer.placement.trainer_env`)."""
+    environ = os.environ if environ is None else environ
+    return trainer_env(plan(recipe.rollout, node_gpus(environ, count)), environ)
 
 
 def launch_ranks(recipe: Recipe, cli_args: list[str]) -> int:
-    """Re-run `grpoflow train <cli_args>` as N torchrun ranks; returns torchrun's exit status."""
-    env = dict(os.environ)
-    if torch.cuda.is_available():
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in recipe.rollout.train_devices)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={trainer_ranks(recipe)}", "-m", "flows.cli", "train", *cli_args]
-    return subprocess.call(cmd, env=env)
+    """Re-run `grpoflow train <cli_args>` as the plan's trainer ranks under torchrun; returns its exit status."""
+    return subprocess.call(launch_command(recipe, cli_args), env=launch_env(recipe))
 
 
-def init_distributed(timeout_s: float) -> tuple[int, int]:
-    """(rank, world size) of the trainer ranks; (0, 1) unless launched by torchrun with WORLD_SIZE > 1."""
+def process_group_backend(cuda: bool) -> str:
+    """The trainer ranks' backends: gloo for CPU tensors always (the metrics all-reduce, object broadcasts), NCCL
+    for CUDA tensors on GPUs (DDP's gradients)."""
+    return "cpu:gloo,cuda:nccl" if cuda else "cpu:gloo"
+
+
+def init_distributed(timeout_s: float, rollout: RolloutConfig | None = None) -> tuple[int, int]:
+    """(rank, world size) of the trainer ranks; (0, 1) unless launched by torchrun with WORLD_SIZE > 1.
+
+    On GPUs the rank's own device (from the placement of `rollout`, else ordinal LOCAL_RANK) becomes the
+    current device first: NCCL and the object collectives use the current device."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        device = trainer_device(rollout) if rollout is not None else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        torch.cuda.set_device(torch.device(device))
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return 0, 1
     from datetime import timedelta
@@ -46,5 +92,5 @@ def init_distributed(timeout_s: float) -> tuple[int, int]:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(process_group_backend(cuda), timeout=timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -76,3 +77,21 @@ class MetricsFile:
                                 f"{line[:80]!r}; fix or remove that line to resume")
             out.append((line, row))
         return out
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    heldout_before: dict
+    heldout_after: dict
+    checkpoint: str
+    metrics_path: str
+    seconds_per_step: float
+    resumed_from: int
+
+    def summary(self) -> dict:
+        return {"steps": self.steps, "heldout_accuracy_before": self.heldout_before.get("accuracy"),
+                "heldout_accuracy_after": self.heldout_after.get("accuracy"),
+                "heldout_before": self.heldout_before, "heldout_after": self.heldout_after,
+                "seconds_per_step": self.seconds_per_step, "checkpoint": self.checkpoint,
+                "metrics": self.metrics_path, "resumed_from_step": self.resumed_from}

@@ -8,7 +8,8 @@ Asynchronous order per step t (max_staleness >= 1): take batch t (generated whil
 the current weights, request batch t+1, then train on batch t. Batch t was therefore produced by the policy
 one version behind the one that trains on it, and the loss corrects for that with importance weights.
 With max_staleness 0 the next batch is requested only after the update (no overlap, no staleness).
-Only rank 0 talks to the workers; under DDP it hands each batch to the other trainer ranks.
+Only rank 0 talks to the workers; under DDP it hands each batch to the other trainer ranks. The same holds
+for a rollout server (`rollout.server_url`): rank 0 alone sends it the weights and asks it for the batch.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from trainer.prompts import encode_prompts
 from trainer.recipe import RolloutConfig, TrainConfig
 from trainer.rollout.base import SamplingParams
-from trainer.rollout.engines import load_policy, shares_weights
+from trainer.rollout.engines import load_policy, policy_tensors, served_by_rank_zero, shares_weights
 from trainer.rollout.remote import RemoteRollout, cpu_threads_per_side
 from trainer.rollout_batch import RolloutBatch
 
@@ -119,21 +120,49 @@ class LocalEngine:
             if colocate:
                 self.engine.sleep(self.rollout.sleep_level)
 
+    def follow(self, model, version: int) -> None:
+        """On trainer ranks other than 0 when rank 0 alone brings a shared engine (a server) to `version`:
+        take the part of its weight sync that needs every rank (ZeRO-3 gathers), send nothing."""
+        if not self.shares_weights and self.version != version:
+            for _ in policy_tensors(model):
+                pass
+            self.version = version
+
+
+def trainer_rank_and_world() -> tuple[int, int]:
+    """(rank, world size) of the trainer ranks' process group; (0, 1) outside one."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
 
 class SyncRollout(RolloutSource):
-    """Generate each batch when it is asked for, with the policy being trained, in this process.
+    """Generate each batch when it is asked for, with the policy being trained.
 
+    Each trainer rank generates with its own engine, except with a rollout server: rank 0 alone brings the
+    server up to date and asks it for the batch, which it hands to the other ranks.
     `policy()` returns the trainer's (model, policy version) at the time of asking."""
 
     def __init__(self, engine: LocalEngine, cfg: TrainConfig, *, prompts: Callable[[int], StepPrompts], score: Score,
-                 policy: Callable):
+                 policy: Callable, rank: int | None = None, world: int | None = None):
         self.engine, self.cfg, self.prompts, self.score, self.policy = engine, cfg, prompts, score, policy
+        self.rank, self.world = (rank, world) if rank is not None and world is not None else trainer_rank_and_world()
+        self.shared = self.world > 1 and served_by_rank_zero(engine.rollout)
 
     def next(self, step: int) -> tuple[RolloutBatch, dict]:
         rows, prompt_ids, sampling = self.prompts(step)
         t0 = time.perf_counter()
-        with self.engine.holding(*self.policy()) as engine:
-            groups = engine.generate(prompt_ids, self.cfg.num_generations, sampling)
+        groups = None
+        if self.rank == 0 or not self.shared:
+            with self.engine.holding(*self.policy()) as engine:
+                groups = engine.generate(prompt_ids, self.cfg.num_generations, sampling)
+        else:
+            self.engine.follow(*self.policy())
+        if self.shared:
+            shared = [groups]
+            torch.distributed.broadcast_object_list(shared, src=0)
+            groups = shared[0]
         return self.score(rows, prompt_ids, groups, {"timing/rollout_s": time.perf_counter() - t0})
 
 
@@ -148,13 +177,15 @@ class AsyncRollout(RolloutSource):
         self.overlap, self.world, self.remote, self.inflight = rollout.max_staleness >= 1, world, None, None
         if rank != 0:
             return
-        devices = ([f"cuda:{d}" for d in rollout.rollout_devices]
-                   if rollout.rollout_devices and torch.cuda.is_available() else None)
+        from trainer.placement import this_trainer
+
+        workers = this_trainer(rollout)[0].workers  # each on its engine's GPUs, or the CPU
         self.synced_version = policy()[1]
-        self.remote = RemoteRollout(model_path, dtype, devices, rollout.num_engines, rollout.sync_timeout_s,
-                                    cpu_threads_per_side(rollout.num_engines), version=self.synced_version,
-                                    rollout=rollout, max_model_len=cfg.max_prompt_length + cfg.max_completion_length,
-                                    seed=cfg.seed)
+        self.remote = RemoteRollout(model_path, dtype, [w.device for w in workers], len(workers),
+                                    rollout.sync_timeout_s, cpu_threads_per_side(len(workers)),
+                                    version=self.synced_version, rollout=rollout,
+                                    max_model_len=cfg.max_prompt_length + cfg.max_completion_length, seed=cfg.seed,
+                                    cuda_visible_devices=[w.cuda_visible_devices for w in workers])
 
     def start(self, step: int) -> None:
         if self.remote is not None:
@@ -212,4 +243,5 @@ class AsyncRollout(RolloutSource):
         return self.score(rows, prompt_ids, groups, metrics)
 
 
-__all__ = ["AsyncRollout", "LocalEngine", "RolloutSource", "StepPrompts", "SyncRollout", "prompt_indices", "step_prompts"]
+__all__ = ["AsyncRollout", "LocalEngine", "RolloutSource", "StepPrompts", "SyncRollout", "prompt_indices", "step_prompts",
+           "trainer_rank_and_world"]

@@ -34,13 +34,54 @@ def load_policy(engine: RolloutEngine, model, version: int) -> None:
     if shares_weights(engine):
         engine.version = version
     else:
-        engine.update_weights(model.state_dict().items(), version)
+        engine.update_weights(policy_tensors(model), version)
 
 
-def make_engine(cfg: RolloutConfig, model_path: str, *, model=None, tokenizer=None, device: str = "cpu",
+def policy_tensors(model):
+    """(name, whole tensor) for every checkpoint tensor of `model`, also out of ZeRO-3 shards (collective there:
+    every trainer rank iterates to the end, also those that send nothing)."""
+    from trainer.deepspeed_setup import gathered
+
+    return gathered(model.state_dict(keep_vars=True).items())
+
+
+class ServedByRankZero:
+    """What trainer ranks other than 0 hold in server mode. Rank 0 alone talks to the server: it sends the
+    weights, generates each batch and hands it to the other ranks (`rollout_source.SyncRollout`), so this rank
+    opens no connection and no weight-transfer communicator of its own. Asking it to generate or to send weights
+    is a bug, and raises."""
+
+    def __init__(self, server_url: str):
+        self.server_url, self.version = server_url, 0
+
+    def _refuse(self, *args, **kwargs):
+        raise RuntimeError(f"only trainer rank 0 talks to the rollout server at {self.server_url}")
+
+    generate = update_weights = sleep = wake_up = _refuse
+
+
+def served_by_rank_zero(cfg: RolloutConfig) -> bool:
+    """True when every trainer rank's batches come from one engine that rank 0 alone drives (a server)."""
+    return cfg.engine == "vllm" and bool(cfg.server_url)
+
+
+def _trainer_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def make_engine(cfg: RolloutConfig, model_path: str, *, model=None, tokenizer=None, device: str | None = None,
                 dtype: str = "auto", seed: int = 0, lmdeploy_backend: str = "pytorch",
                 max_model_len: int | None = None) -> RolloutEngine:
     """The engine `cfg.engine` names, built for `model_path`.
+
+    `device` None asks for this trainer rank's own engine, placed by `trainer.placement`: the recipe's engine
+    on the rank's GPU (colocated, or synchronous without rollout devices; with several ranks vLLM runs under
+    its external launcher, one engine per rank), on GPUs of its own (a lone trainer with rollout_devices), the
+    transformers engine over the trainer's module when rollout is asynchronous (the recipe's engine runs in
+    the rollout workers; this one serves the held-out evaluation), or in server mode the server's client on
+    rank 0 and a `ServedByRankZero` stand-in on the other ranks. A rollout worker names its `device`.
 
     transformers: wraps `model` and `tokenizer` when given (the trainer's own copy: generation then always
     sees the current weights), else loads both from `model_path` onto `device`.
@@ -49,7 +90,15 @@ def make_engine(cfg: RolloutConfig, model_path: str, *, model=None, tokenizer=No
     `cfg.server_url`. lmdeploy: an in-process pipeline; `lmdeploy_backend` "pytorch" is the one whose
     weights can be updated in place.
     """
-    if cfg.engine == "transformers":
+    kind, executor = cfg.engine, None
+    if device is None:
+        from trainer.placement import this_trainer
+
+        placement, me = this_trainer(cfg)
+        if placement.mode == "workers":
+            kind = "transformers"
+        executor, device = placement.executor, me.engine_device or me.device
+    if kind == "transformers":
         from trainer.rollout.hf_engine import HFEngine
 
         if model is None or tokenizer is None:
@@ -59,16 +108,20 @@ def make_engine(cfg: RolloutConfig, model_path: str, *, model=None, tokenizer=No
             model, tokenizer = load_model(model_path, ModelConfig(dtype=dtype), device)
             model.eval()
         return HFEngine(model, tokenizer)
-    if cfg.engine == "vllm":
+    if kind == "vllm":
         if cfg.server_url:
+            if _trainer_rank() != 0:
+                return ServedByRankZero(cfg.server_url)
             from trainer.rollout.vllm_server import VLLMServerEngine
 
             return VLLMServerEngine(cfg.server_url, timeout_s=cfg.sync_timeout_s, weight_sync=cfg.weight_sync,
-                                    weights_dir=cfg.weights_dir)
+                                    weights_dir=cfg.weights_dir,
+                                    sync_device=device if device.startswith("cuda") else "cuda:0")
         from trainer.rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_path, dtype=dtype, seed=seed, **vllm_settings(cfg, max_model_len))
-    if cfg.engine == "lmdeploy":
+        extra = {"distributed_executor_backend": executor} if executor else {}
+        return VLLMEngine(model_path, dtype=dtype, seed=seed, **vllm_settings(cfg, max_model_len), **extra)
+    if kind == "lmdeploy":
         if cfg.server_url:
             raise ValueError("rollout.server_url is supported for engine: vllm only; LMDeploy runs in-process here")
         from trainer.rollout.lmdeploy_engine import LMDeployEngine

@@ -8,20 +8,29 @@ worker that dies makes the trainer fail with a message naming it instead of hang
 
 Prompts of one batch are sharded across the workers (data-parallel engines) and the results are put
 back in prompt order.
+
+Each worker is started with its engine's CUDA_VISIBLE_DEVICES (`trainer.placement`) and computes on its
+ordinal 0, where vLLM's single-process executor looks; torchrun's rank variables are not passed on (a worker
+is no trainer rank). The worker's receiving copy of the policy is the engine's own model for the
+transformers engine (on its GPU, NCCL sync); vLLM gets the weights through a copy in host memory (gloo
+sync), so that the GPU is the engine's alone when it measures its memory (`receive_device`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
-import socket
+import threading
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.multiprocessing as mp
 
+from trainer.launch import free_port
 from trainer.recipe import RolloutConfig
 from trainer.rollout.base import SamplingParams
 
@@ -44,12 +53,53 @@ class WorkerSpec:
     rollout: RolloutConfig | None = None  # which engine to build, and its settings (None: transformers)
     max_model_len: int | None = None
     seed: int = 0
+    cuda_visible_devices: str | None = None  # what the worker is started with (None: the trainer's)
+    backend: str = "gloo"  # of the sync group, the same for all its members (`sync_backend`)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# torchrun's variables for its own ranks: a rollout worker is not one (vLLM would read them as its own)
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
+                 "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")
+_SPAWN_ENV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def worker_environment(cuda_visible_devices: str | None) -> Iterator[None]:
+    """This process's environment as a spawned worker should inherit it, for the duration of the block:
+    its own CUDA_VISIBLE_DEVICES (when given), none of torchrun's rank variables. Restored afterwards."""
+    changes = {name: None for name in LAUNCHER_VARS}
+    if cuda_visible_devices is not None:
+        changes["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
+    with _SPAWN_ENV_LOCK:
+        saved = {name: os.environ.get(name) for name in changes}
+        try:
+            _set_environment(changes)
+            yield
+        finally:
+            _set_environment(saved)
+
+
+def _set_environment(values: dict[str, str | None]) -> None:
+    """Set each variable to its value; None unsets it."""
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def receive_device(rollout: RolloutConfig | None, device: str) -> str:
+    """Where a worker keeps the policy copy it receives weights into: the worker's device, except for vLLM,
+    which measures the GPU's free memory against gpu_memory_utilization x all of it when it starts (a policy
+    copy there first makes that check fail) and reloads weights from host memory as well. (The transformers
+    engine generates with this copy; LMDeploy takes its weights through CUDA IPC, from the GPU.)"""
+    return "cpu" if rollout is not None and rollout.engine == "vllm" else device
+
+
+def sync_backend(rollout: RolloutConfig | None, devices: list[str]) -> str:
+    """NCCL when every worker receives on a GPU, else gloo (which also carries the trainer's CUDA tensors)."""
+    return "nccl" if all(receive_device(rollout, d).startswith("cuda") for d in devices) else "gloo"
 
 
 def _worker_main(spec: WorkerSpec, commands, results) -> None:
@@ -64,10 +114,10 @@ def _worker_main(spec: WorkerSpec, commands, results) -> None:
 
     torch.set_num_threads(spec.threads)
     try:
-        group = SyncGroup("127.0.0.1", spec.port, spec.rank, spec.world_size, spec.timeout_s,
-                          "nccl" if spec.device.startswith("cuda") else "gloo")
+        group = SyncGroup("127.0.0.1", spec.port, spec.rank, spec.world_size, spec.timeout_s, spec.backend)
         # the trainer verified this checkpoint before it started the workers
-        model, tokenizer = load_model(spec.model_path, ModelConfig(dtype=spec.dtype), spec.device, verify=False)
+        model, tokenizer = load_model(spec.model_path, ModelConfig(dtype=spec.dtype),
+                                      receive_device(spec.rollout, spec.device), verify=False)
         model.eval()
         rollout = spec.rollout or RolloutConfig()
         engine = make_engine(rollout, spec.model_path, model=model, tokenizer=tokenizer, device=spec.device,
@@ -105,27 +155,34 @@ class RemoteRollout:
 
     def __init__(self, model_path: str, dtype: str = "float32", devices: list[str] | None = None,
                  num_engines: int = 1, timeout_s: float = 600.0, threads_per_worker: int = 1, version: int = 0,
-                 rollout: RolloutConfig | None = None, max_model_len: int | None = None, seed: int = 0):
+                 rollout: RolloutConfig | None = None, max_model_len: int | None = None, seed: int = 0,
+                 cuda_visible_devices: list[str | None] | None = None):
+        """`devices[k]` is worker k+1's device as it sees it, started with `cuda_visible_devices[k]`
+        (None: the trainer's own; see `trainer.placement`)."""
         from trainer.rollout.weight_sync import SyncGroup
 
         self.timeout_s = timeout_s
         devices = devices or ["cpu"] * num_engines
+        masks = cuda_visible_devices or [None] * len(devices)
+        if len(masks) != len(devices):
+            raise ValueError(f"{len(devices)} worker devices but {len(masks)} CUDA_VISIBLE_DEVICES values")
         world = len(devices) + 1
         port = free_port()
+        self.backend = sync_backend(rollout, devices)
         ctx = mp.get_context("spawn")
         self.results = ctx.Queue()
         self.commands, self.procs = [], []
-        for rank, device in enumerate(devices, start=1):
+        for rank, (device, mask) in enumerate(zip(devices, masks, strict=True), start=1):
             q = ctx.Queue()
             spec = WorkerSpec(rank, world, port, model_path, dtype, device, threads_per_worker, timeout_s, version,
-                              rollout, max_model_len, seed)
+                              rollout, max_model_len, seed, mask, self.backend)
             p = ctx.Process(target=_worker_main, args=(spec, q, self.results), name=f"rollout-worker-{rank}",
                             daemon=True)
-            p.start()
+            with worker_environment(mask):  # a spawned child starts with the environment of this moment
+                p.start()
             self.commands.append(q)
             self.procs.append(p)
-        self.group = SyncGroup("127.0.0.1", port, 0, world, timeout_s,
-                               "nccl" if devices[0].startswith("cuda") else "gloo")
+        self.group = SyncGroup("127.0.0.1", port, 0, world, timeout_s, self.backend)
         self._pending: dict[int, dict] = {}
         self.busy_s = 0.0
         for _ in self.procs:
@@ -208,8 +265,11 @@ class RemoteRollout:
         started = time.perf_counter()
         for q in self.commands:
             q.put(("sync", version))
+        named = sync_order(model)
+        if self.backend == "gloo":  # the workers receive in host memory: send from there
+            named = [(name, t.detach().cpu()) for name, t in named]
         try:
-            broadcast_weights(sync_order(model), self.group)
+            broadcast_weights(named, self.group)
         except RuntimeError as e:
             raise self._named_failure(f"the weight sync to version {version}", e) from e
         for _ in self.procs:

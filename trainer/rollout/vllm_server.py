@@ -47,7 +47,9 @@ class VLLMServerEngine:
       with `--weight-transfer-config '{"backend": "nccl"}'`, what `trl vllm-serve` runs); it needs `trl` and
       vLLM on the trainer side and the tensors on a CUDA device (`sync_device`). vLLM answers 500 to it
       without an accelerator. Not run in this project yet.
-    `"auto"` is nccl when this process sees a GPU, else reload. `sleep` / `wake_up` call the server's dev-mode
+    `"auto"` is nccl when this process sees a GPU, else reload. With several trainer ranks only rank 0 holds
+    this client (`engines.make_engine`): it alone sends the weights and asks for each batch, which it hands to
+    the other ranks, so one weight-transfer communicator joins the server, never one per rank. `sleep` / `wake_up` call the server's dev-mode
     `/sleep` and `/wake_up` (no-ops on CPU). The old `trl vllm-serve` server (its own /generate/, no
     /v1/completions) is not supported.
     """
