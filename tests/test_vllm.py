@@ -139,8 +139,9 @@ def built(tiny_base) -> dict:
     torch.manual_seed(1234)
     random.seed(1234)
     before = (torch.get_rng_state(), random.getstate())
-    engine = make_engine(RolloutConfig(engine="vllm", enforce_eager=True), tiny_base["path"], dtype="float32",
-                         seed=0, max_model_len=MAX_LEN)
+    # a budget under one sequence, so that a batch of prompts spans many engine steps of prefill
+    engine = make_engine(RolloutConfig(engine="vllm", enforce_eager=True, max_num_batched_tokens=MAX_LEN // 2),
+                         tiny_base["path"], dtype="float32", seed=0, max_model_len=MAX_LEN)
     return {"engine": engine, "rng_before": before, "rng_after": (torch.get_rng_state(), random.getstate())}
 
 
@@ -158,9 +159,35 @@ def test_the_recipes_engine_settings_reach_vllm_and_the_callers_rng_is_kept(buil
     assert config.model_config.max_model_len == MAX_LEN and config.model_config.enforce_eager
     # CPU: whole-prompt prefill (a seeded request prefilled in chunks crashes), budget raised to one sequence
     assert config.scheduler_config.enable_chunked_prefill is False
-    assert config.scheduler_config.max_num_batched_tokens == MAX_LEN
+    assert settings["max_num_batched_tokens"] == config.scheduler_config.max_num_batched_tokens == MAX_LEN
     assert torch.equal(built["rng_before"][0], built["rng_after"][0])
     assert built["rng_before"][1] == built["rng_after"][1]
+
+
+SILENT_BUDGET = """
+import json, sys
+from trainer.recipe import RolloutConfig
+from trainer.rollout.engines import make_engine
+engine = make_engine(RolloutConfig(engine="vllm", enforce_eager=True), sys.argv[1], dtype="float32", seed=0,
+                     max_model_len=int(sys.argv[2]))
+s = engine.llm.llm_engine.vllm_config.scheduler_config
+print(json.dumps({"settings": sorted(engine.settings), "budget": s.max_num_batched_tokens,
+                  "max_num_seqs": s.max_num_seqs, "chunked": s.enable_chunked_prefill}))
+"""
+
+
+def test_a_recipe_silent_on_the_budget_gets_vllms_default_and_one_step_prefills_a_whole_batch(tiny_base):
+    """Passing max_model_len as the budget (what the engine once did on CPU) also capped max_num_seqs to 88 and
+    prefilled one prompt per engine step: the tiny recipe's rollout took 2.15 s a step instead of 0.89 s. In a
+    process of its own: a second in-process vLLM engine here would tear down the module engine's parallel state."""
+    proc = subprocess.run([sys.executable, "-c", SILENT_BUDGET, tiny_base["path"], str(MAX_LEN)], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    built = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "max_num_batched_tokens" not in built["settings"]
+    assert built["budget"] == 4096  # vLLM 0.32's CPU default for the LLM class
+    assert built["max_num_seqs"] >= 16 * 8  # the tiny recipe's 16 prompts x 8 samples decode together
+    assert built["chunked"] is False
 
 
 def test_engine_log_probs_equal_the_trainers_after_three_weight_updates(engine, policy, prompts):

@@ -163,8 +163,9 @@ class RolloutConfig:
     gpu_memory_utilization: float = _f(0.9, "fraction of GPU memory the engine may take", gt=0, le=1)
     max_model_len: int | None = _f(None, "longest sequence the engine holds (None: max_prompt_length + "
                                          "max_completion_length)", ge=1)
-    max_num_batched_tokens: int | None = _f(None, "vLLM: tokens scheduled per engine step (None: vLLM's default; "
-                                                  "on CPU at least max_model_len, prompts are prefilled whole)", ge=1)
+    max_num_batched_tokens: int | None = _f(None, "vLLM: tokens scheduled per engine step (None: vLLM's default, on "
+                                                  "CPU max(max_model_len, 4096); on CPU a set value is raised to "
+                                                  "max_model_len: prompts are prefilled whole)", ge=1)
     enforce_eager: bool = _f(False, "vLLM: run eagerly, no CUDA graphs or torch.compile (faster start, slower decode)")
     server_url: str | None = _f(None, "an already-running engine server (vLLM) instead of starting one")
     weight_sync: Literal["auto", "nccl", "reload"] = _f(

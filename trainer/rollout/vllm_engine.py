@@ -187,10 +187,13 @@ class VLLMEngine:
         if on_cpu:
             # Every rollout request is seeded. A prompt prefilled in chunks (a batch over the batched-token budget)
             # makes vLLM rewind its seeded generator, which CPU generators cannot do ("CPU Generator does not use
-            # offset"): prefill whole prompts, with a budget of at least one full sequence.
+            # offset"): prefill whole prompts, with a budget of at least one full sequence. A recipe silent on the
+            # budget keeps vLLM's own CPU default (max(max_model_len, 4096) without chunked prefill): passing
+            # max_model_len as the budget would also cap max_num_seqs to it and prefill one prompt per engine
+            # step (measured on the tiny recipe: rollout 2.15 s -> 0.89 s a step with vLLM's default).
             kwargs["enable_chunked_prefill"] = False
-            if max_model_len is not None:
-                kwargs["max_num_batched_tokens"] = max(max_num_batched_tokens or 0, max_model_len)
+            if max_model_len is not None and max_num_batched_tokens is not None:
+                kwargs["max_num_batched_tokens"] = max(max_num_batched_tokens, max_model_len)
         self.settings = {k: v for k, v in kwargs.items() if k != "model"}
         try:
             self.llm = vllm.LLM(**kwargs)
