@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import shutil
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -95,12 +96,13 @@ def trainer_config(recipe: Recipe) -> dict:
 
 
 def check_stage(stage: int, recipe: Recipe) -> None:
-    """ZeRO-3 gathers whole weights collectively (every trainer rank takes part); the async workers and a rollout
-    server are synced by rank 0 alone, so that combination would hang at the first sync: refused up front."""
-    if stage == 3 and (recipe.rollout.async_ or recipe.rollout.server_url):
-        raise ConfigError("train.deepspeed: ZeRO stage 3 with rollout.async or rollout.server_url is not supported: "
-                          "their weight syncs are sent by trainer rank 0 alone, while gathering ZeRO-3 shards needs "
-                          "every rank. Use zero2 (weights whole on every rank) or synchronous in-process rollout.")
+    """ZeRO-3 gathers whole weights collectively (every trainer rank takes part). The async workers are synced by
+    rank 0 with the other ranks gathering alongside (tested with 2 gloo ranks); a rollout server's sync has the
+    same shape but has not run under ZeRO-3 anywhere yet (the vLLM venv has no DeepSpeed), so it is refused."""
+    if stage == 3 and recipe.rollout.server_url:
+        raise ConfigError("train.deepspeed: ZeRO stage 3 with rollout.server_url is not supported yet: the server's "
+                          "weight sync under ZeRO-3 has never run. Use zero2 (weights whole on every rank), or "
+                          "rollout.async / synchronous in-process rollout with zero3.")
 
 
 def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: dict,
@@ -119,6 +121,9 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config:
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     scheduler = None if lr_lambda is None else (lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+    offload = getattr(engine.optimizer, "parameter_offload", None)  # ZeRO-3 only: the owner of the module hooks
+    if offload is not None:
+        _ZERO3_HOOKS[model] = offload
     return engine
 
 
@@ -172,17 +177,43 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
+_ZERO3_HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> its DeepSpeedZeRoOffload
+
+
 @contextmanager
 def whole_parameters(model: torch.nn.Module):
-    """Every parameter of `model` whole on this rank for the block; a no-op unless ZeRO-3 shards it.
-    Collective: all trainer ranks enter together."""
-    if not is_sharded(model):
+    """Every parameter of `model` whole on this rank for the block, and a plain module meanwhile; a no-op unless
+    ZeRO-3 shards it, or inside another such block. Collective on entry: all trainer ranks enter together.
+
+    ZeRO-3 hooks every submodule to fetch its shards before its forward and release them after, collectively.
+    Inside the block the weights are whole already, and the forward may be one rank's alone (held-out on rank 0,
+    each rank's own generation, whose number of forwards differs between ranks): the hooks are taken off for
+    the block and put back after (DeepSpeed re-traces its prefetching on the next forward)."""
+    params = list(model.parameters())
+    if not is_sharded(model) or all(p.ds_status.name == "AVAILABLE" for p in params):
         yield
         return
     import deepspeed
 
-    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
-        yield
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        offload = _ZERO3_HOOKS.get(model)
+        if offload is None:
+            yield
+            return
+        for p in params:
+            p.ds_active_sub_modules.clear()
+        # the root module's start-of-forward hook (collective once its trace is recorded) and every submodule's
+        # fetch/release hooks; the first is put back as it was, the others re-registered as DeepSpeed does
+        start = offload.module._forward_pre_hooks.get(offload.fwd_pre_hook.id)
+        for hook in [offload.fwd_pre_hook, *offload.forward_hooks, *offload.backward_hooks]:
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield
+        finally:
+            if start is not None:
+                offload.fwd_pre_hook = offload.module.register_forward_pre_hook(start)
+            offload._register_deepspeed_module(offload.module)
 
 
 def gathered(named: Iterable[tuple[str, torch.Tensor]], budget_mb: int = 512) -> Iterator[tuple[str, torch.Tensor]]:

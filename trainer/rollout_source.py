@@ -10,6 +10,8 @@ one version behind the one that trains on it, and the loss corrects for that wit
 With max_staleness 0 the next batch is requested only after the update (no overlap, no staleness).
 Only rank 0 talks to the workers; under DDP it hands each batch to the other trainer ranks. The same holds
 for a rollout server (`rollout.server_url`): rank 0 alone sends it the weights and asks it for the batch.
+Under ZeRO-3 the other ranks still take part in each sync, at the same moment, because gathering the sharded
+weights is collective (`_follow`, `LocalEngine.follow`).
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ from collections.abc import Callable
 
 import torch
 
+from trainer.deepspeed_setup import whole_parameters
 from trainer.prompts import encode_prompts
 from trainer.recipe import RolloutConfig, TrainConfig
 from trainer.rollout.base import SamplingParams
 from trainer.rollout.engines import load_policy, policy_tensors, served_by_rank_zero, shares_weights
 from trainer.rollout.remote import RemoteRollout, cpu_threads_per_side
+from trainer.rollout.weight_sync import sync_tensors
 from trainer.rollout_batch import RolloutBatch
 
 StepPrompts = tuple[list[dict], list[list[int]], SamplingParams]
@@ -102,9 +106,10 @@ class LocalEngine:
     @contextlib.contextmanager
     def holding(self, model, version: int):
         """The engine, holding policy `version` (the weights of `model`) for the duration of the block."""
-        if self.shares_weights:
+        if self.shares_weights:  # generating with the policy itself: under ZeRO-3 every rank gathers it whole
             self.engine.version = version
-            yield self.engine
+            with whole_parameters(model):
+                yield self.engine
             return
         colocate = self.rollout.colocate
         if colocate:
@@ -175,12 +180,12 @@ class AsyncRollout(RolloutSource):
                  prompts: Callable[[int], StepPrompts], score: Score, policy: Callable, rank: int, world: int):
         self.prompts, self.score, self.policy, self.cfg = prompts, score, policy, cfg
         self.overlap, self.world, self.remote, self.inflight = rollout.max_staleness >= 1, world, None, None
+        self.synced_version = policy()[1]  # on every rank: the others follow rank 0's syncs (ZeRO-3 gathers)
         if rank != 0:
             return
         from trainer.placement import this_trainer
 
         workers = this_trainer(rollout)[0].workers  # each on its engine's GPUs, or the CPU
-        self.synced_version = policy()[1]
         self.remote = RemoteRollout(model_path, dtype, [w.device for w in workers], len(workers),
                                     rollout.sync_timeout_s, cpu_threads_per_side(len(workers)),
                                     version=self.synced_version, rollout=rollout,
@@ -192,7 +197,12 @@ class AsyncRollout(RolloutSource):
             self._submit(step)
 
     def next(self, step: int) -> tuple[RolloutBatch, dict]:
-        scored = self._collect(step) if self.remote is not None else (None, None)
+        if self.remote is not None:
+            scored = self._collect(step)
+        else:  # another trainer rank: rank 0 syncs the workers inside _collect when overlapping
+            scored = (None, None)
+            if self.overlap:
+                self._follow()
         if self.world > 1:
             shared = [scored]
             torch.distributed.broadcast_object_list(shared, src=0)
@@ -201,8 +211,12 @@ class AsyncRollout(RolloutSource):
 
     def after_update(self, step: int, metrics: dict) -> None:
         """Without overlap, the next batch starts only now, from the updated weights."""
-        if self.remote is not None and not self.overlap:
+        if self.overlap:
+            return
+        if self.remote is not None:
             metrics["timing/weight_sync_s"] = self._sync_and_submit(step + 1)
+        else:
+            self._follow()
 
     def idle_metrics(self, metrics: dict) -> dict:
         step_s = metrics["timing/step_s"]
@@ -229,6 +243,15 @@ class AsyncRollout(RolloutSource):
             self.synced_version = version
         self._submit(next_step)
         return seconds
+
+    def _follow(self) -> None:
+        """On trainer ranks other than 0, at the moments rank 0 syncs the workers: take the part of the sync that
+        needs every rank (ZeRO-3 gathers the weights collectively), send nothing. A no-op for whole weights."""
+        model, version = self.policy()
+        if version != self.synced_version:
+            for _ in sync_tensors(model):
+                pass
+            self.synced_version = version
 
     def _collect(self, step: int) -> tuple[RolloutBatch, dict]:
         """Batch `step`, scored, with timing metrics; starts the next batch when overlapping."""

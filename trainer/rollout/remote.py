@@ -259,15 +259,15 @@ class RemoteRollout:
 
     def sync_weights(self, model, version: int) -> float:
         """Broadcast the trainer's weights to every worker; they apply them between two generations."""
-        from trainer.rollout.weight_sync import broadcast_weights, sync_order
+        from trainer.rollout.weight_sync import broadcast_weights, sync_tensors
 
         self._check_alive()
         started = time.perf_counter()
         for q in self.commands:
             q.put(("sync", version))
-        named = sync_order(model)
+        named = sync_tensors(model)
         if self.backend == "gloo":  # the workers receive in host memory: send from there
-            named = [(name, t.detach().cpu()) for name, t in named]
+            named = ((name, t.detach().cpu()) for name, t in named)
         try:
             broadcast_weights(named, self.group)
         except RuntimeError as e:

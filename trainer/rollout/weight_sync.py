@@ -56,7 +56,7 @@ def broadcast_weights(named: Iterable[tuple[str, torch.Tensor]], group: SyncGrou
                       bucket_bytes: int = BUCKET_BYTES) -> int:
     """Sender side (rank `src`): broadcast every tensor; returns bytes sent."""
     sent = 0
-    for bucket in buckets([(n, t.detach()) for n, t in named], bucket_bytes):
+    for bucket in buckets(((n, t.detach()) for n, t in named), bucket_bytes):  # lazily: ZeRO-3 gathers a group at a time
         flat = torch.cat([t.reshape(-1) for _, t in bucket])
         group.broadcast(flat, src)
         sent += flat.numel() * flat.element_size()
@@ -79,11 +79,24 @@ def receive_weights(named: Iterable[tuple[str, torch.Tensor]], group: SyncGroup,
     return received
 
 
-def sync_order(model) -> list[tuple[str, torch.Tensor]]:
-    """The tensors that define the policy, in a fixed order both sides agree on (tied weights once)."""
+def _unique_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
     seen, out = set(), []
     for name, p in model.named_parameters():
         if id(p) not in seen:
             seen.add(id(p))
-            out.append((name, p.data))
+            out.append((name, p))
     return out
+
+
+def sync_order(model) -> list[tuple[str, torch.Tensor]]:
+    """The tensors that define the policy, in a fixed order both sides agree on (tied weights once)."""
+    return [(name, p.data) for name, p in _unique_parameters(model)]
+
+
+def sync_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """The sender's side of `sync_order`: the same tensors in the same order, whole also when ZeRO-3 shards
+    them (gathered a group at a time). Collective under ZeRO-3: every trainer rank iterates it to the end at
+    the same moment, also those that send nothing."""
+    from trainer.deepspeed_setup import gathered
+
+    return gathered(_unique_parameters(model))
