@@ -206,7 +206,7 @@ def test_grpoflow_train_under_zero3_samples_every_step_from_the_weights_just_tra
         rollout, tmp_path, tiny_base, tiny_data):
     """`grpoflow train` end to end under ZeRO-3 (held-out before and after, 3 steps, a checkpoint), 2 ranks.
     sync: each rank generates with the policy itself, gathered whole and unhooked (ranks decode different
-    numbers of tokens: ZeRO-3's collective per-module hooks would hang). async: rank 0 alone sends the rollout
+    numbers of tokens: ZeRO-3's collective per-module hooks could hang, by reading of DeepSpeed's code). async: rank 0 alone sends the rollout
     worker its weights while the other rank gathers alongside (a collective), at the same moments. On-policy
     (async with max_staleness 0), so the engine's log-probs equal the trainer's at every step: a sync that sent
     shards, stale or partial weights would show as a gap of the size of an lr-1e-3 update."""

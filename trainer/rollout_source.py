@@ -246,7 +246,8 @@ class AsyncRollout(RolloutSource):
 
     def _follow(self) -> None:
         """On trainer ranks other than 0, at the moments rank 0 syncs the workers: take the part of the sync that
-        needs every rank (ZeRO-3 gathers the weights collectively), send nothing. A no-op for whole weights."""
+        needs every rank (ZeRO-3 gathers the weights collectively), send nothing. For whole weights (DDP, ZeRO-1/2)
+        it only walks the parameters. `LocalEngine.follow` is the same for a server's sync (its tensors differ)."""
         model, version = self.policy()
         if version != self.synced_version:
             for _ in sync_tensors(model):
