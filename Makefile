@@ -48,18 +48,30 @@ install-vllm: $(VLLM_STAMP)
 run: $(STAMP)
 	$(VENV)/bin/grpoflow run --config $(CONFIG) $(ARGS)
 
+# Tests run on pytest-xdist workers (one per core, at most 4), each with its share of the cores as torch threads.
+# Never more torch threads than cores: two processes with 2 OpenMP threads each on 2 cores ran 15x slower than
+# one (the threads spin at every barrier while the other process holds the core); with 1 thread each they did
+# two runs' work 1.3x faster than one process with 2 threads (100 tiny-recipe steps: 38 s alone with 2 threads,
+# 580 s each for two at once with 2 threads, 58 s each for two at once with 1). TEST_WORKERS=0: no workers.
+NPROC := $(shell nproc 2>/dev/null || echo 2)
+TEST_WORKERS ?= $(shell w=$(NPROC); echo $$(( w > 4 ? 4 : w )))
+TEST_THREADS ?= $(shell w=$(TEST_WORKERS); echo $$(( w > 1 ? ($(NPROC) / w > 0 ? $(NPROC) / w : 1) : $(NPROC) )))
+PYTEST = OMP_NUM_THREADS=$(TEST_THREADS) $(1) -m pytest -m "not bench" -n $(TEST_WORKERS)
+
 # both suites run whatever the first one gives, so one CI log shows every failure. The two venvs install side
 # by side: each pip uses one core (measured on a fresh 2-core machine: 4 min 42 s and 5 min 33 s one after the other)
+# Files go whole to a worker in the main suite (their module fixtures: an evaluation, a model server, a DeepSpeed
+# update, each built once); the vLLM suite's tests spread one by one, except the groups test_vllm.py marks.
 test:
 	@$(MAKE) --no-print-directory -j2 $(STAMP) $(VLLM_STAMP)
-	@status=0; $(PY) -m pytest -m "not bench" tests $(VLLM_TESTS:%=--ignore=%) $(ARGS) || status=$$?; \
+	@status=0; $(call PYTEST,$(PY)) --dist loadfile tests $(VLLM_TESTS:%=--ignore=%) $(ARGS) || status=$$?; \
 	$(MAKE) test-vllm || status=$$?; exit $$status
 
 # the real vLLM (CPU build) tests, in the vLLM venv: the engine's own, and the multi-GPU logic (placement, process
 # groups, vLLM under the external launcher, rank 0 alone driving a vLLM server), whose vLLM tests must not skip
 VLLM_TESTS := tests/test_vllm.py tests/test_multigpu.py
 test-vllm: $(VLLM_STAMP)
-	GRPOFLOW_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m "not bench" $(VLLM_TESTS) $(ARGS)
+	GRPOFLOW_REQUIRE_VLLM=1 $(call PYTEST,$(VLLM_PY)) --dist loadgroup $(VLLM_TESTS) $(ARGS)
 
 # the engine axis (transformers vs vLLM rollouts) runs in the vLLM venv
 bench: $(STAMP) $(VLLM_STAMP)

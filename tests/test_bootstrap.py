@@ -70,3 +70,23 @@ def test_deterministic_given_seed(tiny_recipe, tmp_path):
             run.append(loss.item())
         losses.append(run)
     assert losses[0] == losses[1]
+
+
+def test_a_second_maker_waits_for_the_first_then_takes_its_model(tiny_base, tiny_recipe):
+    """Two makers at once (the vLLM suite beside the main one, two `make run`s): the second waits on the lock
+    the first holds, then returns the first's model as a cache hit instead of warming up its own."""
+    import fcntl
+    import threading
+    from pathlib import Path
+
+    out = Path(tiny_base["path"])
+    results = []
+    with open(out.parent / f".{out.name}.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # what a first maker holds while it warms up
+        second = threading.Thread(target=lambda: results.append(bootstrap(
+            tiny_recipe.bootstrap, out=out, system_prompt=tiny_recipe.data.system_prompt, progress=False)))
+        second.start()
+        second.join(timeout=2)
+        assert second.is_alive() and results == []  # waiting, not making or reading a half-made model
+    second.join(timeout=60)
+    assert results and results[0]["cached"] is True and results[0]["path"] == tiny_base["path"]

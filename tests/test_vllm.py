@@ -37,6 +37,10 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default 
 TINY = REPO_ROOT / "configs" / "tiny-cpu.yaml"
 MAX_LEN = 88  # the tiny recipe's max_prompt_length 64 + max_completion_length 24
 SERVER_START_S = 900  # three processes each importing vLLM, on 2 busy cores
+# `make test` spreads these tests over pytest-xdist workers (--dist loadgroup): the tests sharing one module
+# fixture that takes a minute to build (the in-process engine, the rollout server) stay on one worker
+IN_PROCESS_ENGINE = pytest.mark.xdist_group("vllm-in-process-engine")
+ROLLOUT_SERVER = pytest.mark.xdist_group("vllm-rollout-server")
 
 
 # ---- helpers ---------------------------------------------------------------------------------------------------
@@ -150,6 +154,7 @@ def engine(built):
     return built["engine"]
 
 
+@IN_PROCESS_ENGINE
 def test_the_recipes_engine_settings_reach_vllm_and_the_callers_rng_is_kept(built):
     settings = built["engine"].settings
     assert settings["max_model_len"] == MAX_LEN and settings["enforce_eager"] is True
@@ -190,6 +195,7 @@ def test_a_recipe_silent_on_the_budget_gets_vllms_default_and_one_step_prefills_
     assert built["chunked"] is False
 
 
+@IN_PROCESS_ENGINE
 def test_engine_log_probs_equal_the_trainers_after_three_weight_updates(engine, policy, prompts):
     model, tokenizer = policy
     sampling = SamplingParams(max_tokens=16, temperature=0.9, seed=11)
@@ -205,6 +211,7 @@ def test_engine_log_probs_equal_the_trainers_after_three_weight_updates(engine, 
     assert max(gaps) < 1e-4, gaps
 
 
+@IN_PROCESS_ENGINE
 def test_a_tied_lm_head_reaches_the_engine_only_under_its_own_name(engine, policy, prompts):
     model, tokenizer = policy
     assert model.config.tie_word_embeddings and "lm_head.weight" not in dict(model.named_parameters())
@@ -217,6 +224,7 @@ def test_a_tied_lm_head_reaches_the_engine_only_under_its_own_name(engine, polic
     assert stale > 1e-2 and fresh < 1e-4, (stale, fresh)
 
 
+@IN_PROCESS_ENGINE
 def test_a_seeded_batch_over_the_batched_token_budget_generates_and_repeats(engine, prompts):
     budget = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
     assert sum(len(p) for p in prompts) * 8 > 4 * budget  # many engine steps of prefill
@@ -313,6 +321,7 @@ def rollout_server(tiny_base, tmp_path_factory):
         stop_group(proc)
 
 
+@ROLLOUT_SERVER
 def test_server_engine_with_the_checkpoint_reload_sync_matches_the_trainer(rollout_server, policy, prompts):
     from trainer.rollout.vllm_server import VLLMServerEngine
 
@@ -332,6 +341,7 @@ def test_server_engine_with_the_checkpoint_reload_sync_matches_the_trainer(rollo
     assert not weights_dir.exists()  # its own temporary directory goes with it
 
 
+@ROLLOUT_SERVER
 def test_train_through_a_vllm_server_syncs_the_final_weights(rollout_server, tmp_path, tiny_base, tiny_data, prompts):
     from trainer.model_loading import load_model
     from trainer.recipe import ModelConfig

@@ -19,6 +19,7 @@ that cannot show learning).
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import logging
 import time
 from pathlib import Path
@@ -137,6 +138,15 @@ def bootstrap(cfg: BootstrapConfig, out: str | Path | None = None, system_prompt
     out = Path(out or cfg.out).resolve()
     system_prompt = resolve_system_prompt(system_prompt)
     digest = config_hash(cfg, system_prompt)
+    # one maker at a time: a second caller (another `make run`, the vLLM test suite beside the main one) waits
+    # for the first and then finds its cached model instead of spending minutes making the same one
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _cached_or_made(cfg, out, system_prompt, digest, progress)
+
+
+def _cached_or_made(cfg: BootstrapConfig, out: Path, system_prompt: str, digest: str, progress: bool | None) -> dict:
     if (out / MANIFEST).is_file():
         manifest = read_manifest(out)
         if manifest.get("config_hash") == digest:
