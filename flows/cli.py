@@ -52,13 +52,22 @@ def number(kind: type = float, *, gt: float | None = None, ge: float | None = No
     return parse
 
 
+def _config(args):
+    return args.config if args.config is not None else getattr(args, "default_config", None)
+
+
 def _recipe(args, extra_overrides: list[str] = ()):
     from trainer.recipe import load_recipe
 
-    config = args.config
-    if config is None and getattr(args, "default_config", None):
-        config = args.default_config
-    return load_recipe(config, list(extra_overrides) + list(args.overrides))
+    return load_recipe(_config(args), list(extra_overrides) + list(args.overrides))
+
+
+def _recipe_and_services(args):
+    """The recipe with its outputs under --state-dir, and the services (Prefect reads its settings at import:
+    this runs before any flow module is imported)."""
+    from tasks.services import recipe_and_services
+
+    return recipe_and_services(_config(args), args.overrides, args.state_dir)
 
 
 def _source(args) -> str:
@@ -126,10 +135,7 @@ def cmd_train(args) -> dict | None:
 
 
 def cmd_run(args) -> dict:
-    from tasks.services import configure
-
-    services = configure(args.state_dir)
-    recipe = services.place_outputs(_recipe(args))
+    recipe, services = _recipe_and_services(args)
     from tasks.preflight import check_before_run
 
     check_before_run(recipe, services, _source(args))
@@ -145,10 +151,7 @@ def cmd_run(args) -> dict:
 
 
 def cmd_eval(args) -> dict:
-    from tasks.services import configure
-
-    services = configure(args.state_dir)
-    recipe = services.place_outputs(_recipe(args))
+    recipe, services = _recipe_and_services(args)
     if args.api_key_env and not os.environ.get(args.api_key_env):
         raise UsageError(f"--api-key-env {args.api_key_env}: the environment variable {args.api_key_env} is not "
                          "set (or empty)")
@@ -211,10 +214,7 @@ def cmd_gate(args) -> dict:
 
 
 def _comparison(args, baseline: str, candidate: str, **gate) -> dict:
-    from tasks.services import configure
-
-    services = configure(args.state_dir)
-    recipe = services.place_outputs(_recipe(args))
+    recipe, services = _recipe_and_services(args)
     from tasks.comparison import run_comparison_for_command
 
     return run_comparison_for_command(baseline, candidate, recipe, services.flow_parameters(), **gate)
@@ -313,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dir", help="where the embedded stores live (default .state, or $GRPOFLOW_STATE)")
     _add_recipe_args(p, DEFAULT_CONFIG)
     p.set_defaults(func=cmd_gate)
+
+    from flows.deployments import add_commands  # deploy, serve
+    add_commands(sub, number)
     return parser
 
 

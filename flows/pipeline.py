@@ -20,6 +20,7 @@ from tasks.stages import (
     evaluate_model,
     lineage_markdown,
     make_base_model,
+    missing_outputs,
     prepare_data,
     register_model,
     train_policy,
@@ -32,7 +33,13 @@ def training_fingerprint(recipe: dict) -> str:
 
 
 @flow(name="grpo-pipeline", log_prints=True)
-def grpo_pipeline(recipe: dict, services: dict) -> dict:
+def grpo_pipeline(recipe: dict | None = None, services: dict | None = None, config: str | None = None,
+                  overrides: list[str] | None = None) -> dict:
+    """Run the recipe. `grpoflow run` passes the loaded `recipe` and its `services`; a deployment
+    (infra/prefect.yaml) passes `config`, a recipe path relative to the working directory, with `overrides`
+    (`key=value`), and the services are the worker's (PREFECT_API_URL, MLFLOW_TRACKING_URI, GRPOFLOW_STATE)."""
+    if recipe is None:
+        recipe, services = _deployment_inputs(config, overrides)
     recipe = copy.deepcopy(recipe)
     fingerprint = training_fingerprint(recipe)
     # One output directory per training configuration: a retry resumes it, a changed recipe starts fresh.
@@ -49,8 +56,13 @@ def grpo_pipeline(recipe: dict, services: dict) -> dict:
     states = {}
 
     def run(name, task, *args):
-        states[name] = task(*args, return_state=True)
-        return states[name].result()
+        state = task(*args, return_state=True)
+        if state.name == "Cached" and (gone := missing_outputs(state.result())):
+            # a cache hit would hand on dead paths (a deleted checkpoint): the stage runs again instead
+            print(f"{name}: cached result's outputs are gone ({', '.join(gone)}): running the stage again")
+            state = task.with_options(refresh_cache=True)(*args, return_state=True)
+        states[name] = state
+        return state.result()
 
     training_recipe = {k: recipe[k] for k in TRAINING_SECTIONS}
     try:
@@ -87,3 +99,12 @@ def grpo_pipeline(recipe: dict, services: dict) -> dict:
     create_markdown_artifact(key="grpoflow-lineage", markdown=lineage_markdown(summary),
                              description="the pipeline's lineage chain")
     return summary
+
+
+def _deployment_inputs(config: str | None, overrides: list[str] | None) -> tuple[dict, dict]:
+    from tasks.preflight import check_before_run
+    from tasks.services import recipe_and_services
+
+    recipe, services = recipe_and_services(config, overrides or ())
+    check_before_run(recipe, services, str(config or "<defaults>"))
+    return recipe.to_dict(), services.flow_parameters()

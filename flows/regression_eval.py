@@ -1,9 +1,9 @@
 """The regression gate as a Prefect flow, for CI triggers and deployments: evaluate both sides, compare, gate.
 
 Each side's evaluation is reused when MLflow already has one with the recipe's settings, and run otherwise
-(see `tasks.comparison`). The flow returns the gate's verdict instead of failing on a regression, so a
-caller decides what a failed gate means; infrastructure errors (MLflow unreachable, an unknown model) fail
-the flow. `grpoflow gate` runs the same steps without Prefect, so a gate answers without a Prefect server.
+(see `tasks.comparison`). Called from code, the flow returns the gate's verdict instead of failing on a
+regression, so a caller decides what a failed gate means; a deployment sets `fail_on_regression`, so that the
+run's state says it. Infrastructure errors (MLflow unreachable, an unknown model) fail the flow. `grpoflow gate` runs the same steps without Prefect, so a gate answers without a Prefect server.
 Call `services.configure()` before importing this module: Prefect reads its settings at import time.
 """
 
@@ -13,10 +13,14 @@ from pathlib import Path
 
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
+from prefect.states import Failed
 
-from evaluation.compare import gate
+from evaluation.compare import DEFAULT_MAX_DROP, gate
 from tasks import comparison
 from tasks.recipe_sections import typed_recipe
+from tasks.services import recipe_and_services
+
+REGRESSION = "Regression"  # the name of a Failed state that a failed gate ends in (fail_on_regression)
 
 
 @task(name="evaluated-side", retries=1, retry_delay_seconds=10)
@@ -48,9 +52,19 @@ def promote_candidate(candidate: comparison.Side, services: dict) -> str:
 
 
 @flow(name="regression-eval", log_prints=True)
-def regression_eval(candidate: str, baseline: str, max_drop: float, promote: bool, recipe: dict,
-                    services: dict) -> dict:
-    """Gate `candidate` against `baseline`; with `promote`, a passing candidate becomes the `champion`."""
+def regression_eval(candidate: str, baseline: str, max_drop: float = DEFAULT_MAX_DROP, promote: bool = False,
+                    recipe: dict | None = None, services: dict | None = None, config: str | None = None,
+                    overrides: list[str] | None = None, fail_on_regression: bool = False):
+    """Gate `candidate` against `baseline`; with `promote`, a passing candidate becomes the `champion`.
+
+    A deployment (infra/prefect.yaml's `regression-eval/gate`) passes `config` (a recipe path relative to the
+    working directory) and `overrides` instead of `recipe` and `services`, and sets `fail_on_regression`: a
+    regression then ends the flow run Failed, named `Regression`, its message saying which benchmark dropped by
+    how much, so that `prefect deployment run ... --watch` exits non-zero; a broken check fails with its error.
+    """
+    if recipe is None:
+        typed, found = recipe_and_services(config, overrides or ())
+        recipe, services = typed.to_dict(), found.flow_parameters()
     if promote and not comparison.is_registered(candidate):
         raise ValueError(f"promoting needs a registered candidate (models:/...), got {candidate!r}")
     base = evaluated_side(baseline, recipe, services)
@@ -62,4 +76,9 @@ def regression_eval(candidate: str, baseline: str, max_drop: float, promote: boo
     create_markdown_artifact(key="grpoflow-regression-gate", description=f"{candidate} vs {baseline}",
                              markdown=f"{result['table']}\n{result['report']}\n\n![comparison]"
                                       f"({Path(result['plot']).as_uri()})\n\nMLflow run `{result['mlflow_run_id']}`\n")
+    if fail_on_regression and not result["passed"]:
+        drops = "; ".join(f"{r['benchmark']} {r['diff']:+.4f}" for r in result["failing"])
+        return Failed(name=REGRESSION, data=result,
+                      message=f"regression: {candidate} is worse than {baseline} beyond max_drop {max_drop:g} "
+                              f"({drops})")
     return result

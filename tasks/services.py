@@ -100,6 +100,16 @@ def configure(state_dir: str | Path | None = None) -> Services:
     return Services(state, tracking, registry, artifact_root, api_url)
 
 
+def recipe_and_services(config: str | os.PathLike | None, overrides: list[str] | tuple = (),
+                        state_dir: str | Path | None = None):
+    """The recipe at `config` (`key=value` overrides applied) with its outputs under the state folder, and the
+    services this process reaches: what a command and a deployment's flow run both start from."""
+    from trainer.recipe import load_recipe
+
+    services = configure(state_dir)
+    return services.place_outputs(load_recipe(config, list(overrides))), services
+
+
 def _server_keeps_artifacts(tracking_uri: str) -> bool:
     """A tracking server has its own artifact store; a database or file store would use `./mlruns`."""
     return urlsplit(tracking_uri).scheme.lower() in SERVER_SCHEMES

@@ -156,10 +156,22 @@ def evaluate_model(registered: dict, trained: dict, eval_cfg: dict, ctx: dict) -
             "report": str(report), "mlflow_run_id": run_id}
 
 
+# The files a stage's result points to: a cache hit is worth returning only while they are there
+OUTPUT_KEYS = ("out", "manifest", "checkpoint", "metrics", "report", "work_dir")
+
+
+def missing_outputs(result: dict) -> list[str]:
+    """The output files or folders `result` names that are gone (a deleted checkpoint, a cleaned eval dir)."""
+    paths = [result[k] for k in OUTPUT_KEYS if isinstance(result.get(k), str)]
+    if result.get("bootstrapped"):  # a made base model; a hub id is not a path
+        paths.append(result["path"])
+    return [p for p in paths if not Path(p).exists()]
+
+
 def lineage_markdown(summary: dict) -> str:
     """The whole chain, one line per stage: what each read and wrote."""
     return "# grpoflow lineage\n\n```json\n" + json.dumps(summary, indent=2, default=str) + "\n```\n"
 
 
 __all__ = ["evaluate_model", "make_base_model", "prepare_data", "register_model", "train_policy",
-           "lineage_markdown"]
+           "lineage_markdown", "missing_outputs"]

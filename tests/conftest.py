@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import shutil
 import sys
 import threading
 from collections.abc import Iterator
@@ -75,3 +77,24 @@ def loopback_http(handler: type[BaseHTTPRequestHandler]) -> Iterator[ThreadingHT
     finally:
         server.shutdown()
         server.server_close()
+
+
+def scored_copy(src: Path, dst: Path, bench: str, scores: list[float]) -> Path:
+    """A copy of a real EvalScope work dir whose per-sample scores on `bench` are set to `scores`
+    (report.json's score follows).
+
+    A test fixture standing for "a version whose predictions are better/worse": the tiny model solves no
+    AIME problem, so a real evaluation cannot show a regression by itself. Everything else is EvalScope's.
+    """
+    shutil.copytree(src, dst)
+    report = json.loads((dst / "report.json").read_text())
+    [rel] = report["review_paths"][bench]
+    lines = [json.loads(line) for line in (dst / rel).read_text().splitlines() if line.strip()]
+    assert len(lines) == len(scores)
+    for line, score in zip(lines, scores, strict=True):
+        value = line["sample_score"]["score"]["value"]
+        value[next(iter(value))] = score
+    (dst / rel).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    report["scores"][bench] = sum(scores) / len(scores)
+    (dst / "report.json").write_text(json.dumps(report))
+    return dst

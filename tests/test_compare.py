@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT, shared
+from conftest import REPO_ROOT, scored_copy, shared
 from evaluation.compare import Row, compare, gate, load_samples, markdown_table, paired_bootstrap
 
 BENCH = "aime24"
@@ -110,23 +110,7 @@ def evaluated(tiny_base, tmp_path_factory) -> Path:
 
 
 def with_scores(src: Path, dst: Path, scores: list[float]) -> Path:
-    """A copy of a real work dir whose per-sample scores are set to `scores` (report.json's score follows).
-
-    A test fixture standing for "a version whose predictions are better/worse": the tiny model solves no
-    AIME problem, so a real evaluation cannot show a regression by itself. Everything else is EvalScope's.
-    """
-    shutil.copytree(src, dst)
-    report = json.loads((dst / "report.json").read_text())
-    [rel] = report["review_paths"][BENCH]
-    lines = [json.loads(line) for line in (dst / rel).read_text().splitlines() if line.strip()]
-    assert len(lines) == len(scores)
-    for line, score in zip(lines, scores, strict=True):
-        value = line["sample_score"]["score"]["value"]
-        value[next(iter(value))] = score
-    (dst / rel).write_text("".join(json.dumps(line) + "\n" for line in lines))
-    report["scores"][BENCH] = sum(scores) / len(scores)
-    (dst / "report.json").write_text(json.dumps(report))
-    return dst
+    return scored_copy(src, dst, BENCH, scores)
 
 
 def grpoflow(*args: str, state: Path, env: dict | None = None) -> subprocess.CompletedProcess:

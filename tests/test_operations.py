@@ -1,0 +1,392 @@
+"""Operations, for real: the team services (a Prefect server and an MLflow server, both on PostgreSQL, and a
+Prefect process worker) started by `infra/services/up.sh` on loopback ports chosen at run time, the
+deployments of `infra/prefect.yaml` created by `grpoflow deploy`, a scheduled pipeline run picked up by the
+worker, the regression gate triggered as CI triggers it, and the CI workflow's own commands.
+
+The Prefect API runs with basic auth (a fresh auth string per run) and the database URL carries a password
+(PostgreSQL here trusts loopback, so any password connects): both are secrets that must appear in no log, no
+MLflow param or tag and no file the services write. The module's services are stopped by `down.sh`, and
+their databases dropped, whatever the tests do.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO_ROOT, scored_copy, shared
+
+pytestmark = pytest.mark.slow
+
+PG = "127.0.0.1:5432"
+SERVICES = REPO_ROOT / "infra" / "services"
+PREFECT_BIN = str(Path(sys.executable).with_name("prefect"))
+RUN_TIMEOUT_S = 900  # a flow run of the tiny recipe, worker start-up included, on 2 busy cores
+BENCH = "aime24"
+
+
+def free_port() -> int:
+    from trainer.rollout.remote import free_port as port
+    return port()
+
+
+def psql(command: str) -> None:
+    subprocess.run(["psql", "-h", "127.0.0.1", "-U", "postgres", "-v", "ON_ERROR_STOP=1", "-c", command],
+                   check=True, capture_output=True, timeout=60)
+
+
+class Services:
+    """What up.sh started, and how a client talks to it."""
+
+    def __init__(self, root: Path, pg_password: str, auth: str):
+        self.root, self.dir = root, root / "services"
+        self.pg_password, self.auth = pg_password, auth
+        self.tag = secrets.token_hex(3)
+        self.dbs = (f"grpoflow_ops_prefect_{self.tag}", f"grpoflow_ops_mlflow_{self.tag}")
+        self.prefect_port, self.mlflow_port = free_port(), free_port()
+        self.api = f"http://127.0.0.1:{self.prefect_port}/api"
+        self.mlflow = f"http://127.0.0.1:{self.mlflow_port}"
+
+    def up_env(self, **extra: str) -> dict:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "GRPOFLOW_"))}
+        env.update(GRPOFLOW_PG_URL=f"postgresql://postgres:{self.pg_password}@{PG}",
+                   GRPOFLOW_PREFECT_DB=self.dbs[0], GRPOFLOW_MLFLOW_DB=self.dbs[1],
+                   GRPOFLOW_PREFECT_PORT=str(self.prefect_port), GRPOFLOW_MLFLOW_PORT=str(self.mlflow_port),
+                   GRPOFLOW_MLFLOW_WORKERS="1", GRPOFLOW_PYTHON=sys.executable,
+                   PREFECT_SERVER_API_AUTH_STRING=self.auth,
+                   PREFECT_UI_ENABLED="false",  # lighter on 2 cores; the API is what is tested
+                   PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="5",  # the test's schedule fires within seconds
+                   PREFECT_WORKER_QUERY_SECONDS="3")
+        env.update(extra)
+        return env
+
+    def client_env(self) -> dict:
+        """What a user has after `source services.env` and setting the auth string."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "GRPOFLOW_"))}
+        env.update(PREFECT_API_URL=self.api, PREFECT_API_AUTH_STRING=self.auth, MLFLOW_TRACKING_URI=self.mlflow,
+                   PREFECT_HOME=str(self.root / "client-prefect"), GRPOFLOW_STATE=str(self.root / "client-state"))
+        return env
+
+    def request(self, method: str, path: str, body: dict | None = None, auth: str | None = "") -> dict | list:
+        """The Prefect REST API, with the auth string unless `auth` is None."""
+        headers = {"Content-Type": "application/json"}
+        if auth is not None:
+            headers["Authorization"] = "Basic " + base64.b64encode((auth or self.auth).encode()).decode()
+        req = urllib.request.Request(self.api + path, method=method, headers=headers,
+                                     data=None if body is None else json.dumps(body).encode())
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return json.loads(resp.read() or b"null")
+
+    def flow_runs(self, deployment_id: str, scheduled: bool | None = None) -> list[dict]:
+        """The deployment's flow runs, oldest first: all, only the schedule's, or only those triggered."""
+        runs = self.request("POST", "/flow_runs/filter", {"deployments": {"id": {"any_": [deployment_id]}}})
+        return sorted((r for r in runs if scheduled is None or r["auto_scheduled"] == scheduled),
+                      key=lambda r: r["created"])
+
+    def deployment(self, name: str) -> dict:
+        return self.request("GET", f"/deployments/name/{name}")
+
+    def wait_for_final(self, flow_run_id: str, timeout_s: float = RUN_TIMEOUT_S) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            run = self.request("GET", f"/flow_runs/{flow_run_id}")
+            if run["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+                return run
+            time.sleep(2)
+        raise AssertionError(f"flow run {flow_run_id} not finished within {timeout_s} s: {run['state']}\n"
+                             f"{self.worker_log()}")
+
+    def worker_log(self) -> str:
+        log = self.dir / "logs" / "worker.log"
+        return log.read_text()[-4000:] if log.exists() else "(no worker log)"
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory):
+    s = Services(tmp_path_factory.mktemp("ops"), pg_password=f"pw-{secrets.token_hex(8)}",
+                 auth=f"ops:{secrets.token_hex(12)}")
+    try:
+        up = subprocess.run(["bash", str(SERVICES / "up.sh"), str(s.dir)], cwd=REPO_ROOT, env=s.up_env(),
+                            capture_output=True, text=True, timeout=900)
+        assert up.returncode == 0, up.stderr[-4000:] + "".join(
+            f"\n--- {p.name}\n{p.read_text()[-3000:]}" for p in (s.dir / "logs").glob("*.log"))
+        yield s
+    finally:
+        down = subprocess.run(["bash", str(SERVICES / "down.sh"), str(s.dir)], capture_output=True, text=True,
+                              timeout=300)
+        for db in s.dbs:
+            subprocess.run(["psql", "-h", "127.0.0.1", "-U", "postgres", "-c",
+                            f"drop database if exists {db} with (force)"], capture_output=True, timeout=60)
+        assert down.returncode == 0, down.stderr
+
+
+def overrides(tiny_base: dict, eval_out: Path | None = None) -> list[str]:
+    """The tiny recipe, a few steps, a two-problem AIME evaluation (the gate's benchmark) from ../shared/data."""
+    found = [f"bootstrap.out={tiny_base['path']}", "data.synthetic_rows=600", "train.max_steps=4",
+             "train.save_steps=2", "train.eval_heldout=16", f"eval.benchmarks=[{BENCH}]", "eval.limit=2",
+             "eval.max_tokens=16", f"eval.local_paths={{{BENCH}: {shared(BENCH)}}}"]
+    return found + ([f"eval.out={eval_out}"] if eval_out else [])
+
+
+def grpoflow(services: Services, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO_ROOT, env=services.client_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def prefect(services: Services, *args: str, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
+    return subprocess.run([PREFECT_BIN, *args], cwd=REPO_ROOT, env=services.client_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+# ---- the services ------------------------------------------------------------------------------------------------
+
+def test_up_writes_what_a_client_needs_and_no_secret(services):
+    env_file = (services.dir / "services.env").read_text()
+    assert f"export PREFECT_API_URL={services.api}" in env_file
+    assert f"export MLFLOW_TRACKING_URI={services.mlflow}" in env_file
+    for path in services.dir.rglob("*"):
+        if path.is_file() and path.suffix in (".env", ".log", ""):
+            text = path.read_text(errors="replace")
+            assert services.pg_password not in text and services.auth.split(":")[1] not in text, path
+
+
+def test_an_unauthenticated_client_is_refused_by_the_prefect_api(services):
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        services.request("POST", "/flows/filter", {}, auth=None)
+    assert refused.value.code == 401
+    with pytest.raises(urllib.error.HTTPError) as wrong:
+        services.request("POST", "/flows/filter", {}, auth="ops:not-the-password")
+    assert wrong.value.code == 401
+    assert isinstance(services.request("POST", "/flows/filter", {}), list)
+    env = {**services.client_env(), "PREFECT_API_AUTH_STRING": ""}
+    proc = subprocess.run([PREFECT_BIN, "deployment", "ls"], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0
+
+
+# ---- deployments, a schedule, the pipeline through the worker ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def deployed(services, tiny_base, tmp_path_factory):
+    """infra/prefect.yaml deployed as it is, then again from a copy whose nightly schedule is a short interval
+    (its first run due in a few seconds) and whose parameters make the run small."""
+    proc = grpoflow(services, "deploy", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    as_shipped = {
+        "result": json.loads(proc.stdout.strip().splitlines()[-1]),
+        "nightly": services.deployment("grpo-pipeline/nightly"),
+        "gate": services.deployment("regression-eval/gate"),
+    }
+    spec = yaml.safe_load((REPO_ROOT / "infra" / "prefect.yaml").read_text())
+    nightly = next(d for d in spec["deployments"] if d["name"] == "nightly")
+    nightly["parameters"]["overrides"] = overrides(tiny_base)
+    anchor = time.time() + 10
+    nightly["schedules"] = [{"interval": 3600, "anchor_date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00",
+                                                                             time.gmtime(anchor))}]
+    copy = tmp_path_factory.mktemp("deploy") / "prefect.yaml"
+    copy.write_text(yaml.safe_dump(spec))
+    proc = grpoflow(services, "deploy", "--prefect-file", str(copy), "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return as_shipped
+
+
+def test_deploy_creates_both_deployments_with_the_shipped_schedule_and_pool(services, deployed):
+    assert deployed["result"]["deployments"] == ["grpo-pipeline/nightly", "regression-eval/gate"]
+    nightly, gate = deployed["nightly"], deployed["gate"]
+    [schedule] = nightly["schedules"]
+    assert schedule["schedule"]["cron"] == "0 2 * * *" and schedule["schedule"]["timezone"] == "Europe/Paris"
+    assert nightly["parameters"]["config"] == "configs/tiny-cpu.yaml"
+    assert nightly["work_pool_name"] == gate["work_pool_name"] == "grpoflow-process"
+    assert gate["schedules"] == [] and gate["parameters"]["fail_on_regression"] is True
+    pool = services.request("GET", "/work_pools/grpoflow-process")
+    assert pool["type"] == "process"
+
+
+@pytest.fixture(scope="module")
+def scheduled_run(services, deployed):
+    """The first run the interval schedule made, run by the worker to its end."""
+    deployment = services.deployment("grpo-pipeline/nightly")
+    deadline = time.monotonic() + 300
+    while not (runs := services.flow_runs(deployment["id"], scheduled=True)):
+        assert time.monotonic() < deadline, "the schedule made no flow run within 300 s"
+        time.sleep(2)
+    return services.wait_for_final(runs[0]["id"])
+
+
+def test_a_scheduled_run_is_picked_up_by_the_worker_and_completes(services, scheduled_run):
+    assert scheduled_run["state"]["type"] == "COMPLETED", (scheduled_run["state"], services.worker_log())
+    assert scheduled_run["auto_scheduled"] is True  # made by the schedule, not by a person
+
+
+def test_the_run_registered_a_version_with_its_lineage_on_the_mlflow_server(services, scheduled_run, tmp_path):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=services.mlflow, registry_uri=services.mlflow)  # a second client
+    [version] = client.search_model_versions("name='grpoflow-tiny'")
+    assert version.tags["prefect_flow_run_id"] == scheduled_run["id"]
+    for tag in ("dataset_sha256", "recipe_sha256", "checkpoint_sha256", "git_commit", "base_model"):
+        assert version.tags[tag], tag
+    run = client.get_run(version.run_id)
+    assert run.info.artifact_uri.startswith("mlflow-artifacts:")  # stored by the server, not a local path
+    local = Path(client.download_artifacts(version.run_id, "checkpoint", str(tmp_path)))
+    assert (local / "manifest.json").is_file() and any(local.glob("*.safetensors"))
+    manifest = json.loads((local / "manifest.json").read_text())
+    assert manifest["sha256"] == version.tags["checkpoint_sha256"]
+    # the flow's results sit where up.sh told the worker to keep them (the storage every worker must reach)
+    assert any((services.dir / "results").iterdir())
+
+
+def test_a_triggered_rerun_is_served_from_cache_and_a_deleted_checkpoint_is_trained_again(services, scheduled_run):
+    proc = prefect(services, "deployment", "run", "grpo-pipeline/nightly", "--watch")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    deployment = services.deployment("grpo-pipeline/nightly")
+    [triggered] = services.flow_runs(deployment["id"], scheduled=False)
+    cached = task_states(services, triggered["id"])
+    assert cached["train-policy"] == "Cached" and cached["prepare-data"] == "Cached", cached
+
+    checkpoints = sorted((services.dir / "state").glob("runs/*/*/checkpoint-*"), key=lambda p: int(p.name[11:]))
+    checkpoint = checkpoints[-1]  # the one the cached train result points to
+    shutil.rmtree(checkpoint)
+    proc = prefect(services, "deployment", "run", "grpo-pipeline/nightly", "--watch")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    states = task_states(services, services.flow_runs(deployment["id"], scheduled=False)[-1]["id"])
+    assert states["prepare-data"] == "Cached" and states["train-policy"] == "Completed", states
+    assert checkpoint.is_dir()  # trained again, not a dead path handed on
+
+
+def task_states(services: Services, flow_run_id: str) -> dict[str, str]:
+    """Each task's final state name in a flow run, by task name (the last attempt)."""
+    runs = services.request("POST", "/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}},
+                                                          "sort": "EXPECTED_START_TIME_ASC"})
+    return {r["name"].rsplit("-", 1)[0]: r["state"]["name"] for r in runs}
+
+
+# ---- the regression gate, as CI triggers it ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def eval_dirs(services, scheduled_run, tmp_path_factory):
+    """The pipeline's own EvalScope work dir, as a clearly better and a clearly worse copy."""
+    [report] = sorted((services.dir / "state").rglob("report.json"))[:1]
+    root = tmp_path_factory.mktemp("scored")
+    return {"good": scored_copy(report.parent, root / "good", BENCH, [1.0, 1.0]),
+            "bad": scored_copy(report.parent, root / "bad", BENCH, [0.0, 0.0])}
+
+
+def gate_params(candidate: str, baseline: str, tiny_base: dict) -> list[str]:
+    return ["--param", f"candidate={candidate}", "--param", f"baseline={baseline}",
+            "--params", json.dumps({"overrides": overrides(tiny_base)})]
+
+
+def test_the_gate_deployment_passes_a_model_against_itself(services, scheduled_run, tiny_base):
+    proc = prefect(services, "deployment", "run", "regression-eval/gate", "--watch",
+                   *gate_params("models:/grpoflow-tiny/1", "models:/grpoflow-tiny/1", tiny_base))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_the_gate_deployment_fails_a_clearly_worse_model_and_its_state_says_why(services, eval_dirs, tiny_base):
+    proc = prefect(services, "deployment", "run", "regression-eval/gate", "--watch",
+                   *gate_params(str(eval_dirs["bad"]), str(eval_dirs["good"]), tiny_base))
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    gate = services.deployment("regression-eval/gate")
+    final = services.flow_runs(gate["id"], scheduled=False)[-1]
+    assert final["state"]["type"] == "FAILED" and final["state"]["name"] == "Regression", final["state"]
+    assert f"{BENCH} -1.0000" in final["state"]["message"] and "max_drop 0.02" in final["state"]["message"]
+
+
+def workflow_steps() -> tuple[dict, list[dict]]:
+    spec = yaml.safe_load((REPO_ROOT / ".github" / "workflows" / "regression-eval.yml").read_text())
+    job = spec["jobs"]["gate"]
+    return job.get("env", {}), [s for s in job["steps"] if "run" in s]
+
+
+def run_workflow(services: Services, tmp: Path, values: dict) -> tuple[int, str, str]:
+    """The workflow's `run` steps, in order, in bash as a runner runs them, with the job's env filled from
+    `values` (what the repository's secrets and variables hold) instead of GitHub's `${{ }}` expressions."""
+    job_env, steps = workflow_steps()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "GRPOFLOW_"))}
+    env.update({name: values.get(name, "") for name in job_env})  # an unset secret is an empty string there
+    env.update(RUNNER_TEMP=str(tmp), GITHUB_STEP_SUMMARY=str(tmp / "summary.md"),
+               PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    tmp.mkdir(parents=True)
+    (tmp / "summary.md").touch()
+    work = tmp / "checkout"  # the repository as a runner checks it out (links: the venv is the one made here)
+    work.mkdir(parents=True)
+    for entry in REPO_ROOT.iterdir():
+        if entry.name not in (".git", ".state"):
+            (work / entry.name).symlink_to(entry)
+    failed = 0
+    for step in steps:
+        if step.get("if") != "always()" and failed:
+            continue
+        proc = subprocess.run(["bash", "-eo", "pipefail", "-c", step["run"]], cwd=work, env=env,
+                              capture_output=True, text=True, timeout=900)
+        failed = failed or proc.returncode
+    return failed, (work / "gate.json").read_text() if (work / "gate.json").exists() else "", \
+        (tmp / "summary.md").read_text()
+
+
+def test_the_ci_workflow_passes_an_equal_candidate_and_fails_a_worse_one_with_exit_1(
+        services, eval_dirs, tiny_base, tmp_path):
+    job_env, steps = workflow_steps()
+    assert {"MLFLOW_TRACKING_URI", "CANDIDATE", "BASELINE", "MAX_DROP", "GATE_CONFIG"} <= set(job_env)
+    # the team's recipe: the evaluation settings the pipeline ran with, so that its evaluation is reused
+    from trainer.recipe import load_recipe
+    config = tmp_path / "team-recipe.yaml"
+    config.write_text(yaml.safe_dump(load_recipe(REPO_ROOT / "configs" / "tiny-cpu.yaml", overrides(tiny_base)).to_dict()))
+    values = {"MLFLOW_TRACKING_URI": services.mlflow, "MAX_DROP": "0.02", "GATE_CONFIG": str(config),
+              "CANDIDATE": "models:/grpoflow-tiny/1", "BASELINE": "models:/grpoflow-tiny/1"}
+    code, out, summary = run_workflow(services, tmp_path / "same", values)
+    assert code == 0, out
+    assert json.loads(out.strip().splitlines()[-1])["passed"] is True and BENCH in summary
+
+    worse = {**values, "CANDIDATE": str(eval_dirs["bad"]), "BASELINE": str(eval_dirs["good"])}
+    code, out, summary = run_workflow(services, tmp_path / "worse", worse)
+    assert code == 1, out  # a regression, told apart from a broken check (2)
+    assert json.loads(out.strip().splitlines()[-1])["passed"] is False and "FAIL" in summary.upper()
+
+    broken = {**values, "BASELINE": "models:/no-such-model@champion"}
+    code, out, _ = run_workflow(services, tmp_path / "broken", broken)
+    assert code == 2, out
+
+
+# ---- secrets and bad services -------------------------------------------------------------------------------------
+
+def test_no_secret_in_logs_flow_run_logs_or_mlflow(services, scheduled_run):
+    from mlflow import MlflowClient
+
+    secrets_ = (services.pg_password, services.auth.split(":")[1])
+    for path in services.dir.rglob("*.log"):
+        text = path.read_text(errors="replace")
+        assert not any(s in text for s in secrets_), path
+    logs = services.request("POST", "/logs/filter", {"logs": {"flow_run_id": {"any_": [scheduled_run["id"]]}}})
+    assert logs and not any(s in json.dumps(logs) for s in secrets_)
+    assert not any(s in json.dumps(scheduled_run["parameters"]) for s in secrets_)
+    client = MlflowClient(tracking_uri=services.mlflow)
+    for exp in client.search_experiments():
+        for run in client.search_runs([exp.experiment_id]):
+            dump = json.dumps({"params": run.data.params, "tags": run.data.tags})
+            assert not any(s in dump for s in secrets_), run.info.run_id
+
+
+def test_up_with_postgresql_refusing_fails_naming_the_masked_url_and_starts_nothing(tmp_path):
+    s = Services(tmp_path, pg_password="hunter2-secret", auth="ops:x")
+    port = free_port()  # nothing listens there
+    env = s.up_env(GRPOFLOW_PG_URL=f"postgresql://postgres:hunter2-secret@127.0.0.1:{port}")
+    proc = subprocess.run(["bash", str(SERVICES / "up.sh"), str(s.dir)], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert f"postgresql://postgres:***@127.0.0.1:{port}/postgres" in proc.stderr
+    assert "hunter2-secret" not in proc.stdout + proc.stderr
+    assert not (s.dir / "services.env").exists() and not any((s.dir / "pids").iterdir())
