@@ -72,14 +72,15 @@ def test_deterministic_given_seed(tiny_recipe, tmp_path):
     assert losses[0] == losses[1]
 
 
-def test_a_second_maker_waits_for_the_first_then_takes_its_model(tiny_base, tiny_recipe):
-    """Two makers at once (the vLLM suite beside the main one, two `make run`s): the second waits on the lock
-    the first holds, then returns the first's model as a cache hit instead of warming up its own."""
+def test_a_second_maker_waits_for_the_first_then_takes_its_model(tiny_base, tiny_recipe, tmp_path):
+    """Two makers at once (two `make run`s, two test workers): the second waits on the lock the first holds,
+    then returns the first's model as a cache hit instead of warming up its own."""
     import fcntl
+    import shutil
     import threading
-    from pathlib import Path
 
-    out = Path(tiny_base["path"])
+    out = tmp_path / "models" / "tiny-base"
+    out.parent.mkdir()
     results = []
     with open(out.parent / f".{out.name}.lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # what a first maker holds while it warms up
@@ -87,6 +88,8 @@ def test_a_second_maker_waits_for_the_first_then_takes_its_model(tiny_base, tiny
             tiny_recipe.bootstrap, out=out, system_prompt=tiny_recipe.data.system_prompt, progress=False)))
         second.start()
         second.join(timeout=2)
-        assert second.is_alive() and results == []  # waiting, not making or reading a half-made model
+        assert second.is_alive() and results == []  # waiting, neither warming up nor reading a half-made model
+        shutil.copytree(tiny_base["path"], out)  # the first maker's model lands
     second.join(timeout=60)
-    assert results and results[0]["cached"] is True and results[0]["path"] == tiny_base["path"]
+    assert results and results[0]["cached"] is True and results[0]["path"] == str(out)
+    assert results[0]["heldout_accuracy"] == tiny_base["heldout_accuracy"]

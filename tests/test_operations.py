@@ -68,7 +68,8 @@ class Services:
                    PREFECT_SERVER_API_AUTH_STRING=self.auth,
                    PREFECT_UI_ENABLED="false",  # lighter on 2 cores; the API is what is tested
                    PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="5",  # the test's schedule fires within seconds
-                   PREFECT_WORKER_QUERY_SECONDS="3")
+                   PREFECT_WORKER_QUERY_SECONDS="3",
+                   GRPOFLOW_HEARTBEAT_S="30", GRPOFLOW_ZOMBIE_AFTER_S="40")  # Prefect's shortest heartbeat
         env.update(extra)
         return env
 
@@ -305,6 +306,48 @@ def test_the_gate_deployment_fails_a_clearly_worse_model_and_its_state_says_why(
     assert f"{BENCH} -1.0000" in final["state"]["message"] and "max_drop 0.02" in final["state"]["message"]
 
 
+def test_serve_runs_the_files_deployments_with_their_schedules_without_a_worker(services, scheduled_run, tiny_base,
+                                                                                 tmp_path):
+    """`grpoflow serve` on a copy of infra/prefect.yaml whose deployments are renamed (`-served`): they appear
+    on the server with the file's schedule, and a triggered gate runs in the serving process."""
+    import signal
+
+    spec = yaml.safe_load((REPO_ROOT / "infra" / "prefect.yaml").read_text())
+    for d in spec["deployments"]:
+        d["name"] += "-served"
+        d["parameters"]["overrides"] = overrides(tiny_base)
+    copy = tmp_path / "prefect.yaml"
+    copy.write_text(yaml.safe_dump(spec))
+    log = (tmp_path / "serve.log").open("w")
+    serving = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--prefect-file", str(copy)],
+                               cwd=REPO_ROOT, env=services.client_env(), stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                nightly = services.deployment("grpo-pipeline/nightly-served")
+                gate = services.deployment("regression-eval/gate-served")
+                break
+            except urllib.error.HTTPError:
+                assert serving.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+                time.sleep(1)
+        assert nightly["schedules"][0]["schedule"]["cron"] == "0 2 * * *"
+        assert nightly["schedules"][0]["schedule"]["timezone"] == "Europe/Paris" and gate["schedules"] == []
+        proc = prefect(services, "deployment", "run", "regression-eval/gate-served", "--watch",
+                       *gate_params("models:/grpoflow-tiny/1", "models:/grpoflow-tiny/1", tiny_base))
+        assert proc.returncode == 0, proc.stdout[-3000:] + (tmp_path / "serve.log").read_text()[-3000:]
+        [ran] = services.flow_runs(gate["id"], scheduled=False)
+        assert ran["state"]["type"] == "COMPLETED" and ran["work_pool_name"] is None  # no worker, no pool
+    finally:
+        os.killpg(serving.pid, signal.SIGINT)
+        try:
+            serving.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(serving.pid, signal.SIGKILL)
+        log.close()
+
+
 def workflow_steps() -> tuple[dict, list[dict]]:
     spec = yaml.safe_load((REPO_ROOT / ".github" / "workflows" / "regression-eval.yml").read_text())
     job = spec["jobs"]["gate"]
@@ -361,6 +404,79 @@ def test_the_ci_workflow_passes_an_equal_candidate_and_fails_a_worse_one_with_ex
     assert code == 2, out
 
 
+# ---- faults ------------------------------------------------------------------------------------------------------
+
+def test_a_run_killed_with_its_worker_is_crashed_and_a_rerun_on_a_new_worker_resumes_it(services, deployed, tiny_base):
+    """The worker and its flow-run process SIGKILLed mid-training (what losing the machine does: killing the worker
+    alone leaves the run going on by itself, since Prefect starts each run in a session of its own). The heartbeat
+    automation up.sh installs marks the run Crashed; up.sh again starts a new worker; the rerun resumes training
+    from the last checkpoint: each step in metrics.jsonl once, the checkpoints before the kill untouched."""
+    import signal
+
+    steps = 30
+    params = {"config": "configs/tiny-cpu.yaml",
+              "overrides": overrides(tiny_base) + [f"train.max_steps={steps}", "train.save_steps=5"]}
+    deployment = services.deployment("grpo-pipeline/nightly")
+    runs_root = services.dir / "state" / "runs" / "tiny-cpu"
+    before = set(runs_root.iterdir())
+    run = services.request("POST", f"/deployments/{deployment['id']}/create_flow_run", {"parameters": params})
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not (new := [d for d in runs_root.iterdir() if d not in before and (d / "checkpoint-10").is_dir()]):
+        assert time.monotonic() < deadline, f"no checkpoint-10 within {RUN_TIMEOUT_S} s\n{services.worker_log()}"
+        time.sleep(0.25)
+    [out] = new
+    flow_pid = int(str(services.request("GET", f"/flow_runs/{run['id']}")["infrastructure_pid"]).rsplit(":", 1)[-1])
+    os.kill(int((services.dir / "pids" / "worker").read_text()), signal.SIGKILL)
+    os.killpg(flow_pid, signal.SIGKILL)  # the run's own session: the engine and anything it started
+    kept = {p.name: p.stat().st_mtime_ns for p in out.glob("checkpoint-*")}
+    assert "checkpoint-10" in kept and f"checkpoint-{steps}" not in kept
+
+    crashed = services.wait_for_final(run["id"], timeout_s=300)
+    assert crashed["state"]["type"] == "CRASHED", crashed["state"]
+    assert "no heartbeat" in crashed["state"]["message"]
+
+    up = subprocess.run(["bash", str(SERVICES / "up.sh"), str(services.dir)], cwd=REPO_ROOT, env=services.up_env(),
+                        capture_output=True, text=True, timeout=300)
+    assert up.returncode == 0 and "worker on pool" in up.stderr, up.stderr
+    proc = prefect(services, "deployment", "run", "grpo-pipeline/nightly", "--params", json.dumps(params), "--watch")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))  # none lost, none repeated
+    for name, mtime in kept.items():  # resumed from them, not trained again from step 1
+        if (out / name).is_dir():
+            assert (out / name).stat().st_mtime_ns == mtime, name
+    assert (out / f"checkpoint-{steps}").is_dir()
+
+
+def test_mlflow_stopped_during_registration_and_back_within_the_retry_window_gives_one_version(
+        services, scheduled_run, tiny_base):
+    """The MLflow server SIGKILLed the moment training is done (registration starts next), then started again by
+    up.sh: the registration's retries (5 s, then 20 s apart) reach it, and the checkpoint is one version."""
+    import signal
+
+    from mlflow import MlflowClient
+
+    params = {"config": "configs/tiny-cpu.yaml", "overrides": overrides(tiny_base) + ["train.max_steps=6"]}
+    deployment = services.deployment("grpo-pipeline/nightly")
+    run = services.request("POST", f"/deployments/{deployment['id']}/create_flow_run", {"parameters": params})
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while task_states(services, run["id"]).get("train-policy") != "Completed":
+        assert time.monotonic() < deadline, services.worker_log()
+        time.sleep(0.05)
+    os.killpg(int((services.dir / "pids" / "mlflow-server").read_text()), signal.SIGKILL)
+    up = subprocess.run(["bash", str(SERVICES / "up.sh"), str(services.dir)], cwd=REPO_ROOT, env=services.up_env(),
+                        capture_output=True, text=True, timeout=300)
+    assert up.returncode == 0 and "mlflow-server up" in up.stderr, up.stderr
+    final = services.wait_for_final(run["id"])
+    assert final["state"]["type"] == "COMPLETED", (final["state"], services.worker_log())
+    register = [r for r in services.request("POST", "/task_runs/filter", {"flow_runs": {"id": {"any_": [run["id"]]}}})
+                if r["name"].startswith("register-checkpoint")]
+    assert register and register[0]["run_count"] >= 2  # the stop did hit the registration: it was retried
+    client = MlflowClient(tracking_uri=services.mlflow, registry_uri=services.mlflow)
+    shas = [v.tags.get("checkpoint_sha256") for v in client.search_model_versions("name='grpoflow-tiny'")]
+    assert len(shas) == len(set(shas))  # one version per checkpoint: the retries made no second one
+
+
 # ---- secrets and bad services -------------------------------------------------------------------------------------
 
 def test_no_secret_in_logs_flow_run_logs_or_mlflow(services, scheduled_run):
@@ -390,3 +506,26 @@ def test_up_with_postgresql_refusing_fails_naming_the_masked_url_and_starts_noth
     assert f"postgresql://postgres:***@127.0.0.1:{port}/postgres" in proc.stderr
     assert "hunter2-secret" not in proc.stdout + proc.stderr
     assert not (s.dir / "services.env").exists() and not any((s.dir / "pids").iterdir())
+
+
+# ---- the GPU work pool ------------------------------------------------------------------------------------------
+
+def test_the_kubernetes_gpu_template_is_accepted_by_prefect_and_asks_for_eight_gpus(services, tmp_path):
+    template = REPO_ROOT / "infra" / "k8s" / "gpu-pool.json"
+    name = f"grpoflow-gpu-{services.tag}"
+    proc = prefect(services, "work-pool", "create", name, "--type", "kubernetes", "--base-job-template",
+                   str(template), timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pool = services.request("GET", f"/work_pools/{name}")
+    job = pool["base_job_template"]["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]
+    [container] = job["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "{{ gpus }}"
+    variables = pool["base_job_template"]["variables"]["properties"]
+    assert variables["gpus"]["default"] == 8 and variables["env"]["default"]["GRPOFLOW_STATE"] == "/shared/state"
+    # the server checks what it stores: a placeholder without its variable is refused
+    broken = json.loads(template.read_text())
+    del broken["variables"]["properties"]["gpus"]
+    (tmp_path / "broken.json").write_text(json.dumps(broken))
+    proc = prefect(services, "work-pool", "create", f"{name}-broken", "--type", "kubernetes",
+                   "--base-job-template", str(tmp_path / "broken.json"), timeout=120)
+    assert proc.returncode != 0 and "gpus" in proc.stdout + proc.stderr

@@ -138,15 +138,21 @@ def bootstrap(cfg: BootstrapConfig, out: str | Path | None = None, system_prompt
     out = Path(out or cfg.out).resolve()
     system_prompt = resolve_system_prompt(system_prompt)
     digest = config_hash(cfg, system_prompt)
-    # one maker at a time: a second caller (another `make run`, the vLLM test suite beside the main one) waits
-    # for the first and then finds its cached model instead of spending minutes making the same one
+    if (cached := _cached(out, digest)) is not None:
+        return cached
+    check_replaceable(out, KIND)  # before minutes of warm-up: an unrelated --out is refused, untouched
+    # one maker at a time: a second caller (another `make run`, a second test worker) waits for the first and
+    # then finds its model in the cache instead of spending minutes making the same one
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return _cached_or_made(cfg, out, system_prompt, digest, progress)
+        if (cached := _cached(out, digest)) is not None:
+            return cached
+        return _make(cfg, out, system_prompt, digest, progress)
 
 
-def _cached_or_made(cfg: BootstrapConfig, out: Path, system_prompt: str, digest: str, progress: bool | None) -> dict:
+def _cached(out: Path, digest: str) -> dict | None:
+    """The summary of the model at `out` when it was made from this config and its files are intact."""
     if (out / MANIFEST).is_file():
         manifest = read_manifest(out)
         if manifest.get("config_hash") == digest:
@@ -155,8 +161,10 @@ def _cached_or_made(cfg: BootstrapConfig, out: Path, system_prompt: str, digest:
                 return {**_summary(manifest, out), "cached": True}
             except IntegrityError as e:
                 log.warning("cached base model is corrupt, making it again: %s", e)
-    check_replaceable(out, KIND)  # before minutes of warm-up: an unrelated --out is refused, untouched
+    return None
 
+
+def _make(cfg: BootstrapConfig, out: Path, system_prompt: str, digest: str, progress: bool | None) -> dict:
     started = time.time()
     torch.manual_seed(cfg.seed)
     train_rows = _rows(cfg.task, cfg.sft_rows, cfg.seed, "train", system_prompt)

@@ -22,6 +22,8 @@
 #                            PREFECT_RESULTS_DEFAULT_STORAGE_BLOCK to a Prefect filesystem block (s3-bucket/...)
 #   PREFECT_SERVER_API_AUTH_STRING  "user:password": the Prefect API refuses clients without it (clients set
 #                            PREFECT_API_AUTH_STRING to the same value)
+#   GRPOFLOW_HEARTBEAT_S     flow runs' heartbeat period (default 60, at least 30); GRPOFLOW_ZOMBIE_AFTER_S: a run
+#                            with no heartbeat for this long is marked Crashed (default 3 heartbeats)
 #   GRPOFLOW_PYTHON          the Python that has grpoflow installed (default: the repo's .venv)
 #   GRPOFLOW_SERVICES_TIMEOUT seconds to wait for each server to answer (default 300)
 set -euo pipefail
@@ -90,9 +92,38 @@ if ! "$BIN/prefect" work-pool inspect "$POOL" >/dev/null 2>&1; then
   say "work pool $POOL created (process)"
 fi
 
+# A flow run whose process died with its machine (or with a SIGKILLed worker and its children) reports nothing:
+# Prefect's server marks no run Crashed by itself. Runs send a heartbeat every HEARTBEAT s; this automation marks
+# a run Crashed when ZOMBIE s pass with no heartbeat and no final state, so that a rerun can take over.
+HEARTBEAT="${GRPOFLOW_HEARTBEAT_S:-60}"
+ZOMBIE="${GRPOFLOW_ZOMBIE_AFTER_S:-$((HEARTBEAT * 3))}"
+AUTOMATION="grpoflow: a run whose heartbeat stopped is Crashed"
+if ! "$BIN/prefect" automation ls 2>/dev/null | grep -qF "$AUTOMATION"; then
+  cat >"$DIR/crashed-runs-automation.yaml" <<END
+name: "$AUTOMATION"
+trigger:
+  type: event
+  posture: Proactive
+  match: {prefect.resource.id: "prefect.flow-run.*"}
+  after: [prefect.flow-run.heartbeat]
+  expect: [prefect.flow-run.heartbeat, prefect.flow-run.Completed, prefect.flow-run.Failed, prefect.flow-run.Crashed,
+           prefect.flow-run.Cancelled, prefect.flow-run.Cancelling, prefect.flow-run.Regression]
+  for_each: [prefect.resource.id]
+  threshold: 1
+  within: $ZOMBIE
+actions:
+  - type: change-flow-run-state
+    state: CRASHED
+    message: "no heartbeat for $ZOMBIE s: its process is gone (machine lost, or worker and run killed)"
+END
+  "$BIN/prefect" automation create --from-file "$DIR/crashed-runs-automation.yaml" >/dev/null
+  say "automation created: $AUTOMATION"
+fi
+
 if [[ "${GRPOFLOW_WORKER:-1}" != 0 ]]; then
   # flow runs inherit this environment: the team's MLflow, one state folder, results where a cache hit finds them
   GRPOFLOW_STATE="${GRPOFLOW_STATE:-$DIR/state}" PREFECT_LOCAL_STORAGE_PATH="${GRPOFLOW_RESULTS:-$DIR/results}" \
+    PREFECT_FLOWS_HEARTBEAT_FREQUENCY="$HEARTBEAT" \
     start worker "$BIN/prefect" worker start --pool "$POOL" --type process
   say "worker on pool $POOL started (log: $DIR/logs/worker.log)"
 fi
