@@ -6,6 +6,8 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -98,3 +100,16 @@ def scored_copy(src: Path, dst: Path, bench: str, scores: list[float]) -> Path:
     report["scores"][bench] = sum(scores) / len(scores)
     (dst / "report.json").write_text(json.dumps(report))
     return dst
+
+
+def stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+    """Stop a process started with its own session (`start_new_session=True`) and everything it started: `sig`
+    to the group, SIGKILL after `timeout` seconds. Returns its exit status."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode

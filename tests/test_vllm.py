@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO_ROOT, require_vllm, shared
+from conftest import REPO_ROOT, require_vllm, shared, stop_group
 
 require_vllm("`make test-vllm` runs these tests in .venv-vllm")
 
@@ -103,17 +103,6 @@ def wait_for_health(url: str, proc: subprocess.Popen, log: Path, timeout_s: floa
         except (OSError, ValueError):
             time.sleep(1)
     raise AssertionError(f"the vLLM server was not up within {timeout_s} s:\n{log.read_text()[-4000:]}")
-
-
-def stop_group(proc: subprocess.Popen) -> int:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode
 
 
 # ---- one in-process engine ---------------------------------------------------------------------------------------

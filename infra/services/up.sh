@@ -41,6 +41,8 @@ mkdir -p "$DIR/logs" "$DIR/pids"
 cd "$REPO"
 
 say() { echo "grpoflow services: $*" >&2; }
+# alive PID: running, not a zombie (a killed server whose parent is gone stays one until reaped, and kill -0 passes)
+alive() { local st; st="$(ps -o stat= -p "$1" 2>/dev/null)" && [[ -n "$st" && "$st" != Z* ]]; }
 
 # The databases, created when missing; the URLs (password included) stay in this process's environment
 urls="$("$PY" "$REPO/infra/services/databases.py" "${GRPOFLOW_PREFECT_DB:-grpoflow_prefect}" \
@@ -50,17 +52,18 @@ unset urls
 
 start() {  # name, command...: in its own session (down.sh stops the whole group), log and pid in DIR
   local name="$1"; shift
-  if [[ -f "$DIR/pids/$name" ]] && kill -0 "$(cat "$DIR/pids/$name")" 2>/dev/null; then
+  if [[ -f "$DIR/pids/$name" ]] && alive "$(cat "$DIR/pids/$name")"; then
     say "$name already running (pid $(cat "$DIR/pids/$name"))"; return
   fi
   setsid "$@" >>"$DIR/logs/$name.log" 2>&1 < /dev/null &
   echo $! >"$DIR/pids/$name"
+  say "$name started (pid $!, log $DIR/logs/$name.log)"
 }
 
 wait_for() {  # name, url: until it answers 200, the process dies, or TIMEOUT
   local name="$1" url="$2" deadline=$((SECONDS + TIMEOUT))
   until "$PY" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)" "$url" 2>/dev/null; do
-    if ! kill -0 "$(cat "$DIR/pids/$name")" 2>/dev/null; then
+    if ! alive "$(cat "$DIR/pids/$name")"; then
       say "$name exited while starting; the end of $DIR/logs/$name.log:"; tail -20 "$DIR/logs/$name.log" >&2; exit 1
     fi
     if ((SECONDS > deadline)); then say "$name did not answer at $url within ${TIMEOUT}s (log: $DIR/logs/$name.log)"; exit 1; fi
@@ -125,7 +128,6 @@ if [[ "${GRPOFLOW_WORKER:-1}" != 0 ]]; then
   GRPOFLOW_STATE="${GRPOFLOW_STATE:-$DIR/state}" PREFECT_LOCAL_STORAGE_PATH="${GRPOFLOW_RESULTS:-$DIR/results}" \
     PREFECT_FLOWS_HEARTBEAT_FREQUENCY="$HEARTBEAT" \
     start worker "$BIN/prefect" worker start --pool "$POOL" --type process
-  say "worker on pool $POOL started (log: $DIR/logs/worker.log)"
 fi
 
 cat >"$DIR/services.env" <<EOF
