@@ -123,3 +123,15 @@ def test_unreachable_registry_fails_clearly_and_keeps_the_checkpoint(tmp_path, t
     assert "registering" in proc.stderr and bad in proc.stderr and "checkpoint on disk is untouched" in proc.stderr
     [ckpt] = (tmp_path / "runs").glob("*/checkpoint-4")
     assert read_manifest(ckpt)["sha256"] == sha256_dir(ckpt)
+
+
+def test_a_cached_result_whose_files_are_gone_is_named_by_missing_outputs(tmp_path):
+    """What the flow checks on a cache hit before handing a stage's result on (a rerun when something is gone)."""
+    from tasks.stages import missing_outputs
+
+    (tmp_path / "data").mkdir()
+    gone = str(tmp_path / "runs" / "checkpoint-4")
+    assert missing_outputs({"out": str(tmp_path / "data"), "checkpoint": gone, "steps": 4}) == [gone]
+    assert missing_outputs({"path": "Qwen/Qwen2.5-7B", "bootstrapped": False}) == []  # a hub id is no path
+    assert missing_outputs({"path": gone, "bootstrapped": True}) == [gone]
+    assert missing_outputs({"model_name": "m", "model_version": "1"}) == []
