@@ -531,3 +531,19 @@ def test_the_kubernetes_gpu_template_is_accepted_by_prefect_and_asks_for_eight_g
     proc = prefect(services, "work-pool", "create", f"{name}-broken", "--type", "kubernetes",
                    "--base-job-template", str(tmp_path / "broken.json"), timeout=120)
     assert proc.returncode != 0 and "gpus" in proc.stdout + proc.stderr
+
+
+def test_run_with_its_postgresql_store_refusing_is_exit_2_naming_the_masked_url_and_writes_nothing(tmp_path,
+                                                                                                  tiny_base):
+    port = free_port()  # nothing listens there
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "GRPOFLOW_"))}
+    env["MLFLOW_TRACKING_URI"] = f"postgresql://postgres:hunter2-secret@127.0.0.1:{port}/grpoflow"
+    state = tmp_path / "state"
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--state-dir", str(state), "--json",
+                           *overrides(tiny_base)], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"postgresql://postgres:***@127.0.0.1:{port}/grpoflow" in proc.stderr
+    assert "hunter2-secret" not in proc.stdout + proc.stderr
+    written = [p.relative_to(state).parts[0] for p in state.rglob("*") if p.is_file()] if state.exists() else []
+    assert not {"data", "runs", "eval", "mlartifacts", "mlflow.db"} & set(written), written
