@@ -51,8 +51,8 @@ def require_server() -> str:
     if not url:
         raise UsageError("PREFECT_API_URL is not set: deployments and schedules need a Prefect server "
                          "(infra/services/up.sh starts one; then `source .state/services/services.env`)")
-    from data.reachability import require_reachable
-    require_reachable(url.rstrip("/") + "/health", "the Prefect API", 10.0, hint="PREFECT_API_URL")
+    from tasks.preflight import require_prefect_api
+    require_prefect_api(url)
     return url
 
 

@@ -3,7 +3,8 @@
 Each side's evaluation is reused when MLflow already has one with the recipe's settings, and run otherwise
 (see `tasks.comparison`). Called from code, the flow returns the gate's verdict instead of failing on a
 regression, so a caller decides what a failed gate means; a deployment sets `fail_on_regression`, so that the
-run's state says it. Infrastructure errors (MLflow unreachable, an unknown model) fail the flow. `grpoflow gate` runs the same steps without Prefect, so a gate answers without a Prefect server.
+run's state says it. Infrastructure errors (MLflow unreachable, an unknown model) fail the flow. `grpoflow gate`
+runs the same steps without Prefect, so a gate answers without a Prefect server.
 Call `services.configure()` before importing this module: Prefect reads its settings at import time.
 """
 

@@ -30,16 +30,21 @@ def check_writable(path: str | Path, setting: str) -> None:
 def check_before_run(recipe, services, source: str) -> None:
     """Before the pipeline: the recipe is one the trainer supports, the Prefect API and MLflow answer (a dead
     server is one line, not minutes of client retries), and the evaluation settings are usable."""
-    from data.reachability import require_reachable
     from tasks import tracking
     from trainer.grpo import check_supported
 
     check_supported(recipe)
     if services.prefect_api_url:
-        require_reachable(services.prefect_api_url.rstrip("/") + "/health", "the Prefect API",
-                          PREFECT_PROBE_TIMEOUT_S, hint="PREFECT_API_URL")
+        require_prefect_api(services.prefect_api_url)
     tracking.client_for(services.tracking_uri, services.registry_uri)
     check_eval_settings(recipe, source)
+
+
+def require_prefect_api(url: str) -> None:
+    """One line naming the Prefect API (exit 2) unless its /health answers within PREFECT_PROBE_TIMEOUT_S."""
+    from data.reachability import require_reachable
+
+    require_reachable(url.rstrip("/") + "/health", "the Prefect API", PREFECT_PROBE_TIMEOUT_S, hint="PREFECT_API_URL")
 
 
 def check_eval_settings(recipe, source: str, endpoint: str | None = None, **endpoint_settings) -> None:
