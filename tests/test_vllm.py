@@ -214,13 +214,19 @@ def test_a_tied_lm_head_reaches_the_engine_only_under_its_own_name(engine, polic
 
 
 @IN_PROCESS_ENGINE
-def test_a_seeded_batch_over_the_batched_token_budget_generates_and_repeats(engine, prompts):
+def test_a_seeded_batch_over_the_batched_token_budget_generates_and_repeats(engine, policy, prompts):
+    """On the base model's own weights (what earlier tests of the group left in the engine is not this test's
+    business). The tiny model is sure of some sums: 8 samples of one prompt came out as only 2 or 3 distinct
+    completions here, and as a single one on another machine's base model, so a group may repeat itself; had
+    vLLM given every sample of a request the same seed, every group would be 8 copies of one completion."""
+    engine.update_weights(policy[0].state_dict().items(), 20)
     budget = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
     assert sum(len(p) for p in prompts) * 8 > 4 * budget  # many engine steps of prefill
     sampling = SamplingParams(max_tokens=12, temperature=1.0, seed=5)
     first, again = engine.generate(prompts, 8, sampling), engine.generate(prompts, 8, sampling)
     assert token_ids(first) == token_ids(again)  # each request's seed alone decides its tokens
-    assert all(len(set(g)) > 1 for g in token_ids(first))  # and the samples of a group differ
+    distinct = [len(set(g)) for g in token_ids(first)]
+    assert max(distinct) > 1, distinct  # and the samples of a request are seeded apart
     other = engine.generate(prompts, 8, SamplingParams(max_tokens=12, temperature=1.0, seed=6))
     assert token_ids(other) != token_ids(first)
 
