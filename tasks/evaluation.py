@@ -7,7 +7,9 @@ an OpenAI-compatible endpoint URL. Registered versions are downloaded once into 
 
 from __future__ import annotations
 
+import logging
 import re
+import shutil
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,7 @@ from data.manifest import MANIFEST, read_manifest
 from data.redact import mask_uri, redact
 from tasks import tracking
 from tasks.preflight import check_eval_settings
+from tasks.registry import MODEL_DIR, model_id_of
 from trainer.model_loading import verify_if_ours
 from trainer.typed_config import to_dict
 
@@ -27,6 +30,7 @@ if TYPE_CHECKING:
     from tasks.services import Services
     from trainer.recipe import EvalConfig, Recipe
 
+log = logging.getLogger("grpoflow.evaluation")
 _MODELS_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/]+)|/(?P<version>\d+))$")
 
 
@@ -57,6 +61,27 @@ def lookup_version(ref: str, client: MlflowClient):
     return m["name"], mv
 
 
+def download_version(client: MlflowClient, name: str, mv, cache_dir: Path) -> Path:
+    """The checkpoint folder of registered version `mv`, downloaded once into `cache_dir/<name>/v<N>`: the
+    `model/` folder of its MLflow model, or (versions registered before they were MLflow models) the folder
+    its source names."""
+    target = cache_dir / name / f"v{mv.version}"
+    if not target.is_dir():
+        import mlflow
+
+        source = mv.source
+        if source.startswith("models:/m-"):  # a logged model: its artifacts, through the tracking server
+            source = client.get_logged_model(source.removeprefix("models:/")).artifact_location
+        staging = target.parent / f".v{mv.version}"
+        shutil.rmtree(staging, ignore_errors=True)  # what an interrupted download left
+        target.parent.mkdir(parents=True, exist_ok=True)
+        downloaded = Path(mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(staging),
+                                                              tracking_uri=client.tracking_uri))
+        downloaded.rename(target)
+        shutil.rmtree(staging, ignore_errors=True)
+    return target / MODEL_DIR if (target / "MLmodel").is_file() else target
+
+
 def resolve_model(ref: str, client: MlflowClient | None, cache_dir: Path) -> ModelRef:
     if ref.startswith(("http://", "https://")):
         return ModelRef(mask_uri(ref), api_url=ref)
@@ -64,16 +89,10 @@ def resolve_model(ref: str, client: MlflowClient | None, cache_dir: Path) -> Mod
         if client is None:
             raise ValueError(f"{ref}: a registered model needs an MLflow tracking URI")
         name, mv = lookup_version(ref, client)
-        target = cache_dir / name / f"v{mv.version}"
-        if not (target / MANIFEST).is_file():
-            import mlflow
-            target.parent.mkdir(parents=True, exist_ok=True)
-            mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(target.parent / f".v{mv.version}"),
-                                                tracking_uri=client.tracking_uri)
-            downloaded = target.parent / f".v{mv.version}" / Path(mv.source).name
-            downloaded.rename(target)
+        target = download_version(client, name, mv, cache_dir)
+        manifest = read_manifest(target)
         expected = mv.tags.get("checkpoint_sha256")
-        if expected and read_manifest(target).get("sha256") != expected:
+        if expected and manifest.get("checkpoint_sha256", manifest.get("sha256")) != expected:
             raise RuntimeError(f"{ref}: downloaded checkpoint at {target} does not match its registered sha256")
         verify_if_ours(str(target))  # EvalScope loads it in its own process: check it here
         return ModelRef(ref, local_path=str(target), model_name=name, model_version=str(mv.version))
@@ -86,14 +105,19 @@ def resolve_model(ref: str, client: MlflowClient | None, cache_dir: Path) -> Mod
 
 def record_evaluation(client: MlflowClient, experiment_id: str, ref: ModelRef, scores: dict, settings: EvalConfig,
                       report: Path | None, parent_run_id: str | None = None) -> str:
-    """One MLflow run with the scores and the recipe's eval `settings`; a registered version also gets the
-    scores as `eval.<benchmark>` tags."""
+    """One MLflow run with the scores and the recipe's eval `settings`. For a registered version the scores
+    are also linked to its MLflow model (the metrics MLflow's model comparison shows) and set as
+    `eval.<benchmark>` tags on the version (lineage, as before). A local model's scores include the
+    thinking-efficiency aggregates of the work dir next to `report` (`thinking_scores`)."""
     tags = {"model": mask_uri(ref.text)}
+    model_id = None
     if ref.model_name:
         tags.update(model_name=ref.model_name, model_version=ref.model_version)
+        model_id = model_id_of(client.get_model_version(ref.model_name, ref.model_version))
+    thinking = thinking_scores(report.parent, ref.local_path) if report is not None and ref.local_path else {}
     run_id = tracking.start_run(client, experiment_id, "evaluate", parent_run_id, tags=tags)
     tracking.log_params(client, run_id, {"eval": to_dict(settings)})
-    tracking.log_metrics(client, run_id, scores)
+    tracking.log_metrics(client, run_id, {**scores, **thinking}, model_id=model_id)
     if report is not None and report.is_file():
         client.log_artifact(run_id, str(report))
     client.set_terminated(run_id)
@@ -102,6 +126,27 @@ def record_evaluation(client: MlflowClient, experiment_id: str, ref: ModelRef, s
             client.set_model_version_tag(ref.model_name, ref.model_version, f"eval.{bench}", f"{value:.4f}")
         client.set_model_version_tag(ref.model_name, ref.model_version, "eval_mlflow_run_id", run_id)
     return run_id
+
+
+def thinking_scores(work_dir: Path, tokenizer: str) -> dict[str, float]:
+    """The thinking-efficiency aggregates of an EvalScope work dir (`evaluation.thinking.analyze`, tokens counted
+    by `tokenizer`) as `thinking/<metric>` numbers (`thinking/overthinking/samples`, ...); none for a work dir
+    without per-sample outputs, and none of the aggregates that no sample defines (e.g. first-correct tokens
+    when nothing was right)."""
+    from evaluation.thinking import analyze
+
+    try:
+        summary = analyze(work_dir, tokenizer, progress=False).summary
+    except MissingPathError as e:
+        log.warning("no thinking-efficiency metrics for %s: %s", work_dir, e)
+        return {}
+    flat = {}
+    for key, value in summary.items():
+        if isinstance(value, dict) and key != "per_benchmark":
+            flat.update({f"thinking/{key}/{k}": v for k, v in value.items()})
+        else:
+            flat[f"thinking/{key}"] = value
+    return {k: float(v) for k, v in flat.items() if isinstance(v, (int, float))}
 
 
 def heldout_accuracy(model_path: str, data_dir: str | Path, recipe) -> float | None:

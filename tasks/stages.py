@@ -116,14 +116,12 @@ def register_model(trained: dict, prepared: dict, base: dict, recipe_sha256: str
     client = _ctx_client(ctx)
     try:
         run_id = tracking.start_run(client, ctx["experiment_id"], "register", ctx["parent_run_id"])
-        checkpoint = trained["checkpoint"]
-        client.log_artifacts(run_id, checkpoint, "checkpoint")
         tags = {"dataset_sha256": read_manifest(prepared["out"])["sha256"], "recipe_sha256": recipe_sha256,
                 "git_commit": code_version(), "prefect_flow_run_id": flow_run.get_id() or "",
                 "base_model": base["path"], "steps_trained": trained["steps"], "train_mlflow_run_id":
                 trained["mlflow_run_id"], "heldout_accuracy": trained["heldout_accuracy_after"]}
-        version, created = register_checkpoint(client, model_name, run_id, "checkpoint",
-                                               trained["checkpoint_sha256"], tags)
+        version, created = register_checkpoint(client, model_name, ctx["experiment_id"], run_id,
+                                               trained["checkpoint"], trained["checkpoint_sha256"], tags)
         client.set_terminated(run_id)
     except Exception as e:
         raise tracking.TrackingError(f"registering {trained['checkpoint']} as '{model_name}' in MLflow at "

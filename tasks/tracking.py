@@ -120,10 +120,12 @@ def log_params(client: MlflowClient, run_id: str, params: dict) -> None:
         client.log_batch(run_id, params=items[i:i + 100])
 
 
-def log_metrics(client: MlflowClient, run_id: str, metrics: dict, step: int = 0) -> None:
+def log_metrics(client: MlflowClient, run_id: str, metrics: dict, step: int = 0, model_id: str | None = None) -> None:
+    """Numeric `metrics` (NaN skipped) at `step`, named as given ('@' is the one character MLflow refuses that
+    our names use: `pass@k` is logged as `pass_at_k`); with `model_id`, also linked to that logged model."""
     now = int(time.time() * 1000)
-    items = [Metric(k.replace("@", "_at_"), float(v), now, step) for k, v in metrics.items()
-             if isinstance(v, (int, float)) and v == v]  # skip NaN
+    items = [Metric(k.replace("@", "_at_"), float(v), now, step, model_id=model_id) for k, v in metrics.items()
+             if isinstance(v, (int, float)) and v == v]
     for i in range(0, len(items), 500):
         client.log_batch(run_id, metrics=items[i:i + 500])
 
@@ -144,7 +146,7 @@ class MlflowTrainingCallback:
         self.client, self.run_id = client, run_id
 
     def on_step(self, step: int, metrics: dict) -> None:
-        log_metrics(self.client, self.run_id, {k.replace("/", "."): v for k, v in metrics.items()}, step)
+        log_metrics(self.client, self.run_id, metrics, step)  # TRL's names, as metrics.jsonl spells them
 
     def on_checkpoint(self, step: int, path: Path) -> None:
         self.client.set_tag(self.run_id, "last_checkpoint", str(path))

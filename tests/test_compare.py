@@ -192,9 +192,8 @@ def register(client, experiment_id: str, checkpoint: Path, name: str) -> str:
     from tasks.registry import register_checkpoint
 
     run_id = client.create_run(experiment_id, run_name="register").info.run_id
-    client.log_artifacts(run_id, str(checkpoint), "checkpoint")
-    version, created = register_checkpoint(client, name, run_id, "checkpoint", read_manifest(checkpoint)["sha256"],
-                                           {"base_model": str(checkpoint)})
+    version, created = register_checkpoint(client, name, experiment_id, run_id, checkpoint,
+                                           read_manifest(checkpoint)["sha256"], {"base_model": str(checkpoint)})
     assert created
     return version
 
@@ -237,11 +236,19 @@ def test_compare_two_registered_versions_evaluates_once_and_logs_the_plot(tiny_b
     assert proc.returncode == 0, proc.stderr[-3000:]
     first = last_json(proc)
     assert first["baseline"]["reused"] is True and first["baseline"]["eval_run_id"] == v1_eval
+    # the evaluation compare reused is the one whose metrics MLflow's model view shows for version 1
+    from tasks.registry import model_id_of
+    linked = client.get_logged_model(model_id_of(client.get_model_version(name, "1"))).metrics
+    assert {m.run_id for m in linked} == {v1_eval} and {m.key: m.value for m in linked}[BENCH] == result.scores[BENCH]
     assert first["candidate"]["reused"] is False and first["candidate"]["model_version"] == "2"
     assert Path(first["candidate"]["work_dir"]) == tmp_path / "eval" / f"{name}-v2"
-    [row] = first["rows"]
+    [row] = [r for r in first["rows"] if r["metric"] == "accuracy"]
     assert {k: row[k] for k in ("benchmark", "metric", "n", "diff", "ci_low", "ci_high")} == \
         {"benchmark": BENCH, "metric": "accuracy", "n": 4, "diff": 0.0, "ci_low": 0.0, "ci_high": 0.0}
+    # both evaluations were recorded with their thinking-efficiency samples, compared (not gated) beside it
+    thinking = {r["metric"]: r for r in first["rows"] if r["metric"] != "accuracy"}
+    assert thinking["reasoning_tokens"]["n"] == 4 and thinking["reasoning_tokens"]["diff"] == 0.0
+    assert not any(r["gated"] for r in thinking.values())
     assert f"| {BENCH} | accuracy |" in first["table"]
 
     run = client.get_run(first["mlflow_run_id"])

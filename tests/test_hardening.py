@@ -982,6 +982,9 @@ def mlflow_text(tracking_uri: str) -> str:
                     parts.append(item.path)
                     if item.is_dir:
                         stack.append(item.path)
+        for logged in client.search_logged_models([exp.experiment_id]):  # registered versions are MLflow models
+            parts.append(repr((logged.name, logged.artifact_location, logged.tags, logged.params,
+                               [(m.key, m.value) for m in logged.metrics or []])))
     for model in client.search_registered_models():
         parts.append(repr((model.name, model.description, model.tags, model.aliases)))
         for mv in client.search_model_versions(f"name='{model.name}'"):

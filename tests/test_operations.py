@@ -241,10 +241,14 @@ def test_the_run_registered_a_version_with_its_lineage_on_the_mlflow_server(serv
         assert version.tags[tag], tag
     run = client.get_run(version.run_id)
     assert run.info.artifact_uri.startswith("mlflow-artifacts:")  # stored by the server, not a local path
-    local = Path(client.download_artifacts(version.run_id, "checkpoint", str(tmp_path)))
-    assert (local / "manifest.json").is_file() and any(local.glob("*.safetensors"))
+    assert version.source.startswith("mlflow-artifacts:")  # the MLflow model, stored by the server
+    import mlflow
+    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=str(tmp_path),
+                                                     tracking_uri=services.mlflow)) / "model"
+    assert (local.parent / "MLmodel").is_file() and any(local.glob("*.safetensors"))
     manifest = json.loads((local / "manifest.json").read_text())
-    assert manifest["sha256"] == version.tags["checkpoint_sha256"]
+    assert manifest["checkpoint_sha256"] == version.tags["checkpoint_sha256"]
+    assert manifest["left_out"] == ["trainer_state.pt"] and not (local / "trainer_state.pt").exists()
     # the flow's results sit where up.sh told the worker to keep them (the storage every worker must reach)
     assert any((services.dir / "results").iterdir())
 

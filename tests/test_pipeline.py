@@ -61,11 +61,17 @@ def test_pipeline_lineage_caching_and_rerun_downstream_of_a_change(tmp_path, tin
     assert str(client.get_model_version_by_alias("grpoflow-tiny", "candidate").version) == "1"
     assert float(version.tags["eval.math_500"]) == pytest.approx(first["scores"]["math_500"], abs=1e-4)
 
-    # the registered source holds the checkpoint, loadable like any HF model
+    # the registered source is an MLflow model holding the checkpoint less its training state
     import mlflow
     local = mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=str(tmp_path / "dl"),
                                                 tracking_uri=f"sqlite:///{tmp_path / 'state' / 'mlflow.db'}")
-    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(local))
+    assert "MLmodel" in os.listdir(local)
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(Path(local) / "model"))
+    assert "trainer_state.pt" in os.listdir(ckpt) and "trainer_state.pt" not in os.listdir(Path(local) / "model")
+    # the evaluation's scores are numbers linked to that model: what MLflow's model comparison shows
+    from tasks.registry import model_id_of
+    linked = {m.key: m.value for m in client.get_logged_model(model_id_of(version)).metrics}
+    assert {k: linked[k] for k in first["scores"]} == pytest.approx(first["scores"])
 
     runs = {r.info.run_name: r for r in client.search_runs(
         [client.get_experiment_by_name("grpoflow").experiment_id])}
@@ -75,6 +81,13 @@ def test_pipeline_lineage_caching_and_rerun_downstream_of_a_change(tmp_path, tin
     train = runs["train"]
     assert train.inputs.dataset_inputs[0].dataset.digest == data_manifest["sha256"][:36]
     assert len(client.get_metric_history(train.info.run_id, "reward")) == 4
+    # every per-step metric under the name metrics.jsonl (and TRL) gives it, its steps the x axis
+    rows = [json.loads(line) for line in (ckpt.parent / "metrics.jsonl").read_text().splitlines()]
+    named = {k for r in rows for k, v in r.items() if isinstance(v, (int, float)) and k != "step"}
+    assert {"clip_ratio/high_mean", "completions/mean_length", "frac_reward_zero_std"} <= named
+    assert named <= set(train.data.metrics), named - set(train.data.metrics)
+    history = client.get_metric_history(train.info.run_id, "completions/mean_length")
+    assert [(m.step, m.value) for m in history] == [(r["step"], r["completions/mean_length"]) for r in rows]
     assert {a.path for a in client.list_artifacts(train.info.run_id, "plots")} == {
         "plots/reward.png", "plots/completion_length.png"}
     assert runs["evaluate"].data.metrics["math_500"] == pytest.approx(first["scores"]["math_500"])

@@ -4,7 +4,8 @@ A checkpoint is `output_dir/checkpoint-<step>/`: the policy in HF `save_pretrain
 any later stage), the tokenizer, `trainer_state.pt` with optimizer, scheduler, RNG states and the
 training position, and a `manifest.json` with the sha256 of every file, the recipe and the prepared data's
 sha256. It is written to a temporary directory and renamed; then `output_dir/latest` (a one-line file
-naming the newest complete checkpoint) is replaced atomically.
+naming the newest complete checkpoint) is replaced atomically. `serving_copy` writes what a served or
+registered model needs and nothing of the training state.
 
 Resuming (`resume_checkpoint`) takes the newest checkpoint whose files match its manifest. One that does
 not (zeroed or truncated weights, a missing file), or a `latest` naming a directory that is gone, is
@@ -54,6 +55,10 @@ from trainer.typed_config import ConfigError
 LATEST = "latest"
 KIND = "checkpoint"
 ZERO_DIR = "zero"  # DeepSpeed's optimizer state (one shard per trainer rank) inside a checkpoint trained under ZeRO
+TRAINER_STATE = "trainer_state.pt"
+# What resumes training and serves nothing: left out of `serving_copy` (for a 7B policy with fp32 Adam moments,
+# about twice the model's own size)
+TRAINING_STATE = (TRAINER_STATE, ZERO_DIR)
 # The recipe sections that decide what a checkpoint holds (the pipeline's run-directory fingerprint).
 TRAINING_SECTIONS = ("model", "bootstrap", "data", "train", "rollout", "rewards")
 RESUMABLE_CHANGES = frozenset({"train.max_steps", "train.save_steps", "train.save_total_limit", "train.callbacks",
@@ -89,7 +94,7 @@ def save_checkpoint(output_dir: Path, step: int, model, tokenizer, trainer_state
         tokenizer.save_pretrained(tmp)
         if extra is not None:
             os.replace(extra, tmp / ZERO_DIR)
-        torch.save({**trainer_state, "rng": rng_state()}, tmp / "trainer_state.pt")
+        torch.save({**trainer_state, "rng": rng_state()}, tmp / TRAINER_STATE)
         files = file_hashes(tmp)
         write_json_atomic(tmp / MANIFEST, {**manifest, "kind": KIND, "step": step, "code_version": code_version(),
                                            "sha256": combined_sha256(files), "files": files})
@@ -136,8 +141,8 @@ def checkpoint_problem(path: Path) -> str | None:
         verify_output(path, KIND)
     except (IntegrityError, FileNotFoundError) as e:
         return str(e)
-    if not (path / "trainer_state.pt").is_file():
-        return f"{path / 'trainer_state.pt'} is missing"
+    if not (path / TRAINER_STATE).is_file():
+        return f"{path / TRAINER_STATE} is missing"
     return None
 
 
@@ -177,7 +182,7 @@ def check_resumable(checkpoint: Path, recipe: Recipe, data_dir: Path, data_sha25
 
 
 def load_trainer_state(checkpoint: Path) -> dict:
-    return torch.load(Path(checkpoint) / "trainer_state.pt", weights_only=False)
+    return torch.load(Path(checkpoint) / TRAINER_STATE, weights_only=False)
 
 
 def _json(obj):
@@ -224,3 +229,28 @@ def _prune(output_dir: Path, keep: int, newest: Path) -> None:
     for _, path in steps[:-keep] if keep > 0 else []:
         if path != newest:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def serving_copy(checkpoint: str | os.PathLike, dest: str | os.PathLike) -> dict:
+    """Write into `dest` (a new directory) the files of `checkpoint` (or of a base model) that serving needs: weights, config,
+    tokenizer, chat template, generation config; hard links where the filesystem allows, so nothing is copied.
+    The training state (`TRAINING_STATE`) is left out. Its manifest is the checkpoint's, with `files` and
+    `sha256` over what `dest` holds (so `verify_output` checks it), and `checkpoint_sha256` (the whole
+    checkpoint's, its identity in the registry) and `left_out` added. Returns that manifest.
+
+    Raises IntegrityError naming the file when the checkpoint no longer matches its own manifest."""
+    checkpoint, dest = Path(checkpoint), Path(dest)
+    manifest = verify_output(checkpoint)
+    kept = {name: sha for name, sha in manifest["files"].items() if name.split("/")[0] not in TRAINING_STATE}
+    dest.mkdir(parents=True)
+    for name in kept:
+        target = dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(checkpoint / name, target)
+        except OSError:  # another filesystem, or one without hard links
+            shutil.copy2(checkpoint / name, target)
+    served = {**manifest, "files": kept, "sha256": combined_sha256(kept), "checkpoint_sha256": manifest["sha256"],
+              "left_out": sorted(set(manifest["files"]) - set(kept))}
+    write_json_atomic(dest / MANIFEST, served)
+    return served

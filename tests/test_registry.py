@@ -1,0 +1,189 @@
+"""Registered versions are MLflow models: loadable with MLflow's own API, lean, idempotent, with linked metrics.
+
+Real MLflow on a sqlite store in the test's folder; a real grpoflow checkpoint (the tiny base model after one real
+AdamW step, saved by the trainer's own `save_checkpoint`, so it carries `trainer_state.pt` with Adam's moments).
+Loading runs with HF_HUB_OFFLINE=1: nothing may come from a hub.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from data.manifest import read_manifest, verify_output
+
+NAME = "reg-tiny"
+PROMPT = "<think>12+30="
+
+
+def tree_bytes(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_base, tmp_path_factory) -> Path:
+    from trainer.checkpoint import save_checkpoint
+    from trainer.model_loading import load_model
+    from trainer.recipe import ModelConfig
+
+    model, tokenizer = load_model(tiny_base["path"], ModelConfig(dtype="float32"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(**tokenizer(["1+1=2"], return_tensors="pt"), labels=tokenizer(["1+1=2"], return_tensors="pt").input_ids).loss.backward()
+    optimizer.step()
+    out = tmp_path_factory.mktemp("run")
+    return save_checkpoint(out, 1, model, tokenizer, {"optimizer": optimizer.state_dict(), "step": 1},
+                           {"data_sha256": "d" * 64}, keep=2)
+
+
+@pytest.fixture()
+def store(tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    from tasks import tracking
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_REGISTRY_URI", uri)
+    client = MlflowClient(uri, registry_uri=uri)
+    experiment = tracking.ensure_experiment(client, "grpoflow", str(tmp_path / "artifacts"))
+    return client, experiment, tmp_path / "artifacts"
+
+
+def register(client, experiment: str, checkpoint: Path) -> tuple[str, bool]:
+    from tasks.registry import register_checkpoint
+
+    run_id = client.create_run(experiment, run_name="register").info.run_id
+    return register_checkpoint(client, NAME, experiment, run_id, checkpoint, read_manifest(checkpoint)["sha256"],
+                               {"base_model": "tiny"})
+
+
+def greedy_direct(checkpoint: Path, new_tokens: int) -> str:
+    from trainer.model_loading import load_model
+
+    model, tokenizer = load_model(str(checkpoint))
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def test_a_version_loads_through_pyfunc_and_the_transformers_flavor_and_generates_what_the_checkpoint_does(
+        store, checkpoint):
+    import mlflow
+
+    client, experiment, _ = store
+    assert register(client, experiment, checkpoint) == ("1", True)
+    direct = greedy_direct(checkpoint, 12)
+    assert direct.strip()  # the tiny model says something here
+
+    served = mlflow.pyfunc.load_model(f"models:/{NAME}/1")
+    assert served.metadata.flavors["transformers"]["task"] == "text-generation"
+    [reply] = served.predict([PROMPT], params={"max_new_tokens": 12, "do_sample": False})
+    # the pipeline answers with the prompt and the continuation; ours is that continuation
+    assert reply.replace(" ", "").endswith(direct.replace(" ", "")), (reply, direct)
+
+    pipe = mlflow.transformers.load_model(f"models:/{NAME}@candidate")
+    [out] = pipe(PROMPT, max_new_tokens=12, do_sample=False, return_full_text=False)
+    assert out["generated_text"].replace(" ", "") == direct.replace(" ", "")
+
+
+def test_the_registry_copy_holds_what_serving_needs_and_no_training_state(store, checkpoint):
+    from tasks.registry import MODEL_DIR
+
+    client, experiment, artifacts = store
+    register(client, experiment, checkpoint)
+    from tasks.registry import model_id_of
+
+    version = client.get_model_version(NAME, "1")
+    model = client.get_logged_model(model_id_of(version))
+    assert version.source == model.artifact_location and model.tags["checkpoint_sha256"] == \
+        read_manifest(checkpoint)["sha256"] == version.tags["checkpoint_sha256"]
+    assert json.loads(model.tags["mlflow.modelVersions"]) == [{"name": NAME, "version": "1"}]
+    stored = Path(model.artifact_location.removeprefix("file://"))
+    files = tree_bytes(stored)
+    assert "MLmodel" in files and f"{MODEL_DIR}/model.safetensors" in files
+    assert {f"{MODEL_DIR}/{f}" for f in ("config.json", "tokenizer.json", "chat_template.jinja",
+                                         "generation_config.json", "manifest.json")} <= set(files)
+    assert not any("trainer_state" in f or f.startswith(f"{MODEL_DIR}/zero") for f in files)
+    served = verify_output(stored / MODEL_DIR)  # every file the registry holds matches its manifest
+    assert served["checkpoint_sha256"] == read_manifest(checkpoint)["sha256"] and served["left_out"] == [
+        "trainer_state.pt"]
+    for name in tree_bytes(checkpoint):  # byte for byte as trained
+        if name not in ("trainer_state.pt", "manifest.json"):
+            assert (stored / MODEL_DIR / name).read_bytes() == (checkpoint / name).read_bytes(), name
+    # all the registration wrote: the checkpoint less Adam's moments, plus the flavor's few small files
+    written, whole = sum(tree_bytes(artifacts).values()), sum(tree_bytes(checkpoint).values())
+    state = (checkpoint / "trainer_state.pt").stat().st_size
+    print(f"checkpoint {whole} B (trainer_state.pt {state} B); registration wrote {written} B")
+    assert written < whole - state + 200_000 and state > 1.5 * (checkpoint / "model.safetensors").stat().st_size
+
+
+def test_a_second_registration_adds_no_version_and_writes_no_byte(store, checkpoint):
+    client, experiment, artifacts = store
+    assert register(client, experiment, checkpoint) == ("1", True)
+    before = tree_bytes(artifacts)
+    assert register(client, experiment, checkpoint) == ("1", False)
+    assert tree_bytes(artifacts) == before
+    assert [str(v.version) for v in client.search_model_versions(f"name='{NAME}'")] == ["1"]
+    assert len(client.search_logged_models([experiment])) == 1
+
+
+def test_a_model_uploaded_by_an_attempt_that_died_before_its_version_is_reused(store, checkpoint):
+    from tasks.registry import log_checkpoint_model, model_id_of
+
+    client, experiment, artifacts = store
+    run_id = client.create_run(experiment, run_name="register").info.run_id
+    first = log_checkpoint_model(client, experiment, run_id, NAME, checkpoint, read_manifest(checkpoint)["sha256"])
+    before = tree_bytes(artifacts)
+    assert register(client, experiment, checkpoint) == ("1", True)  # the retry
+    assert model_id_of(client.get_model_version(NAME, "1")) == first.model_id
+    assert tree_bytes(artifacts) == before and len(client.search_logged_models([experiment])) == 1
+
+
+def test_evaluation_metrics_are_numbers_linked_to_the_model_and_equal_the_report(store, checkpoint, tmp_path):
+    from conftest import shared
+    from evaluation import run_evalscope
+    from tasks.evaluation import record_evaluation, resolve_model
+    from tasks.registry import model_id_of
+    from trainer.recipe import EvalConfig
+
+    client, experiment, _ = store
+    register(client, experiment, checkpoint)
+    ref = resolve_model(f"models:/{NAME}/1", client, tmp_path / "cache")  # downloaded from the registry
+    assert ref.local_path.endswith("v1/model") and read_manifest(ref.local_path)["left_out"] == ["trainer_state.pt"]
+    settings = EvalConfig(benchmarks=["math_500"], limit=2, max_tokens=16, local_paths={"math_500": str(
+        shared("math_500"))}, out=str(tmp_path / "eval"))
+    result = run_evalscope(ref.local_path, settings.benchmarks, work_dir=tmp_path / "eval" / "v1",
+                           local_paths=settings.local_paths, limit=settings.limit, max_tokens=settings.max_tokens)
+    run_id = record_evaluation(client, experiment, ref, {**result.scores, "heldout_accuracy": 0.375}, settings,
+                               result.report_json)
+    report = json.loads(result.report_json.read_text())
+    linked = {m.key: m for m in client.get_logged_model(model_id_of(client.get_model_version(NAME, "1"))).metrics}
+    assert linked["math_500"].value == report["scores"]["math_500"] and linked["heldout_accuracy"].value == 0.375
+    assert all(m.run_id == run_id for m in linked.values())
+    thinking = {k: m.value for k, m in linked.items() if k.startswith("thinking/")}
+    # EvalScope's limit is per subset: 2 problems from each of MATH-500's 5 levels
+    assert thinking["thinking/samples"] == result.num_samples["math_500"] == 10 == thinking["thinking/graded"]
+    assert thinking["thinking/reasoning_tokens"] > 0
+    assert client.get_run(run_id).data.metrics == {k: m.value for k, m in linked.items()}
+    assert client.get_model_version(NAME, "1").tags["eval.math_500"] == f"{report['scores']['math_500']:.4f}"
+
+
+def test_training_metrics_reach_mlflow_under_trls_names_with_steps(store):
+    from tasks.tracking import MlflowTrainingCallback
+
+    client, experiment, _ = store
+    run_id = client.create_run(experiment).info.run_id
+    callback = MlflowTrainingCallback(client, run_id)
+    for step, value in ((1, 0.25), (2, 0.5)):
+        callback.on_step(step, {"reward": value, "rewards/accuracy_reward/mean": value, "clip_ratio/high_mean": 0.0,
+                                "completions/mean_length": 10.0 * step, "pass@4": 1.0})
+    metrics = client.get_run(run_id).data.metrics
+    assert {"reward", "rewards/accuracy_reward/mean", "clip_ratio/high_mean", "completions/mean_length",
+            "pass_at_4"} == set(metrics)
+    history = client.get_metric_history(run_id, "completions/mean_length")
+    assert [(m.step, m.value) for m in history] == [(1, 10.0), (2, 20.0)]
