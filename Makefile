@@ -66,7 +66,9 @@ BASE_MODEL = $(1) -m flows.cli bootstrap-model
 # by side: each pip uses one core (measured on a fresh 2-core machine: 4 min 42 s and 5 min 33 s one after the other)
 # Files go whole to a worker in the main suite (their module fixtures: an evaluation, a model server, a DeepSpeed
 # update, each built once); the vLLM suite's tests spread one by one, except the groups test_vllm.py marks.
+SHARED_DATA ?= ../shared/data
 test:
+	@test -d $(SHARED_DATA) || { echo "make test: the reference data $(SHARED_DATA) is missing: about fifty tests read MATH-500, AIME-2024, GSM8K and Countdown there (see SOURCES.md beside it); refusing to run without them" >&2; exit 2; }
 	@$(MAKE) --no-print-directory -j2 $(STAMP) $(VLLM_STAMP)
 	$(call BASE_MODEL,$(PY))
 	@status=0; $(call PYTEST,$(PY)) --dist loadfile tests $(VLLM_TESTS:%=--ignore=%) $(ARGS) || status=$$?; \

@@ -24,10 +24,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def shared(*parts: str) -> Path:
+    """A path in the reference data; a test that needs what is not there fails, naming it (a skip would hide
+    about fifty tests in a CI run that lost ../shared/data)."""
     path = SHARED_DATA.joinpath(*parts)
     if not path.exists():
-        pytest.skip(f"reference data not found: {path} (tests read ../shared/data next to the repo)")
+        pytest.fail(f"reference data not found: {path} (tests read ../shared/data next to the repo; "
+                    "see ../shared/data/SOURCES.md)", pytrace=False)
     return path
+
+
+@pytest.fixture()
+def shared_data() -> Path:
+    return shared()
 
 
 def require_vllm(how_to_run: str) -> None:

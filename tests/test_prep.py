@@ -24,7 +24,7 @@ GSM8K = SHARED / "gsm8k" / "train.jsonl"
 MATH500 = SHARED / "math_500" / "test.jsonl"
 COUNTDOWN = SHARED / "countdown" / "test.jsonl"
 
-needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f"reference data not found at {SHARED}")
+needs_shared = pytest.mark.usefixtures("shared_data")  # fails, naming the path, when ../shared/data is missing
 
 
 def all_rows(out: Path) -> dict[str, dict]:
