@@ -21,6 +21,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -193,14 +194,22 @@ def deployed(services, tiny_base, tmp_path_factory):
     spec = yaml.safe_load((REPO_ROOT / "infra" / "prefect.yaml").read_text())
     nightly = next(d for d in spec["deployments"] if d["name"] == "nightly")
     nightly["parameters"]["overrides"] = overrides(tiny_base)
-    anchor = time.time() + 10
-    nightly["schedules"] = [{"interval": 3600, "anchor_date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00",
-                                                                             time.gmtime(anchor))}]
     copy = tmp_path_factory.mktemp("deploy") / "prefect.yaml"
-    copy.write_text(yaml.safe_dump(spec))
-    proc = grpoflow(services, "deploy", "--prefect-file", str(copy), "--json")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return as_shipped
+    # The first run is due at the anchor if the deployment exists by then, else an hour later: on busy cores
+    # one `grpoflow deploy` took over 10 s (CI: the run was scheduled for anchor + 3600 s and the test waited
+    # in vain). Deploy again with a later anchor until the deployment is there ahead of its first run.
+    for _ in range(3):
+        anchor = time.time() + 45
+        nightly["schedules"] = [{"interval": 3600, "anchor_date": time.strftime(
+            "%Y-%m-%dT%H:%M:%S+00:00", time.gmtime(anchor))}]
+        copy.write_text(yaml.safe_dump(spec))
+        proc = grpoflow(services, "deploy", "--prefect-file", str(copy), "--json")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        if time.time() < anchor - 5:
+            break
+    else:
+        raise AssertionError("grpoflow deploy took over 40 s three times: the schedule's first run was never ahead")
+    return {**as_shipped, "anchor": anchor}
 
 
 def test_deploy_creates_both_deployments_with_the_shipped_schedule_and_pool(services, deployed):
@@ -220,8 +229,12 @@ def scheduled_run(services, deployed):
     """The first run the interval schedule made, run by the worker to its end."""
     deployment = services.deployment("grpo-pipeline/nightly")
     deadline = time.monotonic() + 300
-    while not (runs := services.flow_runs(deployment["id"], scheduled=True)):
-        assert time.monotonic() < deadline, "the schedule made no flow run within 300 s"
+    def due_at_the_anchor() -> list[dict]:  # not one an earlier deploy's schedule made for an hour later
+        return [r for r in services.flow_runs(deployment["id"], scheduled=True)
+                if abs(datetime.fromisoformat(r["expected_start_time"]).timestamp() - deployed["anchor"]) < 30]
+
+    while not (runs := due_at_the_anchor()):
+        assert time.monotonic() < deadline, "the schedule made no flow run due at its anchor within 300 s"
         time.sleep(2)
     return services.wait_for_final(runs[0]["id"])
 
