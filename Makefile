@@ -71,20 +71,22 @@ test:
 	@test -d $(SHARED_DATA) || { echo "make test: the reference data $(SHARED_DATA) is missing: about fifty tests read MATH-500, AIME-2024, GSM8K and Countdown there (see SOURCES.md beside it); refusing to run without them" >&2; exit 2; }
 	@$(MAKE) --no-print-directory -j2 $(STAMP) $(VLLM_STAMP)
 	$(call BASE_MODEL,$(PY))
-	@status=0; $(call PYTEST,$(PY)) --dist loadfile tests $(VLLM_TESTS:%=--ignore=%) $(ARGS) || status=$$?; \
+	@status=0; $(call PYTEST,$(PY)) --dist loadfile tests $(VLLM_TESTS:%=--ignore=%) --ignore=$(ENGINE_BENCH) $(ARGS) || status=$$?; \
 	$(MAKE) test-vllm || status=$$?; exit $$status
 
 # the real vLLM (CPU build) tests, in the vLLM venv: the engine's own, and the multi-GPU logic (placement, process
 # groups, vLLM under the external launcher, rank 0 alone driving a vLLM server), whose vLLM tests must not skip
 VLLM_TESTS := tests/test_vllm.py tests/test_multigpu.py
+# a benchmark (`make bench` runs it in the vLLM venv); collected in the main venv it would only skip, needing vLLM
+ENGINE_BENCH := tests/benchmarks/test_bench_engines.py
 test-vllm: $(VLLM_STAMP)
 	$(call BASE_MODEL,$(VLLM_PY))
 	GRPOFLOW_REQUIRE_VLLM=1 $(call PYTEST,$(VLLM_PY)) --dist loadgroup $(VLLM_TESTS) $(ARGS)
 
 # the engine axis (transformers vs vLLM rollouts) runs in the vLLM venv
 bench: $(STAMP) $(VLLM_STAMP)
-	$(PY) -m pytest -m bench tests/benchmarks -s --ignore=tests/benchmarks/test_bench_engines.py $(ARGS)
-	GRPOFLOW_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m bench tests/benchmarks/test_bench_engines.py -s $(ARGS)
+	$(PY) -m pytest -m bench tests/benchmarks -s --ignore=$(ENGINE_BENCH) $(ARGS)
+	GRPOFLOW_REQUIRE_VLLM=1 $(VLLM_PY) -m pytest -m bench $(ENGINE_BENCH) -s $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
