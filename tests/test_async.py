@@ -117,6 +117,7 @@ trainer.optimize(batch)
 if trainer.rank == 0:
     torch.save({"grads": grads, "weights": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}},
                sys.argv[3])
+from trainer.launch import leave_distributed; leave_distributed()  # no rank exits with the group alive
 """
 
 

@@ -74,6 +74,7 @@ if trainer.ds is not None:
     out["zero_stage"] = trainer.ds.zero_optimization_stage()
 if trainer.rank == 0:
     torch.save(out, sys.argv[3])
+from trainer.launch import leave_distributed; leave_distributed()  # no rank exits with the group alive
 """
 
 
@@ -139,6 +140,7 @@ print(json.dumps({"master_dtype": str(master.dtype), "module_dtype": str(next(tr
        "median_step": moved.median().item(), "master_moved": (moved > 0).float().mean().item(),
        "module_moved": sum((module_after[n] != module_before[n]).sum().item() for n in module_after)
                        / sum(p.numel() for p in module_after.values())}))
+from trainer.launch import leave_distributed; leave_distributed()  # no rank exits with the group alive
 """
 
 

@@ -236,6 +236,7 @@ box = [{"batch from": rank}]
 dist.broadcast_object_list(box, src=0)
 json.dump({"world": world, "backend": str(dist.get_backend_config()), "sum": metrics.tolist(), "box": box[0]},
           open(f"{sys.argv[1]}/rank{rank}.json", "w"))
+from trainer.launch import leave_distributed; leave_distributed()  # no rank exits with the group alive
 """
 
 
@@ -303,6 +304,7 @@ with trainer.rollout_source() as source:
         trainer.version += 1  # as after an update: the next batch needs the server brought up to date first
 json.dump({"engine": type(trainer.local_engine.engine).__name__, "batches": batches},
           open(f"{sys.argv[3]}/rank{trainer.rank}.json", "w"))
+from trainer.launch import leave_distributed; leave_distributed()  # no rank exits with the group alive
 """
 
 

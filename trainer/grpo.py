@@ -58,7 +58,7 @@ from trainer.checkpoint import (
 )
 from trainer.divergence import NonFiniteError, stop_unless_finite, updated_policy_extremes
 from trainer.heldout import evaluate_greedy
-from trainer.launch import init_distributed
+from trainer.launch import init_distributed, leave_distributed
 from trainer.logprobs import completion_logps
 from trainer.metrics import MetricsFile, TrainerCallback, TrainResult
 from trainer.model_loading import load_model
@@ -390,7 +390,12 @@ def train_recipe(recipe: Recipe, callbacks: list[TrainerCallback] = (), progress
 
     model_path = prepare_inputs(recipe)
     trainer = GRPOTrainer(recipe, model_path, recipe.data.out, callbacks, progress)
-    result = trainer.train()
+    try:
+        result = trainer.train()
+    except BaseException:
+        leave_distributed(clean=False)
+        raise
+    leave_distributed()
     return result.summary() if result is not None else None
 
 
