@@ -10,8 +10,10 @@ the location and turns the `Example` into a prepared row with `data.schema.make_
 - numina (NuminaMath-TIR): `problem`; answer = the last \\boxed{} of `solution`; `messages` is ignored.
 - countdown: `nums` + `target`, or `input` ("30,100,93") + `output` ("23"); answer = str(target);
   columns `nums`, `target`.
-- counting (CLEVR-style): `image`/`image_path` (relative to the source file, must exist), `problem`/`question`
-  (default COUNTING_QUESTION), `count`/`answer`/`solution` ("<answer> 3 </answer>"); column `images`.
+- counting (CLEVR-style, R1-V / CLEVR-70k-Counting layout): `images`/`image`/`image_path` (one image or a list:
+  paths relative to the source file, file:// or http(s):// URLs, bytes or base64; each must decode, see
+  `data.images`), `problem`/`question` (default COUNTING_QUESTION), `count`/`answer`/`solution` (3, "3" or
+  "<answer> 3 </answer>"); column `images` (one reference per image).
 - synthetic: `question`, `answer`, columns `nums`, `target`, `solution` when present; `split` is honoured.
 """
 
@@ -24,6 +26,7 @@ from pathlib import Path
 
 from data.answers import last_boxed
 from data.errors import DataError, FieldError
+from data.images import image_refs
 
 
 @dataclass(frozen=True)
@@ -149,7 +152,7 @@ def _int_list(value: object, name: str) -> list[int]:
 
 
 def counting(raw: Mapping, base_dir: Path | None = None) -> Example:
-    image = _image_path(raw, base_dir)
+    images = _images(raw, base_dir)
     question = next((str(raw[n]).strip() for n in ("problem", "question") if str(raw.get(n) or "").strip()),
                     COUNTING_QUESTION)
     name = next((n for n in ("count", "answer", "solution") if raw.get(n) is not None), None)
@@ -162,32 +165,14 @@ def counting(raw: Mapping, base_dir: Path | None = None) -> Example:
     count = _int(value, name, expected)
     if count < 0:
         raise FieldError(name, expected, count)
-    return Example(question, str(count), {"images": [str(image)]})
+    return Example(question, str(count), {"images": images})
 
 
-def _image_path(raw: Mapping, base_dir: Path | None) -> Path:
-    name = next((n for n in ("image", "image_path", "images") if raw.get(n) is not None), None)
-    expected = "a path to an image file"
+def _images(raw: Mapping, base_dir: Path | None) -> list[str]:
+    name = next((n for n in ("images", "image", "image_path") if raw.get(n) is not None), None)
     if name is None:
-        raise FieldError("image", expected, reason="missing field 'image'")
-    value = raw[name]
-    if name == "images" and isinstance(value, (list, tuple)) and len(value) == 1:
-        value = value[0]
-    if isinstance(value, Mapping) and value.get("path"):  # the datasets Image feature as stored in Parquet
-        value = value["path"]
-    if not isinstance(value, str) or not value.strip():
-        # Embedded image bytes would have to be written out next to the prepared rows; not supported yet.
-        raise FieldError(name, expected + " (embedded images are not supported: export them to files)",
-                         type(value).__name__)
-    path = Path(value.strip()).expanduser()
-    if not path.is_absolute():
-        if base_dir is None:
-            raise FieldError(name, "an absolute image path (a hub record has no directory to resolve it in)",
-                             value)
-        path = base_dir / path
-    if not path.is_file():
-        raise FieldError(name, "an existing image file", str(path), reason="image not found")
-    return path.resolve()
+        raise FieldError("image", "an image: a path, URL, bytes or base64 text", reason="missing field 'image'")
+    return image_refs(raw[name], name, base_dir)
 
 
 def synthetic(raw: Mapping, base_dir: Path | None = None) -> Example:

@@ -3,7 +3,7 @@
     out/
       train.jsonl      one prepared row per line, in the chat schema of `data.schema`
       heldout.jsonl    the same, for the held-out rows (empty when heldout=0)
-      manifest.json    content sha256, row counts, source (+ a sha256 per local file), task, seed, split,
+      manifest.json    content sha256 (with the bytes of every image the rows name), row counts, source (+ a sha256 per local file), task, seed, split,
                        drops by reason with a few examples, code version, created_at
 
 Decisions a user can rely on:
@@ -36,6 +36,7 @@ from pathlib import Path
 
 from data.adapters import Adapter, Example, get_adapter
 from data.errors import DataError, FieldError
+from data.images import images_digest
 from data.manifest import (
     MANIFEST,
     atomic_dir,
@@ -84,6 +85,9 @@ def prepare(task: str, source: str, out: str | Path, *, seed: int = 0, heldout: 
         for name, part in (("train", train), ("heldout", held)):
             _write_jsonl(tmp / f"{name}.jsonl", part)
         digest = sha256_dir(tmp)
+        images = images_digest(ref for row in rows for ref in row.get("images", ()))
+        if images:  # the rows point at the images: their bytes are part of what this data is
+            digest = hashlib.sha256(f"{digest}\nimages {images['sha256']}".encode()).hexdigest()
         manifest = {
             "kind": KIND,
             "sha256": digest,
@@ -104,7 +108,7 @@ def prepare(task: str, source: str, out: str | Path, *, seed: int = 0, heldout: 
             "code_version": code_version(),
             "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
-        if images := _images_digest(rows):
+        if images:
             manifest["images"] = images
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str) + "\n")
     return {"out": str(final), "rows": manifest["rows"], "manifest": str(final / MANIFEST),
@@ -242,12 +246,3 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
-def _images_digest(rows: list[dict]) -> dict | None:
-    """A hash over the image files rows point to: they live outside the directory, so its sha256 misses them."""
-    paths = sorted({p for row in rows for p in row.get("images", ())})
-    if not paths:
-        return None
-    h = hashlib.sha256()
-    for p in paths:
-        h.update(p.encode() + b"\0" + sha256_file(p).encode() + b"\n")
-    return {"files": len(paths), "sha256": h.hexdigest()}

@@ -49,6 +49,7 @@ from data.manifest import (
     write_json_atomic,
 )
 from data.progress import quiet_transformers_progress
+from trainer.model_loading import save_tokenizer
 from trainer.recipe import Recipe
 from trainer.typed_config import ConfigError
 
@@ -91,7 +92,7 @@ def save_checkpoint(output_dir: Path, step: int, model, tokenizer, trainer_state
     with atomic_dir(final, kind=KIND) as tmp:
         quiet_transformers_progress()
         model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        save_tokenizer(tokenizer, tmp)  # with a vision model's image processor
         if extra is not None:
             os.replace(extra, tmp / ZERO_DIR)
         torch.save({**trainer_state, "rng": rng_state()}, tmp / TRAINER_STATE)

@@ -58,7 +58,7 @@ from trainer.checkpoint import (
 )
 from trainer.divergence import NonFiniteError, stop_unless_finite, updated_policy_extremes
 from trainer.heldout import evaluate_greedy
-from trainer.launch import init_distributed, leave_distributed
+from trainer.launch import distributed_exit, init_distributed
 from trainer.logprobs import completion_logps
 from trainer.metrics import MetricsFile, TrainerCallback, TrainResult
 from trainer.model_loading import load_model
@@ -364,11 +364,13 @@ def _fmt(result: dict) -> str:
 
 def check_supported(recipe: Recipe) -> None:
     """Refuse, before any work, a recipe this trainer would silently get wrong."""
-    if recipe.model.modality != "text":
-        # Until images reach the model (a later issue), a vision recipe would train on the text alone.
-        raise ConfigError(f"model.modality: {recipe.model.modality!r} is accepted by the recipe but not trained yet: "
-                          "this trainer feeds models text only, and a vision model trained on the questions "
-                          "without their images would learn the wrong task. Use model.modality: text.")
+    if recipe.model.modality == "vision" and (recipe.rollout.engine != "transformers" or recipe.rollout.async_
+                                              or recipe.train.deepspeed or len(recipe.rollout.train_devices) > 1):
+        # Images reach the in-process transformers engine and the trainer's forward; the other paths would
+        # generate from (or train on) the questions without their images and learn the wrong task.
+        raise ConfigError("model.modality: vision trains with rollout.engine: transformers, synchronous rollout "
+                          "(rollout.async: false), one trainer rank and no DeepSpeed for now; images do not reach "
+                          f"the {recipe.rollout.engine} engine, rollout workers, DDP or ZeRO ranks yet")
     if recipe.train.deepspeed in ("zero1", "zero2", "zero3"):
         zero.check_stage(int(recipe.train.deepspeed[-1]), recipe)
 
@@ -390,12 +392,8 @@ def train_recipe(recipe: Recipe, callbacks: list[TrainerCallback] = (), progress
 
     model_path = prepare_inputs(recipe)
     trainer = GRPOTrainer(recipe, model_path, recipe.data.out, callbacks, progress)
-    try:
+    with distributed_exit():
         result = trainer.train()
-    except BaseException:
-        leave_distributed(clean=False)
-        raise
-    leave_distributed()
     return result.summary() if result is not None else None
 
 

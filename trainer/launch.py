@@ -17,6 +17,7 @@ the trainer picks its rank from the environment (`init_distributed`) and does no
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -94,6 +95,18 @@ def init_distributed(timeout_s: float, rollout: RolloutConfig | None = None) -> 
     if not dist.is_initialized():
         dist.init_process_group(process_group_backend(cuda), timeout=timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
+
+
+@contextlib.contextmanager
+def distributed_exit():
+    """Leave the process group (`leave_distributed`) when the block ends: cleanly after a success, at once after
+    an error."""
+    try:
+        yield
+    except BaseException:
+        leave_distributed(clean=False)
+        raise
+    leave_distributed()
 
 
 def leave_distributed(clean: bool = True) -> None:

@@ -14,11 +14,15 @@ import torch
 from trainer.loss import sequence_logps
 from trainer.rollout.hf_engine import cache_kwarg
 from trainer.rollout_batch import MicroBatch
+from trainer.vision import vision_forward_kwargs
 
 
 def completion_logps(model, mb: MicroBatch, temperature: float, *, share_prompts: bool = False
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs [b, C] of `mb`'s completion tokens at `temperature`, and the logits they came from."""
+    """Per-token log-probs [b, C] of `mb`'s completion tokens at `temperature`, and the logits they came from.
+
+    Vision prompts always take the plain way: sharing their prefill would have to split the images by row."""
+    share_prompts = share_prompts and mb.vision is None
     logits = shared_prompt_logits(model, mb) if share_prompts else full_logits(model, mb)
     return sequence_logps(logits, mb.completion_ids, temperature), logits
 
@@ -26,8 +30,11 @@ def completion_logps(model, mb: MicroBatch, temperature: float, *, share_prompts
 def full_logits(model, mb: MicroBatch) -> torch.Tensor:
     """Logits predicting each completion token, from one forward of the whole sequences."""
     c_len = mb.completion_ids.shape[1]
-    out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-                logits_to_keep=c_len + 1, use_cache=False)
+    inputs = {"position_ids": mb.position_ids}
+    if mb.vision is not None:  # pixels, grids and the 3-D positions the rollout's prefill used
+        inputs = vision_forward_kwargs(model, mb.input_ids, mb.attention_mask, mb.vision)
+    out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, logits_to_keep=c_len + 1, use_cache=False,
+                **inputs)
     return out.logits[:, :-1]
 
 

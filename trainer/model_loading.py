@@ -39,7 +39,7 @@ def load_model(name_or_path: str, cfg: ModelConfig | None = None, device: str | 
     A grpoflow checkpoint or base model (a directory with our manifest) is first checked against the sha256
     its manifest recorded (`verify=False` when the caller has just done so): IntegrityError names the file.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     quiet_transformers_progress()
     if verify:
@@ -51,7 +51,10 @@ def load_model(name_or_path: str, cfg: ModelConfig | None = None, device: str | 
         kwargs["attn_implementation"] = cfg.attn_implementation
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=cfg.trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+        auto = AutoModelForImageTextToText if cfg.modality == "vision" else AutoModelForCausalLM
+        model = auto.from_pretrained(name_or_path, **kwargs)
+        if cfg.modality == "vision":
+            tokenizer.vision = _vision_encoder(name_or_path, tokenizer, model.config, cfg)
     except OSError as e:
         raise OSError(f"could not load model {name_or_path!r}: {e}. Give a local checkpoint directory, or a hub "
                       "id on a machine that can reach the hub.") from e
@@ -59,6 +62,25 @@ def load_model(name_or_path: str, cfg: ModelConfig | None = None, device: str | 
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return model.to(device), tokenizer
+
+
+def _vision_encoder(name_or_path: str, tokenizer, config, cfg: ModelConfig):
+    """The image side of a vision model: its image processor on the PIL backend (the torchvision one, which
+    `AutoProcessor` would also build for videos, does not import beside a CPU torch)."""
+    from transformers import AutoImageProcessor
+
+    from trainer.vision import VisionEncoder
+
+    processor = AutoImageProcessor.from_pretrained(name_or_path, backend="pil",
+                                                   trust_remote_code=cfg.trust_remote_code)
+    return VisionEncoder(processor, tokenizer, config)
+
+
+def save_tokenizer(tokenizer, directory) -> None:
+    """The tokenizer, and a vision model's image processor, in `save_pretrained` format."""
+    tokenizer.save_pretrained(directory)
+    if getattr(tokenizer, "vision", None) is not None:
+        tokenizer.vision.image_processor.save_pretrained(directory)
 
 
 def verify_if_ours(name_or_path: str) -> None:

@@ -8,7 +8,31 @@ from __future__ import annotations
 
 
 def encode_prompts(tokenizer, rows: list[dict], max_prompt_length: int | None = None) -> list[list[int]]:
-    """Chat-template each row's `prompt` messages and tokenize; left-truncate to `max_prompt_length`."""
+    """Chat-template each row's `prompt` messages and tokenize; left-truncate to `max_prompt_length`.
+
+    A row with `images` becomes a `trainer.vision.PromptIds` carrying its vision inputs (a vision model's
+    tokenizer has its `trainer.vision.VisionEncoder` as `tokenizer.vision`); image placeholders are never cut:
+    a prompt longer than `max_prompt_length` with its images is a ValueError naming the row."""
+    vision = getattr(tokenizer, "vision", None)
+    if vision is None and not any(r.get("images") or r.get("videos") or r.get("audios") for r in rows):
+        return _encode_text(tokenizer, rows, max_prompt_length)
+    from trainer.vision import check_media
+
+    ids = []
+    for row in rows:
+        check_media(row, vision)
+        if not row.get("images"):
+            ids += _encode_text(tokenizer, [row], max_prompt_length)
+            continue
+        ids.append(vision.encode(tokenizer, row))
+        if max_prompt_length and len(ids[-1]) > max_prompt_length:
+            raise ValueError(f"row {row.get('id')!r}: its prompt is {len(ids[-1])} tokens with its images, over "
+                             f"train.max_prompt_length {max_prompt_length}; image tokens cannot be cut: raise the "
+                             "limit or lower the image processor's max_pixels")
+    return ids
+
+
+def _encode_text(tokenizer, rows: list[dict], max_prompt_length: int | None) -> list[list[int]]:
     texts = [tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     if max_prompt_length:

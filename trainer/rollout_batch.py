@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.rollout.base import Completion
+from trainer.vision import VisionInputs, vision_of
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class MicroBatch:
     prompt_width: int  # P
     prompt_rows: torch.Tensor  # the first row of each distinct prompt (rows of a GRPO group share one)
     prompt_inverse: torch.Tensor  # [b] each row's distinct prompt, an index into prompt_rows
+    vision: VisionInputs | None = None  # the images of these rows' prompts, in row order (None: text only)
 
     @property
     def completion_ids(self) -> torch.Tensor:
@@ -33,7 +35,7 @@ class MicroBatch:
 
     def to(self, device: str | torch.device) -> MicroBatch:
         return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
-                                            if isinstance(getattr(self, f.name), torch.Tensor)})
+                                            if isinstance(getattr(self, f.name), (torch.Tensor, VisionInputs))})
 
 
 @dataclass
@@ -75,11 +77,12 @@ class RolloutBatch:
         unique_of: dict[tuple, int] = {}
         unique_rows, inverse = [], []  # first row of each distinct prompt; each row's distinct prompt
         for r, i in enumerate(rows):
-            key = tuple(self.prompt_ids[i])
+            key = (tuple(self.prompt_ids[i]), id(vision_of(self.prompt_ids[i])))  # same tokens, other image: other prompt
             if key not in unique_of:
                 unique_of[key] = len(unique_rows)
                 unique_rows.append(r)
             inverse.append(unique_of[key])
         return MicroBatch(input_ids=ids, attention_mask=attn, position_ids=positions, completion_mask=cmask,
                           behaviour_logps=behaviour, advantages=self.advantages[index], prompt_width=p_len,
-                          prompt_rows=torch.tensor(unique_rows), prompt_inverse=torch.tensor(inverse))
+                          prompt_rows=torch.tensor(unique_rows), prompt_inverse=torch.tensor(inverse),
+                          vision=VisionInputs.concat([vision_of(self.prompt_ids[i]) for i in rows]))

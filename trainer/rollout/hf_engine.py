@@ -15,6 +15,7 @@ from collections.abc import Iterable
 import torch
 
 from trainer.rollout.base import Completion, SamplingParams
+from trainer.vision import VisionInputs, vision_forward_kwargs, vision_of
 
 
 def cache_kwarg(model) -> str:
@@ -122,9 +123,14 @@ class Decoding:
             self.generator = torch.Generator(device=device).manual_seed(sampling.seed)
         ids, mask = left_pad(prompts, engine.pad_id, device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        inputs = {"position_ids": positions}
+        vision = VisionInputs.concat([vision_of(p) for p in prompts])
+        if vision is not None:  # images: the model's 3-D positions; the tokens after the prompt are text, their
+            inputs = vision_forward_kwargs(model, ids, mask, vision)  # three position components equal
+            positions = inputs["position_ids"][0]
         self.cache = DynamicCache(config=model.config)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                    logits_to_keep=1, **{engine._cache_kw: self.cache})
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1,
+                    **{engine._cache_kw: self.cache}, **inputs)
         logits = out.logits[:, -1]
         if n > 1:  # one prefill per prompt, shared by its n completions
             self.cache.batch_repeat_interleave(n)
