@@ -165,7 +165,10 @@ def counting(raw: Mapping, base_dir: Path | None = None) -> Example:
     count = _int(value, name, expected)
     if count < 0:
         raise FieldError(name, expected, count)
-    return Example(question, str(count), {"images": images})
+    split = raw.get("split")  # the synthetic counting pools name their split
+    if split is not None and split not in ("train", "heldout"):
+        raise FieldError("split", "'train' or 'heldout'", split)
+    return Example(question, str(count), {"images": images}, split=split)
 
 
 def _images(raw: Mapping, base_dir: Path | None) -> list[str]:

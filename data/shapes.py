@@ -2,7 +2,7 @@
 dataset hub is reachable.
 
 Each image has 1-`max_count` simple shapes (circle, square, triangle) of a few colours and sizes on a plain
-background, placed without overlap; the row asks how many there are. Everything is seeded: the same seed and
+background, one per cell of a grid (so they never overlap); the row asks how many there are. Everything is seeded: the same seed and
 index give the same image, byte for byte. The held-out pool is drawn from its own seed stream, so a warm-up on
 the training pool never sees a held-out image.
 
@@ -23,23 +23,20 @@ QUESTION = "How many objects are there in the image?"
 SPLIT_SEED = {"train": 0, "heldout": 1}
 
 
-def draw_counting_image(count: int, rng: random.Random, size: int = 56):
-    """An RGB image of `count` non-overlapping shapes; `rng` decides shapes, colours, sizes and places."""
+def draw_counting_image(count: int, rng: random.Random, size: int = 56, cell: int = 14):
+    """An RGB image of `count` shapes, each in its own `cell` x `cell` square of a grid (a vision patch, for the
+    tiny model: 14 pixels), centred with a pixel of jitter; `rng` decides cells, shapes, colours and sizes."""
     from PIL import Image, ImageDraw
 
+    cells = [(x, y) for y in range(0, size - cell + 1, cell) for x in range(0, size - cell + 1, cell)]
+    if count > len(cells):
+        raise ValueError(f"{count} shapes do not fit in a {size}x{size} image of {cell}-pixel cells")
     image = Image.new("RGB", (size, size), (128, 128, 128))
     draw = ImageDraw.Draw(image)
-    boxes: list[tuple[int, int, int, int]] = []
-    for _ in range(count):
-        for _attempt in range(200):
-            r = rng.choice((5, 7))
-            x, y = rng.randint(r, size - r - 1), rng.randint(r, size - r - 1)
-            box = (x - r, y - r, x + r, y + r)
-            if all(box[2] + 2 < b[0] or b[2] + 2 < box[0] or box[3] + 2 < b[1] or b[3] + 2 < box[1] for b in boxes):
-                break
-        else:
-            raise ValueError(f"{count} shapes do not fit in a {size}x{size} image")
-        boxes.append(box)
+    for x0, y0 in rng.sample(cells, count):
+        r = rng.choice((cell // 4, cell * 3 // 7))  # two sizes
+        cx, cy = x0 + cell // 2 + rng.randint(-1, 1), y0 + cell // 2 + rng.randint(-1, 1)
+        box = (cx - r, cy - r, cx + r, cy + r)
         color = COLORS[rng.choice(sorted(COLORS))]
         shape = rng.choice(SHAPES)
         if shape == "circle":
@@ -47,7 +44,7 @@ def draw_counting_image(count: int, rng: random.Random, size: int = 56):
         elif shape == "square":
             draw.rectangle(box, fill=color)
         else:
-            draw.polygon([(box[0], box[3]), (box[2], box[3]), ((box[0] + box[2]) // 2, box[1])], fill=color)
+            draw.polygon([(box[0], box[3]), (box[2], box[3]), (cx, box[1])], fill=color)
     return image
 
 

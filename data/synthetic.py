@@ -9,6 +9,9 @@ Two kinds:
   measured on problems no stage has trained on.
 - `countdown`: three numbers and a target reachable with + - * / using each number once (the target is
   computed from a random expression over the numbers, so a solution exists).
+- `counting`: a PNG of 1-6 shapes (`data.shapes`) and "How many objects are there in the image?", for the
+  embedded vision demo. A tenth of the rows (every tenth) come from the held-out image stream (`split: heldout`),
+  which the tiny vision model's warm-up never draws from.
 
 `worked_solution(row)` gives the reference completion in the `<think>…</think><answer>…</answer>`
 format; it is what the tiny base model is warmed up on.
@@ -20,7 +23,7 @@ import hashlib
 import random
 from fractions import Fraction
 
-KINDS = ("addition", "countdown")
+KINDS = ("addition", "countdown", "counting")
 
 
 POOLS = ("all", "train", "eval")
@@ -42,6 +45,21 @@ def _addition(n: int, rng: random.Random, pool: str) -> list[dict]:
     while len(rows) < n:  # distinct problems; cycle through reshuffles only when more are asked for
         rng.shuffle(pairs)
         rows += [_addition_row(a, b) for a, b in pairs[:n - len(rows)]]
+    return rows
+
+
+def _counting(n: int, seed: int) -> list[dict]:
+    import io
+
+    from data.shapes import QUESTION, counting_examples
+
+    held = n // 10
+    rows = []
+    for split, count in (("train", n - held), ("heldout", held)):
+        for image, answer in counting_examples(count, seed, split):
+            png = io.BytesIO()
+            image.save(png, format="PNG")
+            rows.append({"image": png.getvalue(), "problem": QUESTION, "count": answer, "split": split})
     return rows
 
 
@@ -81,6 +99,8 @@ def generate(n: int, seed: int, kind: str = "addition", pool: str = "all") -> li
         raise ValueError(f"unknown synthetic kind {kind!r}; expected one of {', '.join(KINDS)}")
     if pool not in POOLS:
         raise ValueError(f"unknown pool {pool!r}; expected one of {', '.join(POOLS)}")
+    if kind == "counting":
+        return _counting(n, seed)
     rng = random.Random(f"{kind}:{seed}")
     if kind == "addition":
         return _addition(n, rng, pool)

@@ -274,13 +274,35 @@ def test_a_short_vision_training_run_changes_the_weights_and_keeps_the_ratio_exa
     assert tok.vision is not None and type(reloaded).__name__ == "Qwen2VLForConditionalGeneration"
 
 
-@pytest.mark.parametrize("override", ["rollout.engine=vllm", "rollout.async=true", "train.deepspeed=zero2"])
+@pytest.mark.parametrize("override", ["rollout.engine=vllm", "train.deepspeed=zero2", "rollout.train_devices=[0,1]"])
 def test_vision_recipes_on_paths_images_do_not_reach_yet_are_refused_before_any_work(
         tiny_vl, counting_data, tmp_path, override):
     from trainer.grpo import check_supported
 
-    with pytest.raises(ConfigError, match="model.modality: vision trains with rollout.engine: transformers"):
+    with pytest.raises(ConfigError, match="model.modality: vision trains with rollout.engine: transformers, one "
+                                          "trainer rank and no DeepSpeed"):
         check_supported(vision_recipe(tmp_path, tiny_vl, counting_data, override))
+
+
+def test_asynchronous_rollout_workers_generate_from_the_images_and_the_trainer_scores_their_log_probs(
+        tiny_vl, counting_data, tmp_path):
+    """A rollout worker process (spawned, its own copy of the model) gets the pickled prompts with their pixels:
+    its log-probs equal the trainer's forward of the same tokens and images."""
+    from trainer.grpo import GRPOTrainer
+
+    recipe = vision_recipe(tmp_path, tiny_vl, counting_data, "train.max_steps=2", "rollout.async=true",
+                           "train.eval_heldout=0")
+    trainer = GRPOTrainer(recipe, str(tiny_vl), counting_data, progress=False)
+    trainer.setup()
+    with trainer.rollout_source() as source:
+        source.start(0)
+        batch, _ = source.next(0)
+    assert batch.policy_version == 0 and all(p.vision is not None for p in batch.prompt_ids)
+    mb = batch.micro_batch(torch.arange(len(batch)), trainer.tokenizer.pad_token_id)
+    with torch.no_grad():
+        ours, _ = completion_logps(trainer.model, mb, recipe.train.temperature)
+    mask = mb.completion_mask > 0
+    assert torch.allclose(ours[mask], mb.behaviour_logps[mask], atol=1e-4)
 
 
 def test_the_real_recipe_loads_and_builds_its_processor_path_with_the_tiny_model(tiny_vl, tmp_path):

@@ -211,7 +211,7 @@ class GRPOTrainer:
             return SyncRollout(self.local_engine, self.cfg, prompts=prompts, score=score, policy=self.current_policy,
                                rank=self.rank, world=self.world)
         return AsyncRollout(self.recipe.rollout, self.cfg, str(self.checkpoint or self.model_path),
-                            self.recipe.model.dtype, prompts=prompts, score=score, policy=self.current_policy,
+                            self.recipe.model, prompts=prompts, score=score, policy=self.current_policy,
                             rank=self.rank, world=self.world)
 
     def current_policy(self) -> tuple[torch.nn.Module, int]:
@@ -364,13 +364,13 @@ def _fmt(result: dict) -> str:
 
 def check_supported(recipe: Recipe) -> None:
     """Refuse, before any work, a recipe this trainer would silently get wrong."""
-    if recipe.model.modality == "vision" and (recipe.rollout.engine != "transformers" or recipe.rollout.async_
-                                              or recipe.train.deepspeed or len(recipe.rollout.train_devices) > 1):
+    if recipe.model.modality == "vision" and (recipe.rollout.engine != "transformers" or recipe.train.deepspeed
+                                              or len(recipe.rollout.train_devices) > 1):
         # Images reach the in-process transformers engine and the trainer's forward; the other paths would
         # generate from (or train on) the questions without their images and learn the wrong task.
-        raise ConfigError("model.modality: vision trains with rollout.engine: transformers, synchronous rollout "
-                          "(rollout.async: false), one trainer rank and no DeepSpeed for now; images do not reach "
-                          f"the {recipe.rollout.engine} engine, rollout workers, DDP or ZeRO ranks yet")
+        raise ConfigError("model.modality: vision trains with rollout.engine: transformers, one trainer rank and no "
+                          f"DeepSpeed for now; images do not reach the {recipe.rollout.engine} engine, DDP or ZeRO "
+                          "ranks yet")
     if recipe.train.deepspeed in ("zero1", "zero2", "zero3"):
         zero.check_stage(int(recipe.train.deepspeed[-1]), recipe)
 

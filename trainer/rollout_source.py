@@ -26,7 +26,7 @@ import torch
 
 from trainer.deepspeed_setup import whole_parameters
 from trainer.prompts import encode_prompts
-from trainer.recipe import RolloutConfig, TrainConfig
+from trainer.recipe import ModelConfig, RolloutConfig, TrainConfig
 from trainer.rollout.base import SamplingParams
 from trainer.rollout.engines import load_policy, policy_tensors, served_by_rank_zero, shares_weights
 from trainer.rollout.remote import RemoteRollout, cpu_threads_per_side
@@ -176,7 +176,7 @@ class AsyncRollout(RolloutSource):
 
     `policy()` returns the trainer's (model, policy version) at the time of asking."""
 
-    def __init__(self, rollout: RolloutConfig, cfg: TrainConfig, model_path: str, dtype: str, *,
+    def __init__(self, rollout: RolloutConfig, cfg: TrainConfig, model_path: str, model: ModelConfig, *,
                  prompts: Callable[[int], StepPrompts], score: Score, policy: Callable, rank: int, world: int):
         self.prompts, self.score, self.policy, self.cfg = prompts, score, policy, cfg
         self.overlap, self.world, self.remote, self.inflight = rollout.max_staleness >= 1, world, None, None
@@ -186,11 +186,12 @@ class AsyncRollout(RolloutSource):
         from trainer.placement import this_trainer
 
         workers = this_trainer(rollout)[0].workers  # each on its engine's GPUs, or the CPU
-        self.remote = RemoteRollout(model_path, dtype, [w.device for w in workers], len(workers),
+        self.remote = RemoteRollout(model_path, model.dtype, [w.device for w in workers], len(workers),
                                     rollout.sync_timeout_s, cpu_threads_per_side(len(workers)),
                                     version=self.synced_version, rollout=rollout,
                                     max_model_len=cfg.max_prompt_length + cfg.max_completion_length, seed=cfg.seed,
-                                    cuda_visible_devices=[w.cuda_visible_devices for w in workers])
+                                    cuda_visible_devices=[w.cuda_visible_devices for w in workers],
+                                    modality=model.modality)
 
     def start(self, step: int) -> None:
         if self.remote is not None:

@@ -25,7 +25,8 @@ CORPUS = [
 ]
 
 
-def build_tiny_vl(out: str | Path, seed: int = 0, hidden_size: int = 64, layers: int = 2) -> Path:
+def build_tiny_vl(out: str | Path, seed: int = 0, hidden_size: int = 64, layers: int = 2, vision_dim: int = 32,
+                  vision_depth: int = 1, merge: int = 2) -> Path:
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -35,15 +36,18 @@ def build_tiny_vl(out: str | Path, seed: int = 0, hidden_size: int = 64, layers:
     ids = dict(zip([*PLACEHOLDER_TOKENS, VIDEO_PAD], tokenizer.convert_tokens_to_ids([*PLACEHOLDER_TOKENS, VIDEO_PAD]),
                    strict=True))
     torch.manual_seed(seed)
-    heads = 2  # head_dim 32: the smallest vLLM's CPU attention takes
+    heads = max(1, hidden_size // 32)  # head_dim 32: the smallest vLLM's CPU attention takes
+    half = hidden_size // heads // 2  # M-RoPE splits each head's rotary frequencies into time, height and width
+    t = half // 4
+    sections = [t, (half - t) // 2, half - t - (half - t) // 2]
     config = Qwen2VLConfig(
         text_config={"vocab_size": len(tokenizer), "hidden_size": hidden_size, "intermediate_size": 2 * hidden_size,
                      "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": heads,
                      "max_position_embeddings": 1024, "tie_word_embeddings": True,
                      "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                         "mrope_section": [4, 6, 6]}},
-        vision_config={"depth": 1, "embed_dim": 32, "hidden_size": hidden_size, "num_heads": 2, "mlp_ratio": 2,
-                       "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
+                                         "mrope_section": sections}},
+        vision_config={"depth": vision_depth, "embed_dim": vision_dim, "hidden_size": hidden_size, "num_heads": 2, "mlp_ratio": 2,
+                       "patch_size": 14, "spatial_merge_size": merge, "temporal_patch_size": 2},
         image_token_id=ids["<|image_pad|>"], video_token_id=ids[VIDEO_PAD],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
@@ -56,7 +60,7 @@ def build_tiny_vl(out: str | Path, seed: int = 0, hidden_size: int = 64, layers:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112).save_pretrained(out)
+    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112, merge_size=merge).save_pretrained(out)
     return out
 
 

@@ -55,6 +55,7 @@ class WorkerSpec:
     seed: int = 0
     cuda_visible_devices: str | None = None  # what the worker is started with (None: the trainer's)
     backend: str = "gloo"  # of the sync group, the same for all its members (`sync_backend`)
+    modality: str = "text"  # "vision": an image-text model, whose prompts carry their images
 
 
 # torchrun's variables for its own ranks: a rollout worker is not one (vLLM would read them as its own)
@@ -116,7 +117,7 @@ def _worker_main(spec: WorkerSpec, commands, results) -> None:
     try:
         group = SyncGroup("127.0.0.1", spec.port, spec.rank, spec.world_size, spec.timeout_s, spec.backend)
         # the trainer verified this checkpoint before it started the workers
-        model, tokenizer = load_model(spec.model_path, ModelConfig(dtype=spec.dtype),
+        model, tokenizer = load_model(spec.model_path, ModelConfig(dtype=spec.dtype, modality=spec.modality),
                                       receive_device(spec.rollout, spec.device), verify=False)
         model.eval()
         rollout = spec.rollout or RolloutConfig()
@@ -156,7 +157,7 @@ class RemoteRollout:
     def __init__(self, model_path: str, dtype: str = "float32", devices: list[str] | None = None,
                  num_engines: int = 1, timeout_s: float = 600.0, threads_per_worker: int = 1, version: int = 0,
                  rollout: RolloutConfig | None = None, max_model_len: int | None = None, seed: int = 0,
-                 cuda_visible_devices: list[str | None] | None = None):
+                 cuda_visible_devices: list[str | None] | None = None, modality: str = "text"):
         """`devices[k]` is worker k+1's device as it sees it, started with `cuda_visible_devices[k]`
         (None: the trainer's own; see `trainer.placement`)."""
         from trainer.rollout.weight_sync import SyncGroup
@@ -175,7 +176,7 @@ class RemoteRollout:
         for rank, (device, mask) in enumerate(zip(devices, masks, strict=True), start=1):
             q = ctx.Queue()
             spec = WorkerSpec(rank, world, port, model_path, dtype, device, threads_per_worker, timeout_s, version,
-                              rollout, max_model_len, seed, mask, self.backend)
+                              rollout, max_model_len, seed, mask, self.backend, modality)
             p = ctx.Process(target=_worker_main, args=(spec, q, self.results), name=f"rollout-worker-{rank}",
                             daemon=True)
             with worker_environment(mask):  # a spawned child starts with the environment of this moment
