@@ -49,18 +49,27 @@ def _addition(n: int, rng: random.Random, pool: str) -> list[dict]:
 
 
 def _counting(n: int, seed: int) -> list[dict]:
-    import io
-
-    from data.shapes import QUESTION, counting_examples
+    from data.shapes import QUESTION
 
     held = n // 10
-    rows = []
-    for split, count in (("train", n - held), ("heldout", held)):
-        for image, answer in counting_examples(count, seed, split):
-            png = io.BytesIO()
-            image.save(png, format="PNG")
-            rows.append({"image": png.getvalue(), "problem": QUESTION, "count": answer, "split": split})
-    return rows
+    return [{"image": ref, "problem": QUESTION, "count": answer, "split": split}
+            for split, count in (("train", n - held), ("heldout", held))
+            for ref, answer in counting_row_images(count, seed, split)]
+
+
+def counting_row_images(n: int, seed: int, split: str) -> list[tuple[str, int]]:
+    """`n` (PNG as a `data:` URI, count) pairs of one image stream (`data.shapes`), as prepared rows keep them."""
+    import base64
+    import io
+
+    from data.shapes import counting_examples
+
+    pairs = []
+    for image, count in counting_examples(n, seed, split):
+        png = io.BytesIO()
+        image.save(png, format="PNG")
+        pairs.append(("data:image/png;base64," + base64.b64encode(png.getvalue()).decode("ascii"), count))
+    return pairs
 
 
 def _countdown(rng: random.Random) -> dict:

@@ -39,7 +39,10 @@ def check_evaluation(settings: EvalSettings, *, api_url: str | None = None, api_
                      eval_batch_size: int = 1) -> None:
     """What `evaluate` would refuse with these arguments, checked before any model is resolved, downloaded,
     trained or served (benchmark names, local paths, an API key variable), then whether `api_url` answers.
-    Raises `EvalInputError` or `FileNotFoundError` naming the benchmark or setting, `ServiceUnavailable`."""
+    Raises `EvalInputError` or `FileNotFoundError` naming the benchmark or setting, `ServiceUnavailable`.
+    A recipe without benchmarks (its held-out split is its evaluation) has nothing here to check."""
+    if not settings.benchmarks and api_url is None:
+        return
     check_benchmarks(settings.benchmarks, local_paths=settings.local_paths or None, limit=settings.limit,
                      repeats=settings.repeats, max_tokens=settings.max_tokens, temperature=settings.temperature,
                      api_url=api_url, api_key_env=api_key_env, eval_batch_size=eval_batch_size)

@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from evaluation.compare import Row
 
 CURVES = {
-    "reward": ("reward", "rewards/accuracy/mean"),
+    "reward": ("reward", "rewards/accuracy/mean", "rewards/counting/mean"),
     "completion_length": ("completions/mean_length", "completions/max_length"),
 }
 
@@ -78,6 +78,25 @@ def plot_comparison(rows: list[Row], out_path: str | Path, baseline: str = "base
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     return _save(fig, out_path)
+
+
+def plot_answers(images: list[str], titles: list[str], out_path: str | Path, columns: int = 4) -> Path:
+    """A grid of images (prepared references: paths, URLs, `data:` URIs), each under its title (e.g. the gold
+    count and a model's answers before and after training)."""
+    from data.images import load_image
+
+    if not images or len(images) != len(titles):
+        raise ValueError(f"plot_answers: {len(images)} images for {len(titles)} titles")
+    plt = pyplot()
+    rows = -(-len(images) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(2.6 * columns, 2.9 * rows), dpi=100, squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, ref, title in zip(axes.flat, images, titles, strict=False):
+        ax.imshow(load_image(ref))
+        ax.set_title(title, fontsize=8)
+    fig.tight_layout()
+    return _save(fig, Path(out_path))
 
 
 def _save(fig, path: Path) -> Path:

@@ -28,6 +28,7 @@ CHECKPOINT_TAG = "checkpoint_sha256"
 MODEL_ID_TAG = "mlflow_model_id"  # on each version: the logged model it is
 MODEL_DIR = "model"  # the transformers flavor's folder of model files inside an MLflow model
 TASK = "text-generation"
+VISION_TASK = "image-text-to-text"  # a python-function model (`_package_vision`)
 
 
 def find_version(client: MlflowClient, name: str, checkpoint_sha256: str):
@@ -60,9 +61,11 @@ def package_checkpoint(checkpoint: str | Path, dest: Path) -> dict:
     from mlflow.models import infer_signature
 
     from trainer.checkpoint import serving_copy
-    from trainer.model_loading import load_model
+    from trainer.model_loading import load_model, modality_of
     from trainer.recipe import ModelConfig
 
+    if modality_of(checkpoint) == "vision":
+        return _package_vision(checkpoint, dest)
     model, tokenizer = load_model(str(checkpoint), ModelConfig(dtype="auto"))
     signature = infer_signature("What is 1+1?", "2", params={"max_new_tokens": 256, "do_sample": False})
     # MLflow's own requirement inference imports torchvision for any transformers model; the CPU torch here has none
@@ -74,13 +77,39 @@ def package_checkpoint(checkpoint: str | Path, dest: Path) -> dict:
     return serving_copy(checkpoint, dest / MODEL_DIR)
 
 
+def _package_vision(checkpoint: str | Path, dest: Path) -> dict:
+    """A vision checkpoint as a python-function MLflow model (MLflow's transformers flavor has no image-text
+    task): `evaluation.serving.vision_pyfunc` loads the same serving files and generates as the trainer does."""
+    import mlflow.pyfunc
+    import pandas as pd
+    import torch
+    import transformers
+    from mlflow.models import infer_signature
+
+    from trainer.checkpoint import serving_copy
+
+    with tempfile.TemporaryDirectory(prefix="grpoflow-vision-") as tmp:
+        data = Path(tmp) / MODEL_DIR
+        manifest = serving_copy(checkpoint, data)
+        example = pd.DataFrame({"prompt": ["How many objects are there in the image?"], "image": ["/path/to/image.png"]})
+        signature = infer_signature(example, ["<answer>3</answer>"], params={"max_new_tokens": 256})
+        mlflow.pyfunc.save_model(str(dest), loader_module="evaluation.serving.vision_pyfunc", data_path=str(data),
+                                 signature=signature, pip_requirements=[
+                                     f"torch=={torch.__version__.split('+')[0]}",
+                                     f"transformers=={transformers.__version__}", "pillow"])
+    return manifest
+
+
 def log_checkpoint_model(client: MlflowClient, experiment_id: str, run_id: str, name: str, checkpoint: str | Path,
                          checkpoint_sha256: str) -> LoggedModel:
     """Upload the MLflow model of `checkpoint` as a logged model of `run_id`; marked FAILED if the upload fails."""
     with tempfile.TemporaryDirectory(prefix="grpoflow-register-") as tmp:
         local = Path(tmp) / "mlflow-model"
         package_checkpoint(checkpoint, local)
-        logged = client.create_logged_model(experiment_id, name=name, source_run_id=run_id, model_type=TASK,
+        from trainer.model_loading import modality_of
+
+        task = VISION_TASK if modality_of(checkpoint) == "vision" else TASK
+        logged = client.create_logged_model(experiment_id, name=name, source_run_id=run_id, model_type=task,
                                             tags={CHECKPOINT_TAG: checkpoint_sha256})
         try:
             client.log_model_artifacts(logged.model_id, str(local))

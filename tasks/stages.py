@@ -85,6 +85,9 @@ def train_policy(recipe_dict: dict, base: dict, prepared: dict, ctx: dict) -> di
     checkpoint = Path(result["checkpoint"])
     from evaluation.plots import plot_training_curves
     plots = plot_training_curves(result["metrics"], checkpoint.parent / "plots")
+    if recipe.model.modality == "vision":  # a few held-out images with the answers before and after training
+        plots.append(_answers_before_after(recipe, base["path"], str(checkpoint), prepared["out"],
+                                           checkpoint.parent / "plots" / "heldout_answers.png"))
     for p in plots:
         client.log_artifact(run_id, str(p), "plots")
     client.log_artifact(run_id, result["metrics"])
@@ -98,6 +101,26 @@ def train_policy(recipe_dict: dict, base: dict, prepared: dict, ctx: dict) -> di
         + "".join(f"![{p.stem}]({p.as_uri()})\n" for p in plots)))
     return {**result, "mlflow_run_id": run_id, "checkpoint_sha256": manifest["sha256"],
             "plots": [str(p) for p in plots]}
+
+
+def _answers_before_after(recipe, base: str, checkpoint: str, data_dir: str, out: Path, n: int = 8) -> Path:
+    from data.prepare import load_prepared
+    from evaluation.plots import plot_answers
+    from trainer.heldout import greedy_answers
+    from trainer.rewards import accuracy_reward
+
+    rows = load_prepared(data_dir, "heldout")[:n]
+    before, after = (greedy_answers(path, recipe.model, rows, accuracy_reward, recipe.train.max_completion_length)
+                     for path in (base, checkpoint))
+    titles = [f"gold {r['answer']}\nbefore {_answer(b)} {'✓' if b['correct'] else '✗'}  "
+              f"after {_answer(a)} {'✓' if a['correct'] else '✗'}" for r, b, a in zip(rows, before, after, strict=True)]
+    return plot_answers([r["images"][0] for r in rows], titles, out)
+
+
+def _answer(sample: dict) -> str:
+    from data.answers import final_answer
+
+    return (final_answer(sample["completion"]) or "-")[:8]
 
 
 def _stage_run(client, ctx: dict, stage: str, output_dir: str) -> str:
@@ -140,10 +163,15 @@ def evaluate_model(registered: dict, trained: dict, eval_cfg: dict, ctx: dict) -
     from tasks.evaluation import ModelRef, record_evaluation
 
     settings = typed_section("eval", eval_cfg)
+    ref = ModelRef(registered["uri"], trained["checkpoint"], None, registered["model_name"], registered["model_version"])
+    if not settings.benchmarks:  # the held-out split, scored by the trainer after its last step, is the evaluation
+        scores = {"heldout_accuracy": trained["heldout_accuracy_after"]}
+        run_id = record_evaluation(_ctx_client(ctx), ctx["experiment_id"], ref, scores, settings, None,
+                                   ctx["parent_run_id"])
+        return {"scores": scores, "num_samples": {}, "work_dir": None, "report": None, "mlflow_run_id": run_id}
     work_dir = Path(settings.out).resolve() / f"{registered['model_name']}-v{registered['model_version']}"
     result = evaluate(trained["checkpoint"], settings, work_dir=work_dir, progress=False)
     scores = {**result.scores, "heldout_accuracy": trained["heldout_accuracy_after"]}
-    ref = ModelRef(registered["uri"], trained["checkpoint"], None, registered["model_name"], registered["model_version"])
     report = result.report_json
     run_id = record_evaluation(_ctx_client(ctx), ctx["experiment_id"], ref, scores, settings, report,
                                ctx["parent_run_id"])

@@ -50,7 +50,7 @@ def test_second_call_is_a_cache_hit_and_config_change_is_not(tiny_base, tiny_rec
 
 def test_deterministic_given_seed(tiny_recipe, tmp_path):
     """Same config, same first warm-up steps: compare a short warm-up twice (a full one takes minutes)."""
-    from trainer.bootstrap import _corpus, _rows, _sft_batches, build_model, build_tokenizer
+    from trainer.bootstrap import _corpus, _rows, build_model, build_tokenizer, sft_batches
 
     cfg = tiny_recipe.bootstrap
     losses = []
@@ -59,10 +59,11 @@ def test_deterministic_given_seed(tiny_recipe, tmp_path):
         tok = build_tokenizer(_corpus(rows, "brief"), cfg.vocab_size)
         model = build_model(cfg, tok)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate)
-        batches = _sft_batches(tok, rows, 32, cfg.seed)
+        batches = sft_batches(model, tok, rows, 32, cfg.seed)
         run = []
         for _ in range(3):
-            ids, mask, labels = next(batches)
+            ids, mask, labels, extra = next(batches)
+            assert extra == {}  # a text model's batches have nothing but tokens
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
             loss.backward()
             opt.step()

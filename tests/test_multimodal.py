@@ -313,3 +313,21 @@ def test_the_real_recipe_loads_and_builds_its_processor_path_with_the_tiny_model
     assert (recipe.rollout.train_devices, recipe.rollout.rollout_devices) == ([0, 1, 2, 3, 4, 5], [6, 7])
     model, tok = load_model(str(tiny_vl), recipe.model)  # the recipe's model settings, the tiny model's weights
     assert model.dtype == torch.bfloat16 and type(tok.vision.image_processor).__name__ == "Qwen2VLImageProcessorPil"
+
+
+def test_a_completion_that_samples_an_image_placeholder_is_left_out_of_the_loss_and_the_forward_still_runs(
+        tiny_vl, tmp_path):
+    from trainer.rollout.base import Completion
+
+    model, tok = load_model(str(tiny_vl), VISION)
+    [prompt] = encode_prompts(tok, [{"id": "r", "prompt": [{"role": "user", "content": "How many?"}],
+                                     "images": [str(png(tmp_path / "a.png", 3))]}])
+    pad, word = model.config.image_token_id, tok.convert_tokens_to_ids("<answer>")
+    completions = [Completion([word, pad, word], [-1.0, -2.0, -3.0], "length"), Completion([word, word], [-1.0, -1.0], "length")]
+    batch = RolloutBatch([prompt, prompt], completions, torch.tensor([1.0, -1.0]), torch.ones(2))
+    mb = batch.micro_batch(torch.arange(2), tok.pad_token_id)
+    assert mb.completion_mask.tolist() == [[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]
+    assert mb.completion_ids[0].tolist() == [word, tok.pad_token_id, word]  # no image placeholder without an image
+    with torch.no_grad():
+        logps, _ = completion_logps(model, mb, 1.0)  # one image per prompt, as many placeholders as its patches
+    assert torch.allclose(logps[1, :2], plain_logps(model, prompt, [word, word]), atol=1e-5)

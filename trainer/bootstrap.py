@@ -43,10 +43,12 @@ from data.manifest import (
 from data.progress import Progress, quiet_transformers_progress
 from data.schema import make_row, resolve_system_prompt
 from trainer.heldout import evaluate_greedy
+from trainer.model_loading import save_tokenizer
 from trainer.prompts import encode_prompts
 from trainer.recipe import BootstrapConfig
 from trainer.rewards import accuracy_reward, format_reward
 from trainer.rollout.hf_engine import HFEngine
+from trainer.vision import VisionInputs, vision_forward_kwargs, vision_of
 
 KIND = "base-model"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -106,10 +108,11 @@ def _rows(task: str, n: int, seed: int, pool: str, system_prompt: str) -> list[d
                      **{k: v for k, v in r.items() if k in ("nums", "target")}) for i, r in enumerate(raw)]
 
 
-def _sft_batches(tokenizer, rows: list[dict], batch_size: int, seed: int):
-    """Endless seeded batches of (input_ids, attention_mask, labels) with loss on the completion only."""
+def sft_batches(model, tokenizer, rows: list[dict], batch_size: int, seed: int):
+    """Endless seeded batches of (input_ids, attention_mask, labels, more forward inputs) with loss on the
+    completion only; a vision model's batches carry their images (`trainer.vision`)."""
     prompts = encode_prompts(tokenizer, rows)
-    completions = tokenizer([synthetic.worked_solution(r) + tokenizer.eos_token for r in rows],
+    completions = tokenizer([worked_solution(r) + tokenizer.eos_token for r in rows],
                             add_special_tokens=False)["input_ids"]
     seqs = [p + c for p, c in zip(prompts, completions, strict=False)]
     n_prompt = [len(p) for p in prompts]
@@ -126,7 +129,8 @@ def _sft_batches(tokenizer, rows: list[dict], batch_size: int, seed: int):
                 ids[row, :len(s)] = s
                 mask[row, :len(s)] = 1
                 labels[row, n_prompt[i]:len(s)] = s[n_prompt[i]:]
-            yield ids, mask, labels
+            vision = VisionInputs.concat([vision_of(prompts[i]) for i in chosen])
+            yield ids, mask, labels, (vision_forward_kwargs(model, ids, mask, vision) if vision else {})
 
 
 def bootstrap(cfg: BootstrapConfig, out: str | Path | None = None, system_prompt: str | None = None,
@@ -167,16 +171,19 @@ def _cached(out: Path, digest: str) -> dict | None:
 def _make(cfg: BootstrapConfig, out: Path, system_prompt: str, digest: str, progress: bool | None) -> dict:
     started = time.time()
     torch.manual_seed(cfg.seed)
-    train_rows = _rows(cfg.task, cfg.sft_rows, cfg.seed, "train", system_prompt)
-    heldout_rows = _rows(cfg.task, cfg.heldout_rows, cfg.seed, "eval", system_prompt)
-    tokenizer = build_tokenizer(_corpus(train_rows[:2000], system_prompt), cfg.vocab_size)
-    model = build_model(cfg, tokenizer)
+    if cfg.task == "counting":  # the vision demo: a tiny Qwen2-VL-architecture model on synthetic counting images
+        from trainer import tiny_vl as kit
+    else:
+        kit = TextKit
+    train_rows = kit.rows(cfg.task, cfg.sft_rows, cfg.seed, "train", system_prompt)
+    heldout_rows = kit.rows(cfg.task, cfg.heldout_rows, cfg.seed, "eval", system_prompt)
+    model, tokenizer = kit.build(cfg, train_rows, system_prompt)
     engine = HFEngine(model, tokenizer)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
     warmup = max(1, cfg.max_steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
         optim, lambda s: min(1.0, (s + 1) / warmup) * max(0.0, 1 - s / cfg.max_steps))
-    batches = _sft_batches(tokenizer, train_rows, cfg.batch_size, cfg.seed)
+    batches = kit.sft_batches(model, tokenizer, train_rows, cfg.batch_size, cfg.seed)
     lo, hi = cfg.target_accuracy
     history, accuracy, step = [], 0.0, 0
     evaluate = lambda: evaluate_greedy(engine, tokenizer, heldout_rows, accuracy_reward, format_reward,  # noqa: E731
@@ -184,8 +191,8 @@ def _make(cfg: BootstrapConfig, out: Path, system_prompt: str, digest: str, prog
     with Progress(total=cfg.max_steps, description="warm-up", enabled=progress) as bar:
         for step in range(1, cfg.max_steps + 1):
             model.train()
-            ids, mask, labels = next(batches)
-            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            ids, mask, labels, extra = next(batches)
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels, **extra).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optim.step()
@@ -211,7 +218,7 @@ def _make(cfg: BootstrapConfig, out: Path, system_prompt: str, digest: str, prog
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         quiet_transformers_progress()
         model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        save_tokenizer(tokenizer, tmp)  # with the image processor of a vision model
         files = file_hashes(tmp)
         manifest = {
             "kind": KIND, "config_hash": digest, "config": dataclasses.asdict(cfg),
@@ -225,9 +232,31 @@ def _make(cfg: BootstrapConfig, out: Path, system_prompt: str, digest: str, prog
     return {**_summary(manifest, out), "cached": False}
 
 
+class TextKit:
+    """The text model's pieces (the vision demo's are in `trainer.tiny_vl`)."""
+
+    @staticmethod
+    def rows(task: str, n: int, seed: int, pool: str, system_prompt: str) -> list[dict]:
+        return _rows(task, n, seed, pool, system_prompt)
+
+    @staticmethod
+    def build(cfg: BootstrapConfig, train_rows: list[dict], system_prompt: str):
+        tokenizer = build_tokenizer(_corpus(train_rows[:2000], system_prompt), cfg.vocab_size)
+        return build_model(cfg, tokenizer), tokenizer
+
+    sft_batches = staticmethod(sft_batches)
+
+
+def worked_solution(row: dict) -> str:
+    """The warm-up's target completion for a row (a counting row answers in one short thought)."""
+    if row.get("task") == "counting":
+        return f"<think>I count the objects.</think><answer>{row['answer']}</answer>"
+    return synthetic.worked_solution(row)
+
+
 def _corpus(rows: list[dict], system_prompt: str) -> list[str]:
     """Tokenizer training text: the problems, their solutions, the prompts and the chat roles."""
-    texts = [f"{r['prompt'][-1]['content']} {synthetic.worked_solution(r)}" for r in rows]
+    texts = [f"{r['prompt'][-1]['content']} {worked_solution(r)}" for r in rows]
     return texts + [system_prompt, "system", "user", "assistant"] * 200
 
 

@@ -83,6 +83,15 @@ def save_tokenizer(tokenizer, directory) -> None:
         tokenizer.vision.image_processor.save_pretrained(directory)
 
 
+def modality_of(path: str | Path) -> str:
+    """'vision' for a model folder whose config has a vision tower (an image-text model), else 'text'."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "text"
+    return "vision" if "vision_config" in config else "text"
+
+
 def verify_if_ours(name_or_path: str) -> None:
     """Check a grpoflow checkpoint or base model file by file against its manifest (IntegrityError naming the
     file); a plain HF folder or a hub id has nothing to check against and passes."""

@@ -190,8 +190,9 @@ class RolloutConfig:
 
 @dataclass
 class EvalConfig:
-    benchmarks: list[str] = _f(["math_500", "aime24"], "EvalScope benchmarks (math_500, aime24, gpqa_diamond)",
-                               min_len=1)
+    benchmarks: list[str] = _f(["math_500", "aime24"], "EvalScope benchmarks (math_500, aime24, gpqa_diamond); "
+                                                       "[]: no EvalScope run, the held-out split is the evaluation "
+                                                       "(the vision demo: EvalScope's math sets take no images)")
     local_paths: dict[str, str] = _f({}, "benchmark -> local directory (EvalScope local_path); else the hub")
     limit: int | None = _f(None, "problems per benchmark subset, as EvalScope applies it (MATH-500 has 5 level "
                                  "subsets, so limit 2 scores 10 problems); None: all", ge=1)

@@ -72,6 +72,12 @@ class RolloutBatch:
                 attn[r, p_len:p_len + n] = 1
                 cmask[r, :n] = float(self.loss_mask[i])
                 behaviour[r, :n] = torch.tensor(c.logprobs)
+                if (vision := vision_of(p)) is not None and vision.image_token_id in c.token_ids:
+                    # A sampled image placeholder has no image behind it: fed back it would make the model look
+                    # for one more image than it was given. Such a completion is left out of the loss, and the
+                    # placeholder is padding in the forward (its tokens' log-probs are then never used).
+                    ids[r, p_len:p_len + n].masked_fill_(ids[r, p_len:p_len + n] == vision.image_token_id, pad_id)
+                    cmask[r] = 0.0
         positions = (attn.cumsum(-1) - 1).clamp(min=0)
         # rows that share a prompt (a GRPO group): the prompt's forward can be computed once for all of them
         unique_of: dict[tuple, int] = {}
