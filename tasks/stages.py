@@ -86,7 +86,7 @@ def train_policy(recipe_dict: dict, base: dict, prepared: dict, ctx: dict) -> di
     from evaluation.plots import plot_training_curves
     plots = plot_training_curves(result["metrics"], checkpoint.parent / "plots")
     if recipe.model.modality == "vision":  # a few held-out images with the answers before and after training
-        plots.append(_answers_before_after(recipe, base["path"], str(checkpoint), prepared["out"],
+        plots.append(heldout_answers_plot(recipe, base["path"], str(checkpoint), prepared["out"],
                                            checkpoint.parent / "plots" / "heldout_answers.png"))
     for p in plots:
         client.log_artifact(run_id, str(p), "plots")
@@ -103,7 +103,8 @@ def train_policy(recipe_dict: dict, base: dict, prepared: dict, ctx: dict) -> di
             "plots": [str(p) for p in plots]}
 
 
-def _answers_before_after(recipe, base: str, checkpoint: str, data_dir: str, out: Path, n: int = 8) -> Path:
+def heldout_answers_plot(recipe, base: str, checkpoint: str, data_dir: str, out: Path, n: int = 8) -> Path:
+    """The first `n` held-out images, each titled with its gold answer and the base's and the checkpoint's."""
     from data.prepare import load_prepared
     from evaluation.plots import plot_answers
     from trainer.heldout import greedy_answers
@@ -199,5 +200,5 @@ def lineage_markdown(summary: dict) -> str:
     return "# grpoflow lineage\n\n```json\n" + json.dumps(summary, indent=2, default=str) + "\n```\n"
 
 
-__all__ = ["evaluate_model", "make_base_model", "prepare_data", "register_model", "train_policy",
+__all__ = ["evaluate_model", "heldout_answers_plot", "make_base_model", "prepare_data", "register_model", "train_policy",
            "lineage_markdown", "missing_outputs"]

@@ -331,3 +331,54 @@ def test_a_completion_that_samples_an_image_placeholder_is_left_out_of_the_loss_
     with torch.no_grad():
         logps, _ = completion_logps(model, mb, 1.0)  # one image per prompt, as many placeholders as its patches
     assert torch.allclose(logps[1, :2], plain_logps(model, prompt, [word, word]), atol=1e-5)
+
+
+# ---- the pipeline ---------------------------------------------------------------------------------------------------
+
+def test_grpoflow_run_on_the_vision_demo_registers_a_loadable_model_with_the_image_hash_in_its_lineage(tmp_path):
+    """`grpoflow run --config configs/tiny-vl-counting-cpu.yaml` as a user runs it (a subprocess, its own state,
+    a few steps): prep, the counting bootstrap, training, registration, the held-out evaluation."""
+    import os
+    import subprocess
+    import sys
+
+    import mlflow
+    import pandas as pd
+    from mlflow import MlflowClient
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", "--config", str(REPO_ROOT / "configs" / "tiny-vl-counting-cpu.yaml"),
+         "--state-dir", str(tmp_path / "state"), "--json", f"bootstrap.out={tmp_path / 'base'}",
+         f"data.out={tmp_path / 'data'}", "data.synthetic_rows=400", f"train.output_dir={tmp_path / 'runs'}",
+         "train.max_steps=3", "train.save_steps=3", "train.eval_heldout=16", "train.prompts_per_step=4"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=1500,
+        env={k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["scores"] == {"heldout_accuracy": summary["heldout_accuracy_after"]} and summary["steps"] == 3
+    base = json.loads((tmp_path / "base" / "manifest.json").read_text())
+    assert 0.3 <= base["heldout_accuracy"] <= 0.6  # the recipe's warm-up band
+
+    uri = f"sqlite:///{tmp_path / 'state' / 'mlflow.db'}"
+    client = MlflowClient(uri, registry_uri=uri)
+    [version] = client.search_model_versions("name='grpoflow-tiny-vl-counting'")
+    data = json.loads((tmp_path / "data" / "manifest.json").read_text())
+    # every image (embedded in the rows; a drawn twin of another is dropped as a duplicate prompt), hashed by its bytes
+    assert data["images"]["files"] == data["rows"]["train"] + data["rows"]["heldout"] >= 390
+    assert version.tags["dataset_sha256"] == data["sha256"]
+    train_run = next(r for r in client.search_runs([client.get_experiment_by_name("grpoflow").experiment_id])
+                     if r.info.run_name == "train")
+    assert "plots/heldout_answers.png" in {a.path for a in client.list_artifacts(train_run.info.run_id, "plots")}
+
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    model = mlflow.pyfunc.load_model(f"models:/grpoflow-tiny-vl-counting/{version.version}")
+    heldout = load_prepared(tmp_path / "data", "heldout")[:2]
+    answers = model.predict(pd.DataFrame({"prompt": [QUESTION] * 2, "image": [r["images"][0] for r in heldout]}),
+                            params={"max_new_tokens": 20})
+    # the registered model answers as the checkpoint does (greedy, the same encoding)
+    checkpoint, tok = load_model(summary["checkpoint"], VISION)
+    rows = [{**r, "prompt": [{"role": "user", "content": QUESTION}]} for r in heldout]
+    direct = HFEngine(checkpoint.eval(), tok).generate(encode_prompts(tok, rows), 1,
+                                                       SamplingParams(max_tokens=20, temperature=0.0))
+    assert answers == [g[0].text for g in direct]
