@@ -274,13 +274,13 @@ def test_a_short_vision_training_run_changes_the_weights_and_keeps_the_ratio_exa
     assert tok.vision is not None and type(reloaded).__name__ == "Qwen2VLForConditionalGeneration"
 
 
-@pytest.mark.parametrize("override", ["rollout.engine=vllm", "train.deepspeed=zero2", "rollout.train_devices=[0,1]"])
+@pytest.mark.parametrize("override", ["rollout.engine=vllm", "rollout.engine=lmdeploy", "train.deepspeed=zero2"])
 def test_vision_recipes_on_paths_images_do_not_reach_yet_are_refused_before_any_work(
         tiny_vl, counting_data, tmp_path, override):
     from trainer.grpo import check_supported
 
-    with pytest.raises(ConfigError, match="model.modality: vision trains with rollout.engine: transformers, one "
-                                          "trainer rank and no DeepSpeed"):
+    with pytest.raises(ConfigError, match="model.modality: vision trains with rollout.engine: transformers and "
+                                          "without DeepSpeed"):
         check_supported(vision_recipe(tmp_path, tiny_vl, counting_data, override))
 
 
@@ -382,3 +382,53 @@ def test_grpoflow_run_on_the_vision_demo_registers_a_loadable_model_with_the_ima
     direct = HFEngine(checkpoint.eval(), tok).generate(encode_prompts(tok, rows), 1,
                                                        SamplingParams(max_tokens=20, temperature=0.0))
     assert answers == [g[0].text for g in direct]
+
+
+DDP_UPDATE = """
+import sys, torch
+from trainer.grpo import GRPOTrainer
+from trainer.recipe import load_recipe
+recipe = load_recipe(sys.argv[1], sys.argv[4:])
+trainer = GRPOTrainer(recipe, sys.argv[2], recipe.data.out, progress=False)
+trainer.setup()
+batch, _ = trainer.rollout_source().next(0)
+batch.advantages = torch.linspace(-1, 1, len(batch))
+grads = {}
+def keep_grads(optimizer, args, kwargs):  # the gradient the optimizer steps with (after DDP's all-reduce)
+    for name, p in trainer.model.named_parameters():
+        grads[name] = p.grad.detach().clone()
+trainer.optimizer.register_step_pre_hook(keep_grads)
+trainer.optimize(batch)
+if trainer.rank == 0:
+    torch.save(grads, sys.argv[3])
+from trainer.launch import leave_distributed; leave_distributed()
+"""
+
+
+def test_two_gloo_ranks_update_a_vision_model_as_one_rank_does(tiny_vl, counting_data, tmp_path):
+    """DDP: each rank forwards its share of the rows with their own images; the averaged gradient, vision tower
+    included, equals one rank's on the whole batch."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "update.py"
+    script.write_text(DDP_UPDATE)
+    grads = {}
+    for ranks in (1, 2):
+        recipe_args = [f"model.name_or_path={tiny_vl}", "model.modality=vision", "data.task=counting",
+                       f"data.out={counting_data}", f"train.output_dir={tmp_path / f'run{ranks}'}",
+                       "train.prompts_per_step=2", "train.num_generations=4", "train.micro_batch_size=2",
+                       "train.max_prompt_length=128", "train.max_completion_length=12", "train.eval_heldout=0",
+                       "train.learning_rate=1e-3", "rewards=[{name: counting}]"]
+        env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               f"--nproc_per_node={ranks}", str(script), str(REPO_ROOT / "configs" / "tiny-cpu.yaml"),
+                               str(tiny_vl), str(tmp_path / f"grads{ranks}.pt"), *recipe_args],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        grads[ranks] = torch.load(tmp_path / f"grads{ranks}.pt")
+    assert grads[1].keys() == grads[2].keys()
+    assert any(n.startswith("model.visual.") and g.abs().sum() > 0 for n, g in grads[1].items())
+    for name, g in grads[1].items():
+        torch.testing.assert_close(grads[2][name], g, rtol=1e-4, atol=1e-6)

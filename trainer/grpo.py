@@ -364,13 +364,11 @@ def _fmt(result: dict) -> str:
 
 def check_supported(recipe: Recipe) -> None:
     """Refuse, before any work, a recipe this trainer would silently get wrong."""
-    if recipe.model.modality == "vision" and (recipe.rollout.engine != "transformers" or recipe.train.deepspeed
-                                              or len(recipe.rollout.train_devices) > 1):
+    if recipe.model.modality == "vision" and (recipe.rollout.engine != "transformers" or recipe.train.deepspeed):
         # Images reach the in-process transformers engine and the trainer's forward; the other paths would
         # generate from (or train on) the questions without their images and learn the wrong task.
-        raise ConfigError("model.modality: vision trains with rollout.engine: transformers, one trainer rank and no "
-                          f"DeepSpeed for now; images do not reach the {recipe.rollout.engine} engine, DDP or ZeRO "
-                          "ranks yet")
+        raise ConfigError("model.modality: vision trains with rollout.engine: transformers and without DeepSpeed "
+                          f"for now; images do not reach the {recipe.rollout.engine} engine or ZeRO ranks yet")
     if recipe.train.deepspeed in ("zero1", "zero2", "zero3"):
         zero.check_stage(int(recipe.train.deepspeed[-1]), recipe)
 
