@@ -9,6 +9,7 @@ that cannot be reached (one line naming it), 130 interrupted. Inputs are checked
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import logging
@@ -372,7 +373,10 @@ def main(argv: list[str] | None = None) -> int:
         handler.setFormatter(RedactingFormatter(handler.formatter._fmt if handler.formatter else None,
                                                 datefmt="%H:%M:%S"))
     try:
-        result = args.func(args)
+        # with --json, stdout holds the JSON object alone: whatever a library prints meanwhile (DeepSpeed's
+        # accelerator warning, on stdout) goes to stderr
+        with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
+            result = args.func(args)
     except GrpoflowUserError as e:  # ConfigError, DataError, UsageError, MissingPathError, ServiceUnavailable...
         return _fail(args, f"grpoflow {args.command}: error: {e}", 2)
     except KeyboardInterrupt:
