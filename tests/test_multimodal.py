@@ -384,27 +384,6 @@ def test_grpoflow_run_on_the_vision_demo_registers_a_loadable_model_with_the_ima
     assert answers == [g[0].text for g in direct]
 
 
-DDP_UPDATE = """
-import sys, torch
-from trainer.grpo import GRPOTrainer
-from trainer.recipe import load_recipe
-recipe = load_recipe(sys.argv[1], sys.argv[4:])
-trainer = GRPOTrainer(recipe, sys.argv[2], recipe.data.out, progress=False)
-trainer.setup()
-batch, _ = trainer.rollout_source().next(0)
-batch.advantages = torch.linspace(-1, 1, len(batch))
-grads = {}
-def keep_grads(optimizer, args, kwargs):  # the gradient the optimizer steps with (after DDP's all-reduce)
-    for name, p in trainer.model.named_parameters():
-        grads[name] = p.grad.detach().clone()
-trainer.optimizer.register_step_pre_hook(keep_grads)
-trainer.optimize(batch)
-if trainer.rank == 0:
-    torch.save(grads, sys.argv[3])
-from trainer.launch import leave_distributed; leave_distributed()
-"""
-
-
 def test_two_gloo_ranks_update_a_vision_model_as_one_rank_does(tiny_vl, counting_data, tmp_path):
     """DDP: each rank forwards its share of the rows with their own images; the averaged gradient, vision tower
     included, equals one rank's on the whole batch."""
@@ -412,8 +391,10 @@ def test_two_gloo_ranks_update_a_vision_model_as_one_rank_does(tiny_vl, counting
     import subprocess
     import sys
 
+    from test_async import DDP_SCRIPT  # one update's gradient, as the text DDP test takes it
+
     script = tmp_path / "update.py"
-    script.write_text(DDP_UPDATE)
+    script.write_text(DDP_SCRIPT)
     grads = {}
     for ranks in (1, 2):
         recipe_args = [f"model.name_or_path={tiny_vl}", "model.modality=vision", "data.task=counting",
@@ -427,7 +408,7 @@ def test_two_gloo_ranks_update_a_vision_model_as_one_rank_does(tiny_vl, counting
                                str(tiny_vl), str(tmp_path / f"grads{ranks}.pt"), *recipe_args],
                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=env)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        grads[ranks] = torch.load(tmp_path / f"grads{ranks}.pt")
+        grads[ranks] = torch.load(tmp_path / f"grads{ranks}.pt")["grads"]
     assert grads[1].keys() == grads[2].keys()
     assert any(n.startswith("model.visual.") and g.abs().sum() > 0 for n, g in grads[1].items())
     for name, g in grads[1].items():
