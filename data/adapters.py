@@ -13,7 +13,7 @@ the location and turns the `Example` into a prepared row with `data.schema.make_
 - counting (CLEVR-style, R1-V / CLEVR-70k-Counting layout): `images`/`image`/`image_path` (one image or a list:
   paths relative to the source file, file:// or http(s):// URLs, bytes or base64; each must decode, see
   `data.images`), `problem`/`question` (default COUNTING_QUESTION), `count`/`answer`/`solution` (3, "3" or
-  "<answer> 3 </answer>"); column `images` (one reference per image).
+  "<answer> 3 </answer>"); column `images` (one reference per image), and `videos` / `audios` as given.
 - synthetic: `question`, `answer`, columns `nums`, `target`, `solution` when present; `split` is honoured.
 """
 
@@ -168,7 +168,8 @@ def counting(raw: Mapping, base_dir: Path | None = None) -> Example:
     split = raw.get("split")  # the synthetic counting pools name their split
     if split is not None and split not in ("train", "heldout"):
         raise FieldError("split", "'train' or 'heldout'", split)
-    return Example(question, str(count), {"images": images}, split=split)
+    # videos / audios are kept as given: a model whose processor takes them gets them, any other refuses the row
+    return Example(question, str(count), {"images": images, **_optional(raw, "videos", "audios")}, split=split)
 
 
 def _images(raw: Mapping, base_dir: Path | None) -> list[str]:

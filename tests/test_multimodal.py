@@ -163,9 +163,17 @@ def test_rows_with_media_a_model_cannot_take_are_refused_naming_the_row(tiny_bas
     with pytest.raises(ValueError, match=r"row 'clevr-7': it has images, but the model was loaded without an image "
                                          r"processor: set model.modality: vision"):
         encode_prompts(text_tok, [row])
+    # a video column passes prep (the schema keeps it for models whose processor takes videos)...
+    src = tmp_path / "clips.jsonl"
+    src.write_text(json.dumps({"image": str(png(tmp_path / "y.png", 2)), "count": 2, "videos": ["clip.mp4"]}) + "\n")
+    prepare("counting", str(src), tmp_path / "out", heldout=0)
+    [prepared] = load_prepared(tmp_path / "out")
+    assert prepared["videos"] == ["clip.mp4"]
+    # ...and this trainer, which gives models images only, refuses the row by name
     _, tok = load_model(str(tiny_vl), VISION)
-    with pytest.raises(ValueError, match=r"row 'clevr-7': it has videos"):
-        encode_prompts(tok, [{**row, "videos": ["clip.mp4"]}])
+    with pytest.raises(ValueError, match=r"row 'counting-00000': it has videos, which this trainer cannot give a "
+                                         r"model yet \(images only\)"):
+        encode_prompts(tok, [prepared])
 
 
 def plain_logps(model, prompt, completion: list[int], temperature: float = 1.0) -> torch.Tensor:
