@@ -178,6 +178,10 @@ def evaluate_reference(model: str, recipe: Recipe, services: Services, *, source
     from evaluation import evaluate
 
     endpoint = model if model.startswith(("http://", "https://")) else None
+    if not recipe.eval.benchmarks:  # [] means "the held-out split is the evaluation", which needs a training run
+        raise UsageError(f"{source}: eval.benchmarks: needs at least 1 entry to evaluate a model, got [] (an empty "
+                         "list is for `grpoflow run`, where the held-out split scored after training is the "
+                         "evaluation)")
     check_eval_settings(recipe, source, endpoint, api_key_env=None if serve else api_key_env,
                         eval_batch_size=concurrency if endpoint else 1)
     client = tracking.client_for(services.tracking_uri, services.registry_uri)

@@ -532,7 +532,7 @@ def test_every_float_of_the_recipe_refuses_nan_and_infinity():
     ("eval.limit=0", "eval.limit: must be >= 1, got 0"),
     ("eval.repeats=0", "eval.repeats: must be >= 1, got 0"),
     ("eval.request_timeout_s=0", "eval.request_timeout_s: must be > 0, got 0.0"),
-    ("eval.benchmarks=[]", "eval.benchmarks: needs at least 1 entry, got []"),
+    ("eval.max_tokens=0", "eval.max_tokens: must be >= 1, got 0"),
     ("rollout.gpu_memory_utilization=0", "rollout.gpu_memory_utilization: must be > 0, got 0.0"),
     ("rollout.train_devices=[0, -1]", "rollout.train_devices[1]: must be >= 0, got -1"),
     ("data.heldout=-0.1", "data.heldout: must be >= 0, got -0.1"),
@@ -648,7 +648,6 @@ def test_mlflow_http_retries_and_timeouts_are_bounded_unless_the_user_set_them(m
 
 @pytest.mark.parametrize("override, message", [
     ("eval.limit=0", "eval.limit: must be >= 1, got 0"),
-    ("eval.benchmarks=[]", "eval.benchmarks: needs at least 1 entry, got []"),
     ("train.learning_rate=-1", "train.learning_rate: must be > 0, got -1.0"),
     ("train.temperature=.nan", "train.temperature: must be a finite number, got nan"),
 ])
@@ -656,6 +655,15 @@ def test_recipe_input_errors_are_exit_2_naming_file_and_field(override, message,
     proc = grpoflow_run("eval", str(tmp_path / "no-such-checkpoint"), override, "--state-dir", str(tmp_path / "s"))
     line = one_line_error(proc, "eval")
     assert message in line and "configs/tiny-cpu.yaml + overrides" in line
+
+
+def test_grpoflow_eval_without_benchmarks_is_exit_2_before_any_model(tmp_path):
+    """`eval.benchmarks: []` is a valid recipe (its held-out split is its evaluation, in `grpoflow run`), but
+    `grpoflow eval` has nothing to run with it."""
+    proc = grpoflow_run("eval", str(tmp_path / "no-such-checkpoint"), "eval.benchmarks=[]",
+                        "--state-dir", str(tmp_path / "s"))
+    line = one_line_error(proc, "eval")
+    assert "configs/tiny-cpu.yaml: eval.benchmarks: needs at least 1 entry to evaluate a model, got []" in line
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -94,7 +94,7 @@ def test_missing_file_is_a_clear_error(tmp_path):
 
 @pytest.mark.parametrize("command", ["train", "run"])
 def test_a_vision_recipe_loads_but_training_it_stops_at_start(tmp_path, command):
-    """Until images reach the model, `model.modality: vision` must not train on the questions alone."""
+    """Until images reach vLLM, the 3B vision recipe (vLLM rollouts) must not generate from the questions alone."""
     config = REPO_ROOT / "configs" / "qwen2.5-vl-3b-clevr-counting.yaml"
     assert load_recipe(config).model.modality == "vision"  # the recipe itself still loads and validates
     extra = ["--state-dir", str(tmp_path / "state")] if command == "run" else []
@@ -102,6 +102,7 @@ def test_a_vision_recipe_loads_but_training_it_stops_at_start(tmp_path, command)
                            f"data.out={tmp_path / 'data'}", f"train.output_dir={tmp_path / 'run'}", "--json"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
-    assert "model.modality: 'vision'" in done.stderr and "not trained yet" in done.stderr
+    assert "model.modality: vision trains with rollout.engine: transformers" in done.stderr
+    assert "images do not reach the vllm engine" in done.stderr
     assert json.loads(done.stdout.splitlines()[-1])["exit_code"] == 2
     assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()  # stopped before any work
