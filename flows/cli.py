@@ -281,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     from evaluation.serving import add_server_arguments
     p = sub.add_parser("serve-model", help="serve a checkpoint behind an OpenAI-compatible endpoint until stopped")
     add_server_arguments(p)
-    p.set_defaults(func=cmd_serve_model)
+    p.set_defaults(func=cmd_serve_model, streams_json=True)  # its ready line and summary, as they happen
 
     p = sub.add_parser("thinking", help="thinking-efficiency metrics of an EvalScope work dir or a JSONL")
     p.add_argument("path", help="work dir of `grpoflow eval` (has report.json), or JSONL of {id, output, answer}")
@@ -374,8 +374,9 @@ def main(argv: list[str] | None = None) -> int:
                                                 datefmt="%H:%M:%S"))
     try:
         # with --json, stdout holds the JSON object alone: whatever a library prints meanwhile (DeepSpeed's
-        # accelerator warning, on stdout) goes to stderr
-        with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
+        # accelerator warning, on stdout) goes to stderr; serve-model writes its own JSON lines as they happen
+        quiet = args.json and not getattr(args, "streams_json", False)
+        with contextlib.redirect_stdout(sys.stderr if quiet else sys.stdout):
             result = args.func(args)
     except GrpoflowUserError as e:  # ConfigError, DataError, UsageError, MissingPathError, ServiceUnavailable...
         return _fail(args, f"grpoflow {args.command}: error: {e}", 2)

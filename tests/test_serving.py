@@ -36,7 +36,9 @@ def ready_line(proc: subprocess.Popen, timeout_s: float = 120) -> dict:
     reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
     reader.start()
     reader.join(timeout_s)
-    assert box and box[0].strip(), f"no ready line within {timeout_s} s; stderr:\n{proc.stderr.read()}"
+    if not (box and box[0].strip()):
+        proc.kill()  # its stderr ends only with it: read while it runs, the failure would hang instead
+        raise AssertionError(f"no ready line within {timeout_s} s; stderr:\n{proc.communicate()[1]}")
     return json.loads(box[0])
 
 
