@@ -187,9 +187,7 @@ def cmd_thinking(args) -> dict:
         except ValueError as e:
             raise UsageError(str(e)) from e
     summary = analyze(args.path, args.tokenizer, out=args.out, judge=judge).summary
-    if not args.json:
-        print(format_table(summary))
-        print(f"per-sample rows: {summary['samples_path']}")
+    _say(args, f"{format_table(summary)}\nper-sample rows: {summary['samples_path']}")
     return summary
 
 
@@ -373,10 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         handler.setFormatter(RedactingFormatter(handler.formatter._fmt if handler.formatter else None,
                                                 datefmt="%H:%M:%S"))
     try:
-        # with --json, stdout holds the JSON object alone: whatever a library prints meanwhile (DeepSpeed's
-        # accelerator warning, on stdout) goes to stderr; serve-model writes its own JSON lines as they happen
-        quiet = args.json and not getattr(args, "streams_json", False)
-        with contextlib.redirect_stdout(sys.stderr if quiet else sys.stdout):
+        # --json: stdout holds the JSON alone, a library's prints (DeepSpeed's) go to stderr; serve-model streams its own
+        with contextlib.redirect_stdout(sys.stderr if args.json and not getattr(args, "streams_json", 0) else sys.stdout):
             result = args.func(args)
     except GrpoflowUserError as e:  # ConfigError, DataError, UsageError, MissingPathError, ServiceUnavailable...
         return _fail(args, f"grpoflow {args.command}: error: {e}", 2)

@@ -107,12 +107,19 @@ def heldout_answers_plot(recipe, base: str, checkpoint: str, data_dir: str, out:
     """The first `n` held-out images, each titled with its gold answer and the base's and the checkpoint's."""
     from data.prepare import load_prepared
     from evaluation.plots import plot_answers
-    from trainer.heldout import greedy_answers
+    from trainer.heldout import evaluate_greedy
+    from trainer.model_loading import load_model
     from trainer.rewards import accuracy_reward
+    from trainer.rollout.hf_engine import HFEngine
 
     rows = load_prepared(data_dir, "heldout")[:n]
-    before, after = (greedy_answers(path, recipe.model, rows, accuracy_reward, recipe.train.max_completion_length)
-                     for path in (base, checkpoint))
+
+    def answers(path: str) -> list[dict]:
+        model, tokenizer = load_model(path, recipe.model)
+        return evaluate_greedy(HFEngine(model.eval(), tokenizer), tokenizer, rows, accuracy_reward,
+                               max_tokens=recipe.train.max_completion_length, return_samples=True)["samples"]
+
+    before, after = answers(base), answers(checkpoint)
     titles = [f"gold {r['answer']}\nbefore {_answer(b)} {'✓' if b['correct'] else '✗'}  "
               f"after {_answer(a)} {'✓' if a['correct'] else '✗'}" for r, b, a in zip(rows, before, after, strict=True)]
     return plot_answers([r["images"][0] for r in rows], titles, out)

@@ -139,8 +139,10 @@ def test_parquet_image_feature_bytes_are_embedded(tmp_path):
 
 # ---- prompts, engine and trainer forward ----------------------------------------------------------------------------
 
-def test_image_placeholders_expand_to_the_patches_over_merge_squared(tiny_vl, tmp_path):
-    model, tok = load_model(str(tiny_vl), VISION)
+def test_image_placeholders_expand_to_the_patches_over_merge_squared(tmp_path):
+    from trainer.tiny_vl import build_tiny_vl
+
+    model, tok = load_model(str(build_tiny_vl(tmp_path / "merge2", merge=2)), VISION)  # Qwen's own 2x2 merge
     small, large = png(tmp_path / "s.png", 2, 56), png(tmp_path / "l.png", 2, 112)
     rows = [{"id": "r0", "prompt": [{"role": "user", "content": "How many?"}], "images": [str(small)]},
             {"id": "r1", "prompt": [{"role": "user", "content": "How many?"}], "images": [str(small), str(large)]}]

@@ -43,49 +43,21 @@ from data.manifest import (
 from data.progress import Progress, quiet_transformers_progress
 from data.schema import make_row, resolve_system_prompt
 from trainer.heldout import evaluate_greedy
-from trainer.model_loading import save_tokenizer
-from trainer.prompts import encode_prompts
 from trainer.recipe import BootstrapConfig
 from trainer.rewards import accuracy_reward, format_reward
 from trainer.rollout.hf_engine import HFEngine
-from trainer.vision import VisionInputs, vision_forward_kwargs, vision_of
+from trainer.vision import save_tokenizer
+from trainer.warmup import build_tokenizer, sft_batches, worked_solution
 
 KIND = "base-model"
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 log = logging.getLogger("grpoflow.bootstrap")
-TAG_TOKENS = ["<think>", "</think>", "<answer>", "</answer>"]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+
 
 
 def config_hash(cfg: BootstrapConfig, system_prompt: str) -> str:
     settings = dataclasses.asdict(cfg)
     settings.pop("out")  # where it is saved does not change what is made
     return sha256_json({**settings, "system_prompt": system_prompt})
-
-
-def build_tokenizer(corpus: list[str], vocab_size: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
-    tok.decoder = decoders.ByteLevel()
-    # The tags are added afterwards as plain tokens: as special tokens, decoding would drop them.
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(corpus, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   additional_special_tokens=["<|im_start|>"])
-    fast.add_tokens(TAG_TOKENS)  # plain added tokens: kept when decoding with skip_special_tokens
-    fast.chat_template = CHAT_TEMPLATE
-    fast.padding_side = "left"
-    return fast
 
 
 def build_model(cfg: BootstrapConfig, tokenizer):
@@ -106,31 +78,6 @@ def _rows(task: str, n: int, seed: int, pool: str, system_prompt: str) -> list[d
     raw = synthetic.generate(n, seed, task, pool=pool)
     return [make_row(f"boot-{pool}-{i}", r["question"], r["answer"], "synthetic", system_prompt,
                      **{k: v for k, v in r.items() if k in ("nums", "target")}) for i, r in enumerate(raw)]
-
-
-def sft_batches(model, tokenizer, rows: list[dict], batch_size: int, seed: int):
-    """Endless seeded batches of (input_ids, attention_mask, labels, more forward inputs) with loss on the
-    completion only; a vision model's batches carry their images (`trainer.vision`)."""
-    prompts = encode_prompts(tokenizer, rows)
-    completions = tokenizer([worked_solution(r) + tokenizer.eos_token for r in rows],
-                            add_special_tokens=False)["input_ids"]
-    seqs = [p + c for p, c in zip(prompts, completions, strict=False)]
-    n_prompt = [len(p) for p in prompts]
-    gen = torch.Generator().manual_seed(seed)
-    while True:
-        for idx in torch.randperm(len(seqs), generator=gen).split(batch_size):
-            chosen = idx.tolist()
-            width = max(len(seqs[i]) for i in chosen)
-            ids = torch.full((len(chosen), width), tokenizer.pad_token_id)
-            mask = torch.zeros_like(ids)
-            labels = torch.full_like(ids, -100)
-            for row, i in enumerate(chosen):
-                s = torch.tensor(seqs[i])
-                ids[row, :len(s)] = s
-                mask[row, :len(s)] = 1
-                labels[row, n_prompt[i]:len(s)] = s[n_prompt[i]:]
-            vision = VisionInputs.concat([vision_of(prompts[i]) for i in chosen])
-            yield ids, mask, labels, (vision_forward_kwargs(model, ids, mask, vision) if vision else {})
 
 
 def bootstrap(cfg: BootstrapConfig, out: str | Path | None = None, system_prompt: str | None = None,
@@ -245,13 +192,6 @@ class TextKit:
         return build_model(cfg, tokenizer), tokenizer
 
     sft_batches = staticmethod(sft_batches)
-
-
-def worked_solution(row: dict) -> str:
-    """The warm-up's target completion for a row (a counting row answers in one short thought)."""
-    if row.get("task") == "counting":
-        return f"<think>I count the objects.</think><answer>{row['answer']}</answer>"
-    return synthetic.worked_solution(row)
 
 
 def _corpus(rows: list[dict], system_prompt: str) -> list[str]:

@@ -49,9 +49,9 @@ from data.manifest import (
     write_json_atomic,
 )
 from data.progress import quiet_transformers_progress
-from trainer.model_loading import save_tokenizer
 from trainer.recipe import Recipe
 from trainer.typed_config import ConfigError
+from trainer.vision import save_tokenizer
 
 LATEST = "latest"
 KIND = "checkpoint"

@@ -39,13 +39,3 @@ def evaluate_greedy(engine, tokenizer, rows: list[dict], accuracy_fn: Callable, 
         result["samples"] = samples
     return result
 
-
-def greedy_answers(model_path: str, model_cfg, rows: list[dict], accuracy_fn: Callable, max_tokens: int) -> list[dict]:
-    """Each row's greedy completion by the model at `model_path` (loaded as `model_cfg` says), with the row's
-    id, gold answer and correctness: what a before/after picture of held-out answers shows."""
-    from trainer.model_loading import load_model
-    from trainer.rollout.hf_engine import HFEngine
-
-    model, tokenizer = load_model(model_path, model_cfg)
-    engine = HFEngine(model.eval(), tokenizer)
-    return evaluate_greedy(engine, tokenizer, rows, accuracy_fn, max_tokens=max_tokens, return_samples=True)["samples"]

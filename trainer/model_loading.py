@@ -76,13 +76,6 @@ def _vision_encoder(name_or_path: str, tokenizer, config, cfg: ModelConfig):
     return VisionEncoder(processor, tokenizer, config)
 
 
-def save_tokenizer(tokenizer, directory) -> None:
-    """The tokenizer, and a vision model's image processor, in `save_pretrained` format."""
-    tokenizer.save_pretrained(directory)
-    if getattr(tokenizer, "vision", None) is not None:
-        tokenizer.vision.image_processor.save_pretrained(directory)
-
-
 def modality_of(path: str | Path) -> str:
     """'vision' for a model folder whose config has a vision tower (an image-text model), else 'text'."""
     try:

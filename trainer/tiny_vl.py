@@ -17,10 +17,9 @@ import torch
 
 from data.schema import make_row
 from data.shapes import QUESTION
-from trainer.bootstrap import build_tokenizer
-from trainer.bootstrap import sft_batches as _sft_batches
-from trainer.model_loading import save_tokenizer
-from trainer.vision import PLACEHOLDER_TOKENS, VisionEncoder
+from trainer.vision import PLACEHOLDER_TOKENS, VisionEncoder, save_tokenizer
+from trainer.warmup import build_tokenizer
+from trainer.warmup import sft_batches as _sft_batches
 
 VIDEO_PAD = "<|video_pad|>"
 CORPUS = [

@@ -121,4 +121,11 @@ def vision_forward_kwargs(model, input_ids: torch.Tensor, attention_mask: torch.
             "mm_token_type_ids": types, "position_ids": positions}
 
 
-__all__ = ["PromptIds", "VisionEncoder", "VisionInputs", "check_media", "vision_forward_kwargs", "vision_of"]
+def save_tokenizer(tokenizer, directory) -> None:
+    """The tokenizer, and a vision model's image processor, in `save_pretrained` format."""
+    tokenizer.save_pretrained(directory)
+    if getattr(tokenizer, "vision", None) is not None:
+        tokenizer.vision.image_processor.save_pretrained(directory)
+
+
+__all__ = ["PromptIds", "save_tokenizer", "VisionEncoder", "VisionInputs", "check_media", "vision_forward_kwargs", "vision_of"]
