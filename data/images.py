@@ -62,7 +62,8 @@ def _text_ref(value: str, name: str, base_dir: Path | None) -> str:
                                    "relative path in)", value)
         path = base_dir / path
     if not path.is_file():
-        raise FieldError(name, "an existing image file", str(path), reason="image not found")
+        # the path in full in the message (a value shown as `got` is cut at 80 characters)
+        raise FieldError(name, f"an existing image file; not found: {path}", reason="image not found")
     return str(path.resolve())
 
 
@@ -100,7 +101,7 @@ def check_image(ref: str, name: str) -> None:
     except Exception as e:  # PIL raises several unrelated types for bad files
         shown = ref if not ref.startswith("data:") else f"{ref[:40]}... ({len(ref)} characters)"
         detail = str(e).split(" at 0x")[0] if str(e) else type(e).__name__  # PIL's text names an object address
-        raise FieldError(name, f"a readable image, but {detail[:120]}", shown, reason="unreadable image") from None
+        raise FieldError(name, f"a readable image; {shown}: {detail[:120]}", reason="unreadable image") from None
 
 
 def images_digest(refs: Iterable[str]) -> dict | None:

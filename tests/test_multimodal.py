@@ -62,8 +62,9 @@ def test_image_rows_fail_with_file_line_and_path_or_are_dropped_and_recorded(tmp
     bad = {"missing": {"image": "gone.png", "solution": "<answer> 1 </answer>"},
            "unreadable": {"image": "broken.png", "solution": "<answer> 1 </answer>"},
            "count": {"image": "ok.png", "problem": "Count them.", "count": "three"}}
-    expected = {"missing": f"field 'image': expected an existing image file, got '{tmp_path / 'gone.png'}'",
-                "unreadable": "field 'image': expected a readable image, but cannot identify image file",
+    expected = {"missing": f"field 'image': expected an existing image file; not found: {tmp_path / 'gone.png'}",
+                "unreadable": f"field 'image': expected a readable image; {tmp_path / 'broken.png'}: cannot identify "
+                              "image file",
                 "count": "field 'count': expected a non-negative integer count (3, \"3\" or \"<answer> 3 </answer>\"), "
                          "got 'three'"}
     for case, row in bad.items():
@@ -345,7 +346,8 @@ def test_a_completion_that_samples_an_image_placeholder_is_left_out_of_the_loss_
 
 # ---- the pipeline ---------------------------------------------------------------------------------------------------
 
-def test_grpoflow_run_on_the_vision_demo_registers_a_loadable_model_with_the_image_hash_in_its_lineage(tmp_path):
+def test_grpoflow_run_on_the_vision_demo_registers_a_loadable_model_with_the_image_hash_in_its_lineage(
+        tmp_path, monkeypatch):
     """`grpoflow run --config configs/tiny-vl-counting-cpu.yaml` as a user runs it (a subprocess, its own state,
     a few steps): prep, the counting bootstrap, training, registration, the held-out evaluation."""
     import os
@@ -380,8 +382,8 @@ def test_grpoflow_run_on_the_vision_demo_registers_a_loadable_model_with_the_ima
                      if r.info.run_name == "train")
     assert "plots/heldout_answers.png" in {a.path for a in client.list_artifacts(train_run.info.run_id, "plots")}
 
-    mlflow.set_tracking_uri(uri)
-    mlflow.set_registry_uri(uri)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # for this test only (mlflow.set_tracking_uri would outlive it)
+    monkeypatch.setenv("MLFLOW_REGISTRY_URI", uri)
     model = mlflow.pyfunc.load_model(f"models:/grpoflow-tiny-vl-counting/{version.version}")
     heldout = load_prepared(tmp_path / "data", "heldout")[:2]
     answers = model.predict(pd.DataFrame({"prompt": [QUESTION] * 2, "image": [r["images"][0] for r in heldout]}),
