@@ -51,7 +51,18 @@ def test_transformers_engine_wraps_the_given_model(tiny_lm):
     assert isinstance(engine, HFEngine) and engine.model is model
     prompt = tokenizer("3 + 4 =", add_special_tokens=False)["input_ids"]
     groups = engine.generate([prompt], 2, SamplingParams(max_tokens=5, temperature=1.0, seed=1))
-    assert [len(c.token_ids) for c in groups[0]] == [len(c.logprobs) for c in groups[0]]
+    assert len(groups) == 1 and len(groups[0]) == 2
+    for completion in groups[0]:
+        n = len(completion.token_ids)
+        assert 1 <= n <= 5 and len(completion.logprobs) == n
+        assert (n == 5) == (completion.finish_reason == "length")
+        # each sampled token's log-prob is what one plain forward of prompt + completion gives it
+        ids = torch.tensor([prompt + list(completion.token_ids)])
+        with torch.no_grad():
+            logps = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float(), dim=-1)
+        expected = logps.gather(1, ids[0, len(prompt):, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(completion.logprobs, dtype=torch.float32), expected,
+                                   rtol=0, atol=1e-5)
 
 
 def test_ignore_eos_decodes_max_tokens_past_every_eos(tiny_lm):

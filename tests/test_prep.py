@@ -9,6 +9,8 @@ import json
 import os
 import subprocess
 import sys
+from fractions import Fraction
+from itertools import permutations
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from data.adapters import COUNTDOWN_PROMPT, numina
 from data.prepare import DataError, load_prepared, prepare
 from data.schema import SYSTEM_PROMPT, user_text
 from data.synthetic import in_eval_pool
+from trainer.rewards.countdown import countdown_reward
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"
@@ -343,10 +346,39 @@ def test_synthetic_addition_keeps_the_generators_evaluation_pool_held_out(tmp_pa
     assert again["sha256"] == result["sha256"]
 
 
+def _countdown_solution(nums: list[int], target: int) -> str | None:
+    """An expression using every number once with + - * / that equals `target` exactly, or None (brute force)."""
+    def build(items: list[tuple[Fraction, str]]):
+        if len(items) == 1:
+            yield items[0]
+            return
+        for i, j in permutations(range(len(items)), 2):
+            (a, x), (b, y) = items[i], items[j]
+            rest = [items[k] for k in range(len(items)) if k not in (i, j)]
+            options = [(a + b, f"({x} + {y})"), (a - b, f"({x} - {y})"), (a * b, f"({x} * {y})")]
+            if b != 0:
+                options.append((a / b, f"({x} / {y})"))
+            for option in options:
+                yield from build([*rest, option])
+
+    for value, text in build([(Fraction(n), str(n)) for n in nums]):
+        if value == target:
+            return text
+    return None
+
+
 def test_synthetic_countdown_through_the_countdown_adapter(tmp_path):
-    prepare("countdown", "synthetic:countdown", tmp_path / "out", synthetic_rows=20, heldout=0.2)
-    row = load_prepared(tmp_path / "out")[0]
-    assert row["answer"] == str(row["target"]) and len(row["nums"]) == 3
+    summary = prepare("countdown", "synthetic:countdown", tmp_path / "out", synthetic_rows=20, heldout=0.2)
+    rows = load_prepared(tmp_path / "out") + load_prepared(tmp_path / "out", split="heldout")
+    assert len(rows) == 20 == summary["rows"]["train"] + summary["rows"]["heldout"]
+    for row in rows:
+        assert row["answer"] == str(row["target"]) and len(row["nums"]) == 3
+        # every target is reachable: an exhaustive search over the three numbers finds an expression, and the
+        # countdown reward, given that expression as a completion, scores it 1
+        expression = _countdown_solution(row["nums"], row["target"])
+        assert expression is not None, f"no expression over {row['nums']} reaches {row['target']}"
+        completion = f"<think>search</think><answer>{expression}</answer>"
+        assert countdown_reward([row["prompt"]], [completion], [row["nums"]], [row["target"]]) == [1.0]
     with pytest.raises(DataError, match="unknown synthetic kind 'chess'"):
         prepare("synthetic", "synthetic:chess", tmp_path / "x")
 

@@ -106,3 +106,54 @@ def test_a_vision_recipe_loads_but_training_it_stops_at_start(tmp_path, command)
     assert "images do not reach the vllm engine" in done.stderr
     assert json.loads(done.stdout.splitlines()[-1])["exit_code"] == 2
     assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()  # stopped before any work
+
+
+# What each shipped recipe builds: where its processes go on its node, and what its rewards pay. Written from the
+# YAML by hand, so a recipe edit or a change in how placement/rewards read it shows up here.
+_RIGHT, _WRONG = "<think>work</think><answer>{}</answer>", "<think>work</think><answer>{}</answer>"
+BUILDS = {
+    # name: (gpus, mode, trainer CUDA_VISIBLE_DEVICES, rollout workers' masks, executor, rewards, task columns,
+    #        (right answer, wrong answer), (reward of right, of wrong, of untagged wrong))
+    "tiny-cpu": (0, "in-process", [None], [], None, {"format": 0.2, "accuracy": 1.0},
+                 {"answer": ["7"]}, ("7", "8"), (1.2, 0.2, 0.0)),
+    "tiny-vl-counting-cpu": (0, "in-process", [None], [], None, {"format": 0.2, "counting": 1.0},
+                             {"answer": ["3"]}, ("3", "4"), (1.2, 0.2, 0.0)),
+    "qwen2.5-7b-numina-8gpu": (8, "workers", ["0,1,2,3,4,5,6,7"] * 6, ["6", "7"], None,
+                               {"accuracy": 1.0, "format": 1.0}, {"answer": ["\\frac{1}{2}"]}, ("1/2", "2"),
+                               (2.0, 1.0, 0.0)),
+    "qwen2.5-vl-3b-clevr-counting": (8, "workers", ["0,1,2,3,4,5,6,7"] * 6, ["6", "7"], None,
+                                     {"counting": 1.0, "format": 1.0}, {"answer": ["5"]}, ("5", "6"), (2.0, 1.0, 0.0)),
+    "countdown-qwen2.5-3b": (8, "colocated", ["0,1,2,3,4,5,6,7"] * 8, [], "external_launcher",
+                             {"countdown": 1.0, "format": 0.1}, {"nums": [[2, 3, 4]], "target": [14]},
+                             ("2 + 3 * 4", "2 + 3 + 4"), (1.1, 0.1, 0.0)),
+}
+
+
+def test_every_shipped_recipe_has_its_builds_written_down():
+    assert {p.stem for p in CONFIGS} == set(BUILDS)
+
+
+@pytest.mark.parametrize("name", sorted(BUILDS))
+def test_what_each_recipe_builds(name):
+    from trainer.placement import plan
+    from trainer.rewards.runner import RewardRunner
+
+    gpus, mode, trainer_masks, worker_masks, executor, weights, columns, answers, paid = BUILDS[name]
+    recipe = load_recipe(REPO_ROOT / "configs" / f"{name}.yaml")
+    placement = plan(recipe.rollout, gpus)
+    assert placement.mode == mode and placement.executor == executor
+    assert [p.cuda_visible_devices for p in placement.trainers] == trainer_masks
+    # each trainer rank computes on its own device; each rollout worker on the one GPU it is given
+    assert [p.device for p in placement.trainers] == (["cpu"] if not gpus else
+                                                      [f"cuda:{r}" for r in range(len(trainer_masks))])
+    assert [p.cuda_visible_devices for p in placement.workers] == worker_masks
+    assert all(p.device == "cuda:0" for p in placement.workers)
+
+    # the rewards, resolved and weighted as the trainer does (trainer/grpo.py), on a right, a wrong and an
+    # untagged wrong completion
+    assert {s.name: s.weight for s in recipe.rewards} == weights
+    runner = RewardRunner([(s.name, resolve_reward(s.name, s.args), s.weight) for s in recipe.rewards])
+    right, wrong = (_RIGHT.format(answers[0]), _WRONG.format(answers[1]))
+    texts = [right, wrong, answers[1]]
+    result = runner(["q"] * 3, texts, **{k: v * 3 for k, v in columns.items()})
+    assert result.total == pytest.approx(list(paid), abs=1e-12)

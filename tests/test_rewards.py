@@ -131,8 +131,14 @@ def test_grade_in_process_outside_the_main_thread():
 
 
 def test_accuracy_columns_must_line_up():
-    with pytest.raises(ValueError):
-        accuracy_reward(["p", "q"], ["<answer>1</answer>", "<answer>2</answer>"], answer=["1"])
+    completions = ["<answer>1</answer>", "<answer>2</answer>"]
+    message = "accuracy: 2 completions but 1 'answer' value: the reward needs one 'answer' per completion"
+    with pytest.raises(ValueError) as e:
+        accuracy_reward(["p", "q"], completions, answer=["1"])
+    assert str(e.value) == message
+    with pytest.raises(ValueError, match="counting: 2 completions but 3 'answer' values"):
+        counting_reward(["p", "q"], completions, answer=["1", "2", "3"])
+    assert accuracy_reward(["p", "q"], completions, answer=["1", "3"]) == [1.0, 0.0]  # lined up: graded
 
 
 # ---------------------------------------------------------------- counting

@@ -61,9 +61,13 @@ def test_ratio_is_exactly_one_on_first_pass_and_not_after_an_update(tmp_path, ti
 
 
 def test_a_raising_reward_is_counted_and_training_goes_on(tmp_path, tiny_base, tiny_data):
+    calls = tmp_path / "calls.jsonl"
     plugin = tmp_path / "flaky.py"
     plugin.write_text(
+        "import json\n"
         "def flaky(prompts, completions, **kw):\n"
+        f"    with open({str(calls)!r}, 'a') as f:\n"
+        "        f.write(json.dumps([len(c) for c in completions]) + '\\n')\n"
         "    out = []\n"
         "    for c in completions:\n"
         "        if len(c) % 2:\n"
@@ -76,11 +80,27 @@ def test_a_raising_reward_is_counted_and_training_goes_on(tmp_path, tiny_base, t
     assert result.steps == 2
     rows = [json.loads(line) for line in Path(result.metrics_path).read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
-    errors = sum(r["rewards/flaky/errors"] for r in rows)
-    # every completion of odd length (in characters) failed, the rest scored 0.5: a rule that does not depend
-    # on what this particular base model happens to write
-    assert errors > 0 and all(r["rewards/flaky/mean"] == 0.5 for r in rows if "rewards/flaky/mean" in r)
-    assert sum(r["reward_errors"] for r in rows) == errors
+
+    # What the plugin saw, written by the plugin itself: per step one call with the whole batch (2 prompts x 4),
+    # then, if that raised, one call per completion. The errors expected are the odd lengths of the batch calls.
+    seen = [json.loads(line) for line in calls.read_text().splitlines()]
+    batches = [i for i, lengths in enumerate(seen) if len(lengths) == 8]
+    assert len(batches) == 2 and batches[0] == 0
+    expected = []
+    for start, end in zip(batches, [*batches[1:], len(seen)], strict=True):
+        lengths = seen[start]
+        odd = sum(n % 2 for n in lengths)
+        # a raising batch is retried one completion at a time, in order; a clean batch is not retried
+        assert seen[start + 1:end] == ([[n] for n in lengths] if odd else [])
+        expected.append(odd)
+    assert [r["rewards/flaky/errors"] for r in rows] == expected
+    assert [r["reward_errors"] for r in rows] == expected
+    assert sum(expected) > 0, "no completion of odd length: the test saw no error to count"
+    for row, odd in zip(rows, expected, strict=True):
+        if odd < 8:  # the completions that did not raise scored 0.5 each, and only they are averaged
+            assert row["rewards/flaky/mean"] == 0.5
+        else:
+            assert "rewards/flaky/mean" not in row
 
 
 def _train_cmd(tmp_path: Path, tiny_base: dict, data: Path) -> list[str]:

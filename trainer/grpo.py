@@ -269,6 +269,7 @@ class GRPOTrainer:
                     if is_weights[k] is not None:
                         w = is_weights[k][mb.completion_mask > 0]
                         sums["importance_ratio/mean"] = sums.get("importance_ratio/mean", 0.0) + w.sum().item() / totals["total_tokens"]
+            rate = self.scheduler.get_last_lr()[0]  # what this update applies: the step logs it, as TRL does
             grad_norms.append(self._update(pass_loss))
         self._stop_unless_finite(updated_policy_extremes(self.model, micro_batches[0] if micro_batches else None),
                                  "after its optimizer update")
@@ -283,7 +284,7 @@ class GRPOTrainer:
             w = torch.cat([iw[mb.completion_mask > 0] for iw, mb in zip(is_weights, micro_batches, strict=True)])
             sums.update({"importance_ratio/min": w.min().item(), "importance_ratio/max": w.max().item()})
         return {**sums, "entropy": entropy / totals["total_tokens"], "grad_norm": grad_norms[-1],
-                "learning_rate": self.scheduler.get_last_lr()[0], "timing/train_s": time.perf_counter() - t0,
+                "learning_rate": rate, "timing/train_s": time.perf_counter() - t0,
                 "staleness": float(staleness)}
 
     def _logps(self, model, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:

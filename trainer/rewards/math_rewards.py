@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from data.answers import final_answer
 from trainer.rewards.math_grader import grade_answer
-from trainer.rewards.parsing import completion_texts
+from trainer.rewards.parsing import completion_texts, with_column
 
 # Longer "answers" are not graded (0.0): no gold answer is this long, and each costs a trip to the worker.
 MAX_ANSWER_CHARS = 1000
@@ -41,14 +41,14 @@ def format_reward(prompts: Sequence, completions: Sequence, **_columns) -> list[
 def accuracy_reward(prompts: Sequence, completions: Sequence, answer: Sequence, **_columns) -> list[float | None]:
     """1.0 if the final answer (last `<answer>` block, else last `\\boxed{}`) equals the gold `answer`
     under math-verify; 0.0 otherwise; None if the gold answer cannot be parsed."""
-    return [grade_math_answer(text, gold) for text, gold in zip(completion_texts(completions), answer, strict=True)]
+    return [grade_math_answer(text, gold) for text, gold in with_column("accuracy", completions, answer=answer)]
 
 
 def counting_reward(prompts: Sequence, completions: Sequence, answer: Sequence, **_columns) -> list[float | None]:
     """1.0 if the final answer equals the gold count, by math-verify or, failing that, as the same stripped
     string (so a gold answer math-verify cannot read is still gradable); None only if the gold is empty."""
     rewards: list[float | None] = []
-    for text, gold in zip(completion_texts(completions), answer, strict=True):
+    for text, gold in with_column("counting", completions, answer=answer):
         gold_text = "" if gold is None else str(gold).strip()
         if not gold_text:
             rewards.append(None)

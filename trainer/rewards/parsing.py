@@ -45,3 +45,13 @@ def _content_text(content: object) -> str:
 def completion_texts(completions: Sequence[object]) -> list[str]:
     """`completion_text` for a batch."""
     return [completion_text(c) for c in completions]
+
+
+def with_column(reward: str, completions: Sequence[object], **column: Sequence) -> list[tuple[str, object]]:
+    """(completion text, column value) pairs; a column that is not one value per completion is the caller's
+    mistake, named (`accuracy: 2 completions but 1 'answer' value`), not a bare zip error."""
+    [(name, values)] = column.items()
+    if len(values) != len(completions):
+        raise ValueError(f"{reward}: {len(completions)} completions but {len(values)} {name!r} value"
+                         f"{'' if len(values) == 1 else 's'}: the reward needs one {name!r} per completion")
+    return list(zip(completion_texts(completions), values, strict=True))

@@ -1,0 +1,273 @@
+"""Trainer options beyond configs/tiny-cpu.yaml, on the real tiny model: the KL term (beta > 0), the four loss
+normalisations, the three reward scalings, dynamic sampling, truncated-completion masking, learning-rate
+schedules with warm-up, weight decay, gradient clipping and checkpoint pruning.
+
+Each test drives the real GRPOTrainer (setup, a rollout batch, `optimize`; `train` for pruning) and checks what
+the option does against a second computation made here: the loss written out on the same completions and
+differentiated with autograd, k3 from the policy's and the reference's log-probs, the schedule's formula, AdamW's
+update rule. A reward plugin that scores completion i of a batch with a fixed number makes the advantages
+known in advance, whatever the sampled text says.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from test_trainer import small_recipe
+
+from trainer.grpo import GRPOTrainer
+from trainer.logprobs import completion_logps
+
+# Two groups of four: group 0 = [0, 1, 3, 4] (mean 2, unbiased var 10/3, std 1.825742),
+# group 1 = [2, 2, 2, 6] (mean 3, var 12/3 = 4, std 2); the batch: mean 2.5, var 24/7, std 1.851640.
+REWARDS = [0.0, 1.0, 3.0, 4.0, 2.0, 2.0, 2.0, 6.0]
+DEVIATIONS = torch.tensor([-2.0, -1.0, 1.0, 2.0, -1.0, -1.0, -1.0, 3.0])  # r_i - its group's mean
+EPS = 1e-4  # the advantage denominator's epsilon, as in TRL
+ALL_KEPT = torch.ones(8)
+
+
+def reward_plugin(tmp_path: Path, rewards: list[float]) -> str:
+    """The `rewards=` override of one reward function that gives completion i of a batch `rewards[i]`."""
+    path = tmp_path / "fixed_rewards.py"
+    path.write_text(f"REWARDS = {rewards!r}\n\n\ndef fixed(prompts, completions, **kw):\n"
+                    "    return REWARDS[:len(completions)]\n")
+    return f"rewards=[{{name: '{path}:fixed'}}]"
+
+
+def ready_trainer(tmp_path: Path, tiny_base: dict, tiny_data: Path, *overrides: str) -> GRPOTrainer:
+    recipe = small_recipe(tmp_path, tiny_base, tiny_data, "train.eval_heldout=0", *overrides)
+    trainer = GRPOTrainer(recipe, tiny_base["path"], tiny_data, progress=False)
+    trainer.setup()
+    return trainer
+
+
+def record_updates(trainer: GRPOTrainer) -> list[tuple[torch.Tensor, float]]:
+    """(gradient the optimizer applies, flattened, after clipping; its learning rate) for each update to come."""
+    seen = []
+
+    def before_step(optimizer, args, kwargs):
+        params = optimizer.param_groups[0]["params"]
+        seen.append((flat([p.grad for p in params], params), optimizer.param_groups[0]["lr"]))
+
+    trainer.optimizer.register_step_pre_hook(before_step)
+    return seen
+
+
+def flat(grads, params) -> torch.Tensor:
+    """One float64 vector: a float32 norm over ~1M entries can be off by 1e-4 on CPU."""
+    return torch.cat([(torch.zeros_like(p) if g is None else g.detach()).reshape(-1).double() for g, p in
+                      zip(grads, params, strict=True)])
+
+
+def token_weights(batch, loss_type: str, kept: torch.Tensor, max_completion_length: int) -> torch.Tensor:
+    """[B, C]: each completion token's weight in the loss, as reduce_loss's docstring defines the four types
+    (0 for padding and for the completions not `kept`)."""
+    lengths = torch.tensor([len(c.token_ids) for c in batch.completions])
+    tokens = (torch.arange(max(int(lengths.max()), 1))[None, :] < lengths[:, None]).float() * kept[:, None]
+    if loss_type == "grpo":  # mean over each sequence's tokens, then over all B sequences
+        return tokens / (lengths.clamp(min=1)[:, None] * len(batch))
+    if loss_type == "dr_grpo":
+        return tokens / (len(batch) * max_completion_length)
+    return tokens / tokens.sum()  # bnpo, dapo: one mean over the tokens in the loss
+
+
+def first_pass_loss_and_gradient(trainer: GRPOTrainer, batch, weights: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """The loss of an on-policy batch before its update, written out: there ratio = exp(logp - logp.detach()) = 1,
+    nothing is clipped, and -min(ratio * A, clip(ratio) * A) has value -A and the gradient of -A * logp."""
+    mb = batch.micro_batch(torch.arange(len(batch)), trainer.tokenizer.pad_token_id)
+    # the whole batch in one plain forward: another path than the trainer's micro-batches with shared prompts
+    logps, _ = completion_logps(trainer.model, mb, trainer.cfg.temperature)
+    advantages = batch.advantages[:, None]
+    params = list(trainer.model.parameters())
+    grads = torch.autograd.grad(-(advantages * logps * weights).sum(), params, allow_unused=True)
+    return -(advantages * weights).sum().item(), flat(grads, params)
+
+
+def batch_where(rollouts, wanted, what: str):
+    """The first of the next few batches (and its metrics) for which `wanted(batch)` holds; sampling is seeded,
+    so it is the same batch every run on this machine."""
+    for step in range(8):
+        batch, metrics = rollouts.next(step)
+        if wanted(batch):
+            return batch, metrics
+    raise AssertionError(f"none of 8 batches {what}")
+
+
+def lengths_differ(batch) -> bool:
+    return len({len(c.token_ids) for c in batch.completions}) > 1
+
+
+def truncated(batch) -> list[bool]:
+    return [c.finish_reason == "length" for c in batch.completions]
+
+
+def assert_same_direction_and_size(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert expected.norm() > 0
+    assert (actual - expected).norm() <= 1e-4 * expected.norm(), ((actual - expected).norm(), expected.norm())
+
+
+# ------------------------------------------------------------------------------------------- KL to the reference
+def test_beta_loads_the_reference_and_its_k3_kl_reaches_the_loss(tmp_path, tiny_base, tiny_data):
+    beta = 0.1
+    trainer = ready_trainer(tmp_path, tiny_base, tiny_data, f"train.beta={beta}", "train.learning_rate=1e-3")
+    assert trainer.ref_model is not None and not any(p.requires_grad for p in trainer.ref_model.parameters())
+    rollouts = trainer.rollout_source()
+    batch, _ = rollouts.next(0)
+    # the KL gradient is 0 where policy == reference: advantages of both signs make the first update move away
+    batch.advantages = torch.linspace(-1, 1, len(batch))
+    assert trainer.optimize(batch)["kl"] == 0.0  # k3 >= 0, so a mean of 0: 0 on every token, same weights
+
+    batch, _ = rollouts.next(1)
+    kl_sum, tokens, policy_term = 0.0, 0.0, 0.0
+    for rows in torch.arange(len(batch)).split(trainer.cfg.micro_batch_size):  # the trainer's micro-batches
+        mb = batch.micro_batch(rows, trainer.tokenizer.pad_token_id)
+        with torch.no_grad():
+            p = completion_logps(trainer.model, mb, trainer.cfg.temperature, share_prompts=True)[0]
+            r = completion_logps(trainer.ref_model, mb, trainer.cfg.temperature, share_prompts=True)[0]
+        k3 = torch.exp(r - p) - (r - p) - 1
+        kl_sum += (k3 * mb.completion_mask).sum().item()
+        tokens += mb.completion_mask.sum().item()
+        policy_term += -(mb.advantages[:, None] * mb.completion_mask).sum().item()
+    expected_kl = kl_sum / tokens  # dapo: one mean over all tokens of the batch; ratio 1 on the first pass
+    metrics = trainer.optimize(batch)
+    assert expected_kl > 0
+    assert metrics["kl"] == pytest.approx(expected_kl, rel=1e-4)
+    assert metrics["loss"] == pytest.approx(policy_term / tokens + beta * expected_kl, rel=1e-4, abs=1e-7)
+
+
+# ------------------------------------------------------------------------------ advantages and loss normalisation
+@pytest.mark.parametrize(("scale_rewards", "expected"), [
+    ("group", DEVIATIONS / torch.tensor([1.825742 + EPS] * 4 + [2.0 + EPS] * 4)),
+    ("batch", DEVIATIONS / (1.851640 + EPS)),
+    ("none", DEVIATIONS),
+])
+def test_scale_rewards_sets_the_advantages_the_update_follows(tmp_path, tiny_base, tiny_data, scale_rewards,
+                                                              expected):
+    trainer = ready_trainer(tmp_path, tiny_base, tiny_data, reward_plugin(tmp_path, REWARDS),
+                            f"train.scale_rewards={scale_rewards}", "train.max_grad_norm=0")
+    batch, metrics = trainer.rollout_source().next(0)
+    torch.testing.assert_close(batch.advantages, expected, atol=1e-5, rtol=0)
+    assert metrics["reward"] == pytest.approx(2.5) and metrics["reward_std"] == pytest.approx(1.851640, abs=1e-6)
+    loss, gradient = first_pass_loss_and_gradient(
+        trainer, batch, token_weights(batch, "dapo", ALL_KEPT, trainer.cfg.max_completion_length))
+    applied = record_updates(trainer)
+    assert trainer.optimize(batch)["loss"] == pytest.approx(loss, rel=1e-4, abs=1e-7)
+    assert_same_direction_and_size(applied[0][0], gradient)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_loss_type_sets_each_tokens_weight_in_the_loss_and_gradient(tmp_path, tiny_base, tiny_data, loss_type):
+    trainer = ready_trainer(tmp_path, tiny_base, tiny_data, reward_plugin(tmp_path, REWARDS),
+                            f"train.loss_type={loss_type}", "train.max_grad_norm=0")
+    # with equal lengths grpo's per-sequence means would weigh tokens as dapo's one token mean does
+    batch, _ = batch_where(trainer.rollout_source(), lengths_differ, "has completions of different lengths")
+    # group advantages sum to 0 in each group, which would make the grpo loss 0 whatever its weights
+    batch.advantages = torch.tensor([1.0, -0.5, 0.25, 2.0, -1.5, 0.75, -0.25, 0.5])
+    weights = token_weights(batch, loss_type, ALL_KEPT, trainer.cfg.max_completion_length)
+    loss, gradient = first_pass_loss_and_gradient(trainer, batch, weights)
+    applied = record_updates(trainer)
+    assert trainer.optimize(batch)["loss"] == pytest.approx(loss, rel=1e-4)
+    assert_same_direction_and_size(applied[0][0], gradient)
+
+
+# ------------------------------------------------------------------------------------- what is left out of the loss
+def test_dynamic_sampling_leaves_groups_with_equal_rewards_out_of_the_loss(tmp_path, tiny_base, tiny_data):
+    trainer = ready_trainer(tmp_path, tiny_base, tiny_data, reward_plugin(tmp_path, [1.0] * 4 + [0, 1, 2, 3]),
+                            "train.dynamic_sampling=true", "train.max_grad_norm=0")
+    batch, metrics = trainer.rollout_source().next(0)
+    assert metrics["frac_reward_zero_std"] == 0.5
+    kept = torch.tensor([0.0] * 4 + [1.0] * 4)  # group 1 alone: [0, 1, 2, 3], mean 1.5, std sqrt(5/3)
+    torch.testing.assert_close(batch.loss_mask, kept)
+    torch.testing.assert_close(batch.advantages, torch.tensor([0.0] * 4 + [-1.5, -0.5, 0.5, 1.5]) / (1.290994 + EPS))
+    # the dropped group's advantages are 0 already: what dropping changes is that its tokens leave the mean
+    weights = token_weights(batch, "dapo", kept, trainer.cfg.max_completion_length)
+    loss, gradient = first_pass_loss_and_gradient(trainer, batch, weights)
+    applied = record_updates(trainer)
+    assert trainer.optimize(batch)["loss"] == pytest.approx(loss, rel=1e-4, abs=1e-7)
+    assert_same_direction_and_size(applied[0][0], gradient)
+
+
+def test_mask_truncated_completions_leaves_cut_off_completions_out_of_the_loss(tmp_path, tiny_base, tiny_data):
+    trainer = ready_trainer(tmp_path, tiny_base, tiny_data, "train.mask_truncated_completions=true",
+                            "train.max_completion_length=16", "train.max_grad_norm=0")
+    # the tiny model writes "<think>a+b=c</think><answer>c</answer>" in 14 to 17 tokens: some are cut at 16
+    batch, metrics = batch_where(trainer.rollout_source(), lambda b: 0 < sum(truncated(b)) < len(b),
+                                 "mixes truncated and finished completions")
+    cut = torch.tensor(truncated(batch))
+    assert all(len(c.token_ids) == 16 for c, is_cut in zip(batch.completions, cut, strict=True) if is_cut)
+    assert metrics["completions/clipped_ratio"] == cut.float().mean().item()
+    kept = (~cut).float()
+    torch.testing.assert_close(batch.loss_mask, kept)
+    batch.advantages = torch.linspace(-1, 1.5, len(batch))  # truncated completions too: the mask must drop them
+    loss, gradient = first_pass_loss_and_gradient(
+        trainer, batch, token_weights(batch, "dapo", kept, trainer.cfg.max_completion_length))
+    applied = record_updates(trainer)
+    assert trainer.optimize(batch)["loss"] == pytest.approx(loss, rel=1e-4)
+    assert_same_direction_and_size(applied[0][0], gradient)
+
+
+# --------------------------------------------------------------------------------------------- the optimizer
+# f(u) for update u (0-based) of T = max_steps * num_iterations with w warm-up updates: (u + 1) / w while
+# u < w, then with progress p = (u - w) / (T - w): linear 1 - p, cosine (1 + cos(pi p)) / 2.
+@pytest.mark.parametrize(("schedule", "max_steps", "mu", "factors"), [
+    # T = 5, w = 2: p = 0, 1/3, 2/3 for u = 2, 3, 4
+    ("linear", 5, 1, [0.5, 1.0, 1.0, 2 / 3, 1 / 3]),
+    # T = 6, w = 2: p = 0, 1/4, 1/2, 3/4 for u = 2..5; two updates per step
+    ("cosine", 3, 2, [0.5, 1.0, 1.0, (1 + math.cos(math.pi / 4)) / 2, 0.5, (1 + math.cos(3 * math.pi / 4)) / 2]),
+])
+def test_learning_rate_follows_the_schedule_after_warmup(tmp_path, tiny_base, tiny_data, schedule, max_steps, mu,
+                                                         factors):
+    lr = 1e-3
+    trainer = ready_trainer(tmp_path, tiny_base, tiny_data, f"train.lr_scheduler_type={schedule}",
+                            "train.warmup_steps=2", f"train.max_steps={max_steps}", f"train.num_iterations={mu}",
+                            f"train.learning_rate={lr}", "train.max_completion_length=8")
+    updates = record_updates(trainer)
+    rollouts, logged = trainer.rollout_source(), []
+    for step in range(max_steps):
+        batch, _ = rollouts.next(step)
+        logged.append(trainer.optimize(batch)["learning_rate"])
+    assert [rate for _, rate in updates] == pytest.approx([lr * f for f in factors], rel=1e-6)
+    # a step logs the rate its (last) update applied, as TRL does: not the next update's
+    assert logged == pytest.approx([lr * f for f in factors[mu - 1::mu]], rel=1e-6)
+
+
+def test_weight_decay_shrinks_weights_that_get_no_gradient_by_lr_times_decay(tmp_path, tiny_base, tiny_data):
+    lr, decay = 1e-2, 0.1
+    trainer = ready_trainer(tmp_path, tiny_base, tiny_data, f"train.learning_rate={lr}",
+                            f"train.weight_decay={decay}", "train.max_completion_length=8")
+    batch, _ = trainer.rollout_source().next(0)
+    batch.advantages = torch.zeros(len(batch))  # no gradient anywhere: Adam's own step is 0 / (0 + eps) = 0
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    assert trainer.optimize(batch)["grad_norm"] == 0.0
+    for old, new in zip(before, trainer.model.parameters(), strict=True):  # AdamW: w <- w - lr * decay * w
+        torch.testing.assert_close(new.detach(), old * (1 - lr * decay), rtol=1e-6, atol=0)
+
+
+def test_gradient_is_clipped_to_max_grad_norm_and_its_norm_before_clipping_logged(tmp_path, tiny_base, tiny_data):
+    max_norm = 1e-3
+    trainer = ready_trainer(tmp_path, tiny_base, tiny_data, reward_plugin(tmp_path, REWARDS),
+                            f"train.max_grad_norm={max_norm}")
+    batch, _ = trainer.rollout_source().next(0)
+    _, gradient = first_pass_loss_and_gradient(
+        trainer, batch, token_weights(batch, "dapo", ALL_KEPT, trainer.cfg.max_completion_length))
+    assert gradient.norm() > 10 * max_norm
+    applied = record_updates(trainer)
+    metrics = trainer.optimize(batch)
+    assert metrics["grad_norm"] == pytest.approx(gradient.norm().item(), rel=1e-5)
+    # torch's clip_grad_norm_ scales by max_norm / (norm + 1e-6)
+    assert_same_direction_and_size(applied[0][0], gradient * max_norm / (gradient.norm() + 1e-6))
+
+
+# ------------------------------------------------------------------------------------------------- checkpoints
+@pytest.mark.parametrize(("limit", "kept"), [(2, [3, 4]), (0, [1, 2, 3, 4])])
+def test_save_total_limit_prunes_the_oldest_checkpoints(tmp_path, tiny_base, tiny_data, limit, kept):
+    recipe = small_recipe(tmp_path, tiny_base, tiny_data, "train.eval_heldout=0", "train.max_steps=4",
+                          "train.save_steps=1", f"train.save_total_limit={limit}", "train.max_completion_length=8")
+    result = GRPOTrainer(recipe, tiny_base["path"], tiny_data, progress=False).train()
+    run = tmp_path / "run"
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == [f"checkpoint-{s}" for s in kept]
+    assert (run / "latest").read_text().strip() == "checkpoint-4"
+    assert Path(result.checkpoint).name == "checkpoint-4"
