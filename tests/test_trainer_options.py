@@ -62,15 +62,17 @@ def flat(grads, params) -> torch.Tensor:
                       zip(grads, params, strict=True)])
 
 
-def token_weights(batch, loss_type: str, kept: torch.Tensor, max_completion_length: int) -> torch.Tensor:
+def token_weights(batch, loss_type: str, kept: torch.Tensor, max_completion_length: int,
+                  sequences: int | None = None) -> torch.Tensor:
     """[B, C]: each completion token's weight in the loss, as reduce_loss's docstring defines the four types
-    (0 for padding and for the completions not `kept`)."""
+    (0 for padding and for the completions not `kept`); `sequences`: the batch's count (default: all of it)."""
+    sequences = len(batch) if sequences is None else sequences
     lengths = torch.tensor([len(c.token_ids) for c in batch.completions])
     tokens = (torch.arange(max(int(lengths.max()), 1))[None, :] < lengths[:, None]).float() * kept[:, None]
     if loss_type == "grpo":  # mean over each sequence's tokens, then over all B sequences
-        return tokens / (lengths.clamp(min=1)[:, None] * len(batch))
+        return tokens / (lengths.clamp(min=1)[:, None] * sequences)
     if loss_type == "dr_grpo":
-        return tokens / (len(batch) * max_completion_length)
+        return tokens / (sequences * max_completion_length)
     return tokens / tokens.sum()  # bnpo, dapo: one mean over the tokens in the loss
 
 
@@ -174,16 +176,20 @@ def test_loss_type_sets_each_tokens_weight_in_the_loss_and_gradient(tmp_path, ti
 
 
 # ------------------------------------------------------------------------------------- what is left out of the loss
-def test_dynamic_sampling_leaves_groups_with_equal_rewards_out_of_the_loss(tmp_path, tiny_base, tiny_data):
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_dynamic_sampling_leaves_groups_with_equal_rewards_out_of_the_loss(tmp_path, tiny_base, tiny_data,
+                                                                          loss_type):
     trainer = ready_trainer(tmp_path, tiny_base, tiny_data, reward_plugin(tmp_path, [1.0] * 4 + [0, 1, 2, 3]),
-                            "train.dynamic_sampling=true", "train.max_grad_norm=0")
+                            "train.dynamic_sampling=true", "train.max_grad_norm=0", f"train.loss_type={loss_type}")
     batch, metrics = trainer.rollout_source().next(0)
     assert metrics["frac_reward_zero_std"] == 0.5
     kept = torch.tensor([0.0] * 4 + [1.0] * 4)  # group 1 alone: [0, 1, 2, 3], mean 1.5, std sqrt(5/3)
     torch.testing.assert_close(batch.loss_mask, kept)
+    assert batch.sampled_out == 4
     torch.testing.assert_close(batch.advantages, torch.tensor([0.0] * 4 + [-1.5, -0.5, 0.5, 1.5]) / (1.290994 + EPS))
-    # the dropped group's advantages are 0 already: what dropping changes is that its tokens leave the mean
-    weights = token_weights(batch, "dapo", kept, trainer.cfg.max_completion_length)
+    # the dropped group's advantages are 0 already: what dropping changes is that the group leaves the batch,
+    # its tokens the token mean (dapo) and its sequences the sequence count (grpo, dr_grpo: 4 sequences, not 8)
+    weights = token_weights(batch, loss_type, kept, trainer.cfg.max_completion_length, sequences=4)
     loss, gradient = first_pass_loss_and_gradient(trainer, batch, weights)
     applied = record_updates(trainer)
     assert trainer.optimize(batch)["loss"] == pytest.approx(loss, rel=1e-4, abs=1e-7)

@@ -45,6 +45,8 @@ class RolloutBatch:
     advantages: torch.Tensor  # [B]
     loss_mask: torch.Tensor  # [B] 1 where the completion takes part in the loss
     policy_version: int = 0
+    sampled_out: int = 0  # completions of groups that dynamic sampling dropped: not in the batch, as DAPO has it
+
 
     def __len__(self) -> int:
         return len(self.completions)

@@ -34,8 +34,11 @@ def score_groups(rewards: RewardRunner, cfg: TrainConfig, rows: list[dict], prom
     total = torch.tensor([math.nan if r is None else r for r in result.total])
     advantages, valid, stats = L.group_advantages(total, G, cfg.scale_rewards)
     loss_mask = valid.clone()
+    sampled_out = 0
     if cfg.dynamic_sampling:
-        loss_mask &= ~L.zero_std_groups(total, G)
+        dropped = L.zero_std_groups(total, G)
+        loss_mask &= ~dropped
+        sampled_out = int(dropped.sum())
     truncated = torch.tensor([c.finish_reason == "length" for c in completions])
     if cfg.mask_truncated_completions:
         loss_mask &= ~truncated
@@ -45,7 +48,8 @@ def score_groups(rewards: RewardRunner, cfg: TrainConfig, rows: list[dict], prom
                "completions/max_length": max(lengths), "completions/clipped_ratio": truncated.float().mean().item(),
                "timing/reward_s": time.perf_counter() - t1, "reward_errors": float(sum(result.errors.values()))}
     batch = RolloutBatch([p for p in prompt_ids for _ in range(G)], completions, advantages,
-                         loss_mask.float(), policy_version=min(c.policy_version for c in completions))
+                         loss_mask.float(), policy_version=min(c.policy_version for c in completions),
+                         sampled_out=sampled_out)
     return batch, metrics
 
 
