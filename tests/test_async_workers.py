@@ -11,6 +11,7 @@ torchrun ranks, all on CPU processes with the real tiny model.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -70,7 +71,8 @@ def test_two_workers_shard_the_prompts_and_return_each_group_to_its_prompt(tmp_p
     assert not worker_pids() & pids  # closed with the source
 
     # The same prompts generated here, shard by shard as the workers got them: 5 prompts over 2 workers are
-    # prompts 0-2 (worker 1) and 3-4 (worker 2). Same weights, seed, batch and thread count: the same samples.
+    # prompts 0-2 (worker 1, the step's seed) and 3-4 (worker 2, the step's seed + 2**32). Same weights, seeds,
+    # batch and thread count: the same samples.
     engine = HFEngine(model, tokenizer)
     threads = torch.get_num_threads()
     torch.set_num_threads(cpu_threads_per_side(2))
@@ -81,7 +83,9 @@ def test_two_workers_shard_the_prompts_and_return_each_group_to_its_prompt(tmp_p
             assert [r["answer"] for r in got_rows] == [r["answer"] for r in wanted]
             assert got_ids == encode_prompts(tokenizer, wanted, cfg.max_prompt_length)
             sampling = step_prompts(step, rows, tokenizer, cfg)[2]
-            expected = [g for lo, hi in ((0, 3), (3, 5)) for g in engine.generate(got_ids[lo:hi], 4, sampling)]
+            shards = [(0, 3, sampling.seed), (3, 5, sampling.seed + 2 ** 32)]
+            expected = [g for lo, hi, seed in shards
+                        for g in engine.generate(got_ids[lo:hi], 4, dataclasses.replace(sampling, seed=seed))]
             assert len(groups) == 5 and all(len(g) == 4 for g in groups)
             assert [[c.token_ids for c in g] for g in groups] == [[c.token_ids for c in g] for g in expected]
             for g, e in zip(groups, expected, strict=True):

@@ -25,7 +25,7 @@ import threading
 import time
 import traceback
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.multiprocessing as mp
@@ -243,10 +243,12 @@ class RemoteRollout:
 
     # -------------------------------------------------------------------------------------------- API
     def submit(self, step: int, prompts: list[list[int]], n: int, sampling: SamplingParams) -> None:
-        """Start generating batch `step`; prompts are sharded across workers in contiguous slices."""
+        """Start generating batch `step`; prompts are sharded across workers in contiguous slices, shard k
+        sampled with `shard_seed(sampling.seed, k)` (one seed for all would give two copies of one prompt in two
+        shards the same completions)."""
         self._check_alive()
-        for q, (lo, hi) in zip(self.commands, _shard(len(prompts), len(self.procs)), strict=True):
-            q.put(("generate", (step, prompts[lo:hi], n, sampling)))
+        for k, (q, (lo, hi)) in enumerate(zip(self.commands, _shard(len(prompts), len(self.procs)), strict=True)):
+            q.put(("generate", (step, prompts[lo:hi], n, replace(sampling, seed=shard_seed(sampling.seed, k)))))
 
     def collect(self, step: int) -> list:
         """The groups of batch `step`, in prompt order (blocks until every shard is back)."""
@@ -290,6 +292,12 @@ class RemoteRollout:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+
+
+def shard_seed(seed: int | None, shard: int) -> int | None:
+    """The sampling seed of shard `shard`: the batch's own for the first (one worker samples as before), the
+    others moved by multiples of 2**32, beyond any step's seed."""
+    return None if seed is None else seed + (shard << 32)
 
 
 def _shard(n: int, parts: int) -> list[tuple[int, int]]:
