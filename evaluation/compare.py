@@ -77,8 +77,9 @@ class GateResult:
 def load_samples(work_dir: str | os.PathLike) -> Samples:
     """Per-problem scores of a finished evaluation: correctness from EvalScope's reviews, plus thinking metrics.
 
-    A problem's id is MATH-500's `question_id` when the sample has one, else `<subset>/<sample_id>` (EvalScope
-    numbers samples within each subset). Repeated generations of a problem are averaged.
+    A problem's id is MATH-500's `question_id` when the sample has one, else `<subset>/<group_id>` (EvalScope
+    numbers problems within each subset; its `sample_id` numbers generations). Repeated generations of a problem
+    are averaged.
     """
     work_dir = Path(work_dir)
     report_file = work_dir / "report.json"
@@ -223,10 +224,14 @@ def _jsonl(path: Path):
 
 
 def _review_id(rec: dict, subset: str) -> str:
-    question = (rec.get("sample_metadata") or {}).get("question_id")
+    score = rec["sample_score"]
+    # EvalScope keeps a sample's metadata under sample_score
+    question = (score.get("sample_metadata") or rec.get("sample_metadata") or {}).get("question_id")
     if question is not None:
         return str(question)
-    sample_id = rec["sample_score"].get("sample_id", rec.get("index"))
+    # a problem's repeated generations share its group_id; sample_id numbers the generations
+    sample_id = next((v for v in (score.get("group_id"), score.get("sample_id"), rec.get("index")) if v is not None),
+                     None)
     if sample_id is None:
         raise KeyError("sample_id")
     return f"{subset}/{sample_id}"

@@ -76,6 +76,29 @@ def tiny_data(tmp_path_factory, tiny_recipe) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def memorising_model(tiny_base, tmp_path_factory) -> str:
+    """The tiny base model over-trained to answer a fixed handful of MATH-500 and AIME problems right
+    (`memorised_model`; about 30 s on one thread)."""
+    from memorised_model import train_memorising_model
+    return str(train_memorising_model(tiny_base["path"], tmp_path_factory.mktemp("models") / "memorising", shared()))
+
+
+@pytest.fixture(scope="session")
+def memorised_eval(memorising_model, tmp_path_factory):
+    """The memorising model's EvalScope evaluation on `memorised_model.evaluated_problems` (an `EvalResult`; its
+    scores are known problem by problem). Shared: a test that writes into its work dir works on a copy."""
+    from memorised_model import evaluate_known_problems
+    return evaluate_known_problems(memorising_model, shared(), tmp_path_factory.mktemp("eval") / "memorising")
+
+
+@pytest.fixture(scope="session")
+def plain_eval(tiny_base, tmp_path_factory):
+    """The tiny base model's evaluation with the same settings: it solves none of the problems."""
+    from memorised_model import evaluate_known_problems
+    return evaluate_known_problems(tiny_base["path"], shared(), tmp_path_factory.mktemp("eval") / "plain")
+
+
 @contextmanager
 def loopback_http(handler: type[BaseHTTPRequestHandler]) -> Iterator[ThreadingHTTPServer]:
     """A real HTTP server on 127.0.0.1 (a free port) serving `handler` in daemon threads, shut down on exit."""
@@ -94,7 +117,8 @@ def scored_copy(src: Path, dst: Path, bench: str, scores: list[float]) -> Path:
     (report.json's score follows).
 
     A test fixture standing for "a version whose predictions are better/worse": the tiny model solves no
-    AIME problem, so a real evaluation cannot show a regression by itself. Everything else is EvalScope's.
+    AIME problem, so a real evaluation of it cannot show a regression by itself. Everything else is EvalScope's.
+    Where a real difference is wanted, `memorised_eval` against `plain_eval` is one.
     """
     shutil.copytree(src, dst)
     report = json.loads((dst / "report.json").read_text())

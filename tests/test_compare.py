@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from memorised_model import evaluated_problems, reasoning
 
-from conftest import REPO_ROOT, scored_copy, shared
+from conftest import REPO_ROOT, shared
 from evaluation.compare import Row, compare, gate, load_samples, markdown_table, paired_bootstrap
 
 BENCH = "aime24"
@@ -96,22 +97,8 @@ def test_gate_fails_only_when_the_whole_interval_is_below_the_allowed_drop():
     assert gate(rows, max_drop=0.05).passed
 
 
-# --- real EvalScope work dirs ------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def evaluated(tiny_base, tmp_path_factory) -> Path:
-    """A real EvalScope evaluation of the tiny model: 4 AIME problems, 16 tokens each."""
-    from evaluation import run_evalscope
-
-    work_dir = tmp_path_factory.mktemp("eval") / "tiny"
-    run_evalscope(tiny_base["path"], [BENCH], work_dir=work_dir, local_paths={BENCH: str(shared(BENCH))},
-                  limit=4, max_tokens=16)
-    return work_dir
-
-
-def with_scores(src: Path, dst: Path, scores: list[float]) -> Path:
-    return scored_copy(src, dst, BENCH, scores)
-
+# --- real EvalScope work dirs: the memorising model, whose scores are known problem by problem, and the plain ----
+# tiny model, which solves none of the problems (conftest's memorised_eval and plain_eval, shared by the session)
 
 def grpoflow(*args: str, state: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
@@ -124,58 +111,106 @@ def last_json(proc: subprocess.CompletedProcess) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_work_dir_samples_are_keyed_by_subset_and_sample_id(evaluated):
-    samples = load_samples(evaluated)
-    assert list(samples) == [BENCH] and sorted(samples[BENCH]["accuracy"]) == [f"default/{i}" for i in range(4)]
-    report = json.loads((evaluated / "report.json").read_text())
-    scores = samples[BENCH]["accuracy"].values()
-    assert sum(scores) / len(scores) == report["scores"][BENCH]
+def accuracy_rows(result: dict) -> set[tuple]:
+    return {(r["benchmark"], r["a"], r["b"], r["diff"], r["ci_low"], r["ci_high"], r["n"]) for r in result["rows"]
+            if r["metric"] == "accuracy"}
 
 
-def test_gate_passes_a_model_against_itself(evaluated, tmp_path):
-    proc = grpoflow("gate", "--candidate", str(evaluated), "--baseline", str(evaluated / "report.json"),
+def test_work_dir_samples_are_keyed_by_problem_id(memorised_eval):
+    samples = load_samples(memorised_eval.work_dir)
+    # MATH-500 problems by their unique_id, AIME problems (which have none) by subset and place
+    assert sorted(samples["aime24"]["accuracy"]) == ["default/0", "default/1"]
+    assert sorted(samples["math_500"]["accuracy"])[:3] == ["test/algebra/1349.json", "test/algebra/2584.json",
+                                                           "test/intermediate_algebra/134.json"]
+    assert samples["math_500"]["accuracy"]["test/intermediate_algebra/134.json"] == 1.0  # memorised (Level 1)
+    assert samples["math_500"]["accuracy"]["test/precalculus/1303.json"] == 0.0  # not memorised (Level 1)
+    report = json.loads(memorised_eval.report_json.read_text())
+    for bench, metrics in samples.items():
+        scores = metrics["accuracy"].values()
+        assert sum(scores) / len(scores) == pytest.approx(report["scores"][bench]) and len(scores) in (2, 10)
+
+
+def test_gate_passes_a_model_against_itself_and_against_a_worse_baseline(memorised_eval, plain_eval, tmp_path):
+    proc = grpoflow("gate", "--candidate", str(memorised_eval.work_dir), "--baseline", str(memorised_eval.report_json),
                     f"eval.out={tmp_path / 'out'}", "--json", state=tmp_path / "state")
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = last_json(proc)
     assert result["passed"] is True and result["exit_code"] == 0 and result["gate"]["failing"] == []
-    [row] = result["rows"]
-    assert (row["benchmark"], row["diff"], row["ci_low"], row["ci_high"], row["n"]) == (BENCH, 0.0, 0.0, 0.0, 4)
+    assert accuracy_rows(result) == {("aime24", 0.5, 0.5, 0.0, 0.0, 0.0, 2), ("math_500", 0.4, 0.4, 0.0, 0.0, 0.0, 10)}
+
+    # the memorising model over the plain one: better on every memorised problem, which the gate passes
+    proc = grpoflow("gate", "--candidate", str(memorised_eval.work_dir), "--baseline", str(plain_eval.work_dir),
+                    f"eval.out={tmp_path / 'out'}", "--json", state=tmp_path / "state")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = last_json(proc)
+    assert result["passed"] is True and {(r[0], r[3]) for r in accuracy_rows(result)} == {("aime24", 0.5),
+                                                                                         ("math_500", 0.4)}
 
 
-def test_gate_fails_a_clearly_worse_candidate_with_exit_1_and_a_table(evaluated, tmp_path):
-    good = with_scores(evaluated, tmp_path / "good", [1.0, 1.0, 1.0, 1.0])
-    worse = with_scores(evaluated, tmp_path / "worse", [1.0, 0.0, 0.0, 0.0])
-    proc = grpoflow("gate", "--candidate", str(worse), "--baseline", str(good), f"eval.out={tmp_path / 'out'}",
+def test_gate_fails_a_clearly_worse_candidate_with_exit_1_and_a_table(memorised_eval, plain_eval, tmp_path):
+    worse, good = str(plain_eval.work_dir), str(memorised_eval.work_dir)
+    proc = grpoflow("gate", "--candidate", worse, "--baseline", good, f"eval.out={tmp_path / 'out'}",
                     state=tmp_path / "state")
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
-    # differences [0, -1, -1, -1]: mean -0.75; a resample averages above -0.25 only with p = 1/256
-    assert "Gate FAIL" in proc.stdout and "| aime24 | accuracy | 1.000 | 0.250 | -0.750 | [-1.000, -0.250] | 4 |" \
-        in proc.stdout
+    # MATH-500: differences -1 on the 4 memorised problems of 10; a resample's mean is -Binomial(10, 0.4) / 10,
+    # whose 2.5% and 97.5% points fall inside the masses at -0.7 and -0.1 (P(X <= 1) = 0.046, P(X <= 6) = 0.945).
+    # AIME: differences [0, -1], so the interval reaches 0 and that benchmark does not fail.
+    assert "Gate FAIL" in proc.stdout and "1 of 2 benchmarks" in proc.stdout
+    assert "| math_500 | accuracy | 0.400 | 0.000 | -0.400 | [-0.700, -0.100] | 10 |" in proc.stdout
 
     # the same verdict in JSON; `compare` itself has no verdict and exits 0
-    result = last_json(grpoflow("gate", "--candidate", str(worse), "--baseline", str(good), "--json",
+    result = last_json(grpoflow("gate", "--candidate", worse, "--baseline", good, "--json",
                                 f"eval.out={tmp_path / 'out'}", state=tmp_path / "state"))
     assert result["passed"] is False and result["exit_code"] == 1
-    assert [r["benchmark"] for r in result["gate"]["failing"]] == [BENCH]
-    proc = grpoflow("compare", str(good), str(worse), f"eval.out={tmp_path / 'out'}", state=tmp_path / "state")
-    assert proc.returncode == 0 and "-0.750" in proc.stdout and "comparison.png" in proc.stdout
+    assert [r["benchmark"] for r in result["gate"]["failing"]] == ["math_500"]
+    proc = grpoflow("compare", good, worse, f"eval.out={tmp_path / 'out'}", state=tmp_path / "state")
+    assert proc.returncode == 0 and "-0.400" in proc.stdout and "comparison.png" in proc.stdout
 
 
-def test_thinking_metrics_are_compared_when_the_work_dir_has_them(evaluated, tiny_base, tmp_path):
-    thinking = pytest.importorskip("evaluation.thinking")
-    a = with_scores(evaluated, tmp_path / "a", [0.0, 0.0, 0.0, 0.0])
-    b = with_scores(evaluated, tmp_path / "b", [0.0, 0.0, 0.0, 0.0])
-    thinking.analyze(a, tiny_base["path"])
-    thinking.analyze(b, tiny_base["path"])
-    rows = compare(load_samples(a), load_samples(b))
-    by_metric = {r.metric: r for r in rows}
-    assert "reasoning_tokens" in by_metric and not by_metric["reasoning_tokens"].gated
-    assert by_metric["reasoning_tokens"].n == 4 and by_metric["reasoning_tokens"].diff == 0.0
-    assert gate(rows).checked == [by_metric["accuracy"]]
+def _thinking_values(work_dir: Path, metric: str) -> dict[tuple[str, str], float]:
+    rows = [json.loads(line) for line in (work_dir / "thinking" / "samples.jsonl").read_text().splitlines()]
+    return {(r["benchmark"], f"{r['subset']}/{r['id']}"): r[metric] for r in rows if r[metric] is not None}
 
 
-def test_unreachable_mlflow_is_exit_2_with_a_clear_message(evaluated, tmp_path):
+def test_thinking_metrics_are_compared_when_the_work_dir_has_them(memorised_eval, plain_eval, memorising_model,
+                                                                  tiny_base, tmp_path):
+    from transformers import AutoTokenizer
+
+    from evaluation import thinking
+
+    plain = shutil.copytree(plain_eval.work_dir, tmp_path / "plain")
+    memorised = shutil.copytree(memorised_eval.work_dir, tmp_path / "memorised")
+    thinking.analyze(plain, tiny_base["path"])
+    thinking.analyze(memorised, memorising_model)
+    rows = compare(load_samples(plain), load_samples(memorised))
+    by_metric = {(r.benchmark, r.metric): r for r in rows}
+    assert gate(rows).checked == [by_metric["aime24", "accuracy"], by_metric["math_500", "accuracy"]]
+    assert not any(r.gated for r in rows if r.metric != "accuracy")
+
+    # where the memorising model was right its reasoning is the one it was taught, so its length is known
+    tokenizer = AutoTokenizer.from_pretrained(memorising_model)
+    samples = [json.loads(line) for line in (memorised / "thinking" / "samples.jsonl").read_text().splitlines()]
+    right = [r for r in samples if r["correct"]]
+    assert len(right) == sum(p.memorised for p in evaluated_problems(shared())) == 5
+    for r in right:
+        taught = len(tokenizer.encode(reasoning(r["gold"][0]), add_special_tokens=False))
+        assert r["reasoning_tokens"] == taught and 0 < r["first_correct_tokens"] < taught
+    # every other number is the paired mean difference of the two sample files: plain (baseline) vs memorising
+    for metric in ("reasoning_tokens", "paragraphs", "thought_num"):
+        a, b = _thinking_values(plain, metric), _thinking_values(memorised, metric)
+        for bench, n in (("math_500", 10), ("aime24", 2)):
+            common = sorted(k for k in a.keys() & b.keys() if k[0] == bench)
+            row = by_metric[bench, metric]
+            assert (row.n, row.dropped) == (len(common), 0) == (n, 0)
+            assert row.a == pytest.approx(sum(a[k] for k in common) / n)
+            assert row.diff == pytest.approx(sum(b[k] - a[k] for k in common) / n)
+    assert by_metric["math_500", "reasoning_tokens"].diff != 0  # a pair that differs, not one model twice
+    # defined on correct answers only, and the plain model has none: nothing to pair, so no row
+    assert ("math_500", "first_correct_tokens") not in by_metric and ("math_500", "token_efficiency") not in by_metric
+
+
+def test_unreachable_mlflow_is_exit_2_with_a_clear_message(tmp_path):
     for uri in ("sqlite:////proc/grpoflow-no-such-dir/x.db", "http://127.0.0.1:9"):
         proc = grpoflow("gate", "--candidate", "models:/grpoflow-tiny/2", "--baseline", "models:/grpoflow-tiny@champion",
                         state=tmp_path / "state",
@@ -278,9 +313,8 @@ def test_compare_two_registered_versions_evaluates_once_and_logs_the_plot(tiny_b
     assert proc.returncode == 2 and f"models:/{name}@nope: not found in MLflow" in proc.stderr
 
 
-def test_regression_eval_flow_returns_the_verdict_under_prefect(evaluated, tmp_path):
+def test_regression_eval_flow_returns_the_verdict_under_prefect(memorised_eval, plain_eval, tmp_path):
     """The flow CI triggers run: real Prefect (ephemeral API under the state dir), real sqlite MLflow."""
-    good = with_scores(evaluated, tmp_path / "good", [1.0, 1.0, 1.0, 1.0])
     script = (
         "import json, sys\n"
         "from tasks.services import configure\n"
@@ -291,9 +325,11 @@ def test_regression_eval_flow_returns_the_verdict_under_prefect(evaluated, tmp_p
         "services = {'tracking_uri': s.tracking_uri, 'artifact_root': s.artifact_root, 'state_dir': str(s.state_dir)}\n"
         "print(json.dumps(regression_eval(sys.argv[2], sys.argv[3], 0.02, False, recipe, services), default=str))\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
-    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "state"), str(evaluated), str(good),
-                           str(tmp_path / "out")], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "state"), str(plain_eval.work_dir),
+                           str(memorised_eval.work_dir), str(tmp_path / "out")], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["passed"] is False and [r["benchmark"] for r in result["failing"]] == [BENCH]
-    assert result["rows"][0]["diff"] == -1.0 and Path(result["plot"]).is_file()
+    # the plain model as the candidate, the memorising one as the baseline: MATH-500 fails (see above)
+    assert result["passed"] is False and [r["benchmark"] for r in result["failing"]] == ["math_500"]
+    diffs = {r["benchmark"]: r["diff"] for r in result["rows"] if r["metric"] == "accuracy"}
+    assert diffs == {"math_500": pytest.approx(-0.4), "aime24": -0.5} and Path(result["plot"]).is_file()

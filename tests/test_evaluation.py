@@ -1,18 +1,22 @@
 """EvalScope runs: real EvalScope on the tiny checkpoint and the reference data in ../shared/data, its
-report files read back independently, and the errors a caller sees for bad inputs."""
+report files read back independently, pass@k on the memorising model (right on purpose, so its samples' verdicts
+differ) against the unbiased estimator, and the errors a caller sees for bad inputs."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler
 
 import pytest
+from memorised_model import MAX_TOKENS
 
 from conftest import loopback_http, shared
 from evaluation import load_result, run_evalscope
+from evaluation.compare import load_samples
 
 LEVELS = [f"Level {i}" for i in range(1, 6)]
 
@@ -81,15 +85,34 @@ def test_tiny_checkpoint_on_math500_and_aime24_reports_evalscope_numbers(tiny_ba
                       local_paths={"math_500": str(math500), "aime24": str(aime24)})
 
 
-def test_repeats_add_evalscope_pass_at_k(tiny_base, tmp_path):
+def unbiased_pass_at_k(n: int, c: int, k: int) -> float:
+    """Chen et al. (2021): the chance that k of n samples, c of them correct, drawn without replacement hold one
+    correct sample, 1 - C(n - c, k) / C(n, k)."""
+    return 1 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def test_repeats_add_evalscope_pass_at_k(memorising_model, tmp_path):
+    # the first 4 AIME problems: one memorised, one memorised with a right and a wrong answer in equal measure
+    # (memorised_model.COIN), two unknown; sampled at temperature 1, the counts of right samples differ by problem
     aime24 = shared("aime24")
-    result = run_evalscope(tiny_base["path"], ["aime24"], work_dir=tmp_path, limit=1, repeats=2, max_tokens=8,
-                           temperature=0.8, local_paths={"aime24": str(aime24)})
-    assert result.num_samples == {"aime24": 1}
-    assert set(result.pass_at_k["aime24"]) == {1, 2}
+    result = run_evalscope(memorising_model, ["aime24"], work_dir=tmp_path, limit=4, repeats=4, max_tokens=MAX_TOKENS,
+                           temperature=1.0, local_paths={"aime24": str(aime24)})
+    assert result.num_samples == {"aime24": 4}
     report = json.loads(result.report_paths["aime24"].read_text())
-    assert _primary(report)["identity"]["aggregation"] == "mean" and _primary(report)["num"] == 2
-    assert len(_lines(result.review_paths["aime24"][0])) == 2
+    assert _primary(report)["identity"]["aggregation"] == "mean" and _primary(report)["num"] == 16
+
+    # per-sample verdicts from EvalScope's reviews, grouped by problem
+    correct: dict[int, list[float]] = {}
+    for review in _lines(result.review_paths["aime24"][0]):
+        correct.setdefault(review["sample_score"]["group_id"], []).append(review["sample_score"]["score"]["value"]["acc"])
+    assert sorted(correct) == [0, 1, 2, 3] and all(len(v) == 4 for v in correct.values())
+    assert sum(correct[0]) == sum(correct[2]) == 0  # AIME 60 and 62 were never taught
+    counts = [int(sum(v)) for v in correct.values()]
+    assert result.scores["aime24"] == pytest.approx(sum(counts) / 16)
+    assert result.pass_at_k["aime24"] == pytest.approx(
+        {k: sum(unbiased_pass_at_k(4, c, k) for c in counts) / 4 for k in (1, 2, 3, 4)})
+    # a comparison averages a problem's repeated samples, one value per problem
+    assert load_samples(tmp_path)["aime24"]["accuracy"] == {f"default/{g}": sum(v) / 4 for g, v in correct.items()}
 
 
 # ---- served models: EvalScope's openai_api mode against a stub endpoint ----------------------------------

@@ -8,7 +8,6 @@ only records its command line and answers `/health`; the test says so in its nam
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -18,8 +17,10 @@ import time
 from contextlib import contextmanager
 
 import pytest
+from memorised_model import completion, eval_overrides, evaluated_problems, reviews, text_of
 
 from conftest import REPO_ROOT, shared
+from evaluation import load_result
 from evaluation.serving import ServingInputError, get_json, served_model
 
 QUESTION = [{"role": "user", "content": "What is 12 + 7?"}]
@@ -138,17 +139,21 @@ def test_completions_with_stop_and_errors(server, client):
         client.chat.completions.create(model=server.model_name, messages=[], max_tokens=4)
 
 
-def test_concurrent_requests_are_batched(server, client):
+def test_concurrent_requests_are_batched(server, client, local_engine):
+    from trainer.prompts import encode_prompts
+    from trainer.rollout.base import SamplingParams
+
     before = server.health()
     start = threading.Barrier(8)
-    replies, errors = [], []
+    replies, errors = {}, []
+    # 1 to 3 digits: prompts of different lengths, padded to share a batch
+    questions = [[{"role": "user", "content": f"What is {10 ** (i % 3) + i} + 5?"}] for i in range(8)]
 
     def ask(i: int) -> None:
         start.wait()
         try:
-            replies.append(client.chat.completions.create(
-                model=server.model_name, messages=[{"role": "user", "content": f"What is {i} + 5?"}],
-                max_tokens=16, temperature=0))
+            replies[i] = client.chat.completions.create(model=server.model_name, messages=questions[i],
+                                                        max_tokens=16, temperature=0)
         except Exception as e:  # noqa: BLE001 - collected and asserted below
             errors.append(e)
 
@@ -158,10 +163,15 @@ def test_concurrent_requests_are_batched(server, client):
     for t in threads:
         t.join(120)
     assert not errors and len(replies) == 8
-    assert all(r.choices[0].message.content for r in replies)
     after = server.health()
     requests, batches = after["requests"] - before["requests"], after["batches"] - before["batches"]
     assert requests == 8 and 1 <= batches < requests
+    # batched or not, each answer is the one the same checkpoint gives that question alone, greedily, in this process
+    engine, tokenizer = local_engine
+    for i, question in enumerate(questions):
+        [[alone]] = engine.generate(encode_prompts(tokenizer, [{"prompt": question}]), 1,
+                                    SamplingParams(max_tokens=16, temperature=0.0))
+        assert replies[i].choices[0].message.content == alone.text and alone.text
 
 
 def test_vllm_without_vllm_names_the_vllm_extra(tiny_base):
@@ -196,29 +206,28 @@ def test_serve_model_cli_prints_its_url_and_stops_cleanly_on_sigint(tiny_base):
         assert stop_cleanly(proc, signal.SIGINT) == {**ready, "batches": 0, "requests": 0}
 
 
-def test_eval_serve_scores_through_the_endpoint_like_a_direct_run(tiny_base, tmp_path):
-    common = ["eval.limit=1", "eval.max_tokens=16", "eval.benchmarks=[aime24]",
-              f"eval.local_paths={{aime24: {shared('aime24')}}}", f"eval.out={tmp_path / 'eval'}",
-              f"data.out={tmp_path / 'no-prepared-data'}"]
-    runs = {}
-    for mode in ("served", "direct"):
-        flags = ["--serve", "--concurrency", "4"] if mode == "served" else []
-        proc = grpoflow("eval", tiny_base["path"], *common, *flags, "--state-dir", str(tmp_path / "state"),
-                        "--json")
-        out, err = proc.communicate(timeout=400)
-        assert proc.returncode == 0, err[-3000:]
-        runs[mode] = json.loads(out.strip().splitlines()[-1])
-    served, direct = runs["served"], runs["direct"]
-    assert set(served) == set(direct) and set(served["scores"]) == set(direct["scores"]) == {"aime24"}
-    assert served["num_samples"] == direct["num_samples"] == {"aime24": 1}
-    assert 0.0 <= served["scores"]["aime24"] <= 1.0
-    assert served["served_by"] == "transformers" and direct["served_by"] is None
+def test_eval_serve_scores_through_the_endpoint_like_a_direct_run(memorising_model, memorised_eval, tmp_path):
+    """`grpoflow eval --serve` on the memorising model, with the settings of the session's direct evaluation of it
+    (`memorised_model.eval_overrides`): the same verdict on every problem, and the same answers where it knows them."""
+    proc = grpoflow("eval", memorising_model, *eval_overrides(shared()), f"eval.out={tmp_path / 'eval'}",
+                    f"data.out={tmp_path / 'no-prepared-data'}", "--serve", "--concurrency", "4",
+                    "--state-dir", str(tmp_path / "state"), "--json")
+    out, err = proc.communicate(timeout=400)
+    assert proc.returncode == 0, err[-3000:]
+    served = json.loads(out.strip().splitlines()[-1])
+    assert served["served_by"] == "transformers" and served["num_samples"] == memorised_eval.num_samples
+    assert served["scores"] == memorised_eval.scores == {"math_500": 0.4, "aime24": 0.5}
     report = json.loads(open(served["report"]).read())
-    assert report["eval_type"] == "openai_api" and report["model"] == "tiny-base"
+    assert report["eval_type"] == "openai_api" and report["model"] == "memorising"
     assert report["api_url"].startswith("http://127.0.0.1:") and report["eval_batch_size"] == 4
-    predictions = [json.loads(line) for line in open(os.path.join(served["work_dir"], report["predictions_paths"]
-                                                                  ["aime24"][0]))]
-    assert len(predictions) == 1 and predictions[0]["model_output"]["usage"]["output_tokens"] <= 16
+
+    through_endpoint, direct = reviews(load_result(served["work_dir"])), reviews(memorised_eval)
+    assert {k: r["sample_score"]["score"]["value"] for k, r in through_endpoint.items()} == \
+        {k: r["sample_score"]["score"]["value"] for k, r in direct.items()}
+    for p in evaluated_problems(shared()):
+        if p.memorised:
+            answers = {text_of(r[p.benchmark, p.key]["messages"][-1]) for r in (through_endpoint, direct)}
+            assert answers == {completion(p.answer)}
 
 
 def _has_vllm() -> bool:

@@ -1,19 +1,22 @@
 """Thinking-efficiency metrics: each metric on hand-written reasoning traces with hand-counted numbers (a
 whitespace tokenizer, so every count can be checked by eye), then the `grpoflow thinking` command with the tiny
-model's real tokenizer, and the metrics of a real EvalScope run checked against EvalScope's own counts and scores."""
+model's real tokenizer, and the metrics of a real EvalScope run of the memorising model (right on purpose on 5 of 12
+problems) checked against EvalScope's own scores and against counts made here from the model's output text."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
 import pytest
+from memorised_model import MAX_TOKENS
 from test_evaluation import stub_chat_endpoint
 
-from conftest import REPO_ROOT, shared
+from conftest import REPO_ROOT
 from data.errors import DataError
-from evaluation import run_evalscope
+from evaluation import load_result
 from evaluation.thinking import (
     OpenAIJudge,
     analyze,
@@ -235,22 +238,53 @@ def test_cli_on_a_jsonl_with_the_tiny_models_tokenizer(tiny_base, tmp_path):
     assert proc.returncode == 2 and json.loads(proc.stdout.strip().splitlines()[-1])["exit_code"] == 2
 
 
-def test_real_evalscope_work_dir(tiny_base, tmp_path):
-    paths = {"math_500": str(shared("math_500")), "aime24": str(shared("aime24"))}
-    work_dir = tmp_path / "eval"
-    result = run_evalscope(tiny_base["path"], ["math_500", "aime24"], work_dir=work_dir, local_paths=paths,
-                           limit=1, max_tokens=16)
-    report = analyze(work_dir, tiny_base["path"])
+def _output_reasoning(message: dict) -> str:
+    """The reasoning of a memorised answer as EvalScope recorded it: it splits `<think>R</think>` off as a block."""
+    [block] = [b for b in message["content"] if b["type"] == "reasoning"]
+    return block["reasoning"]
+
+
+def test_real_evalscope_work_dir(memorised_eval, memorising_model, tmp_path):
+    from transformers import AutoTokenizer
+
+    work_dir = shutil.copytree(memorised_eval.work_dir, tmp_path / "eval")  # the session's evaluation stays as it is
+    result = load_result(work_dir)
+    report = analyze(work_dir, memorising_model)
     summary = report.summary
     assert report.samples_path == work_dir / "thinking" / "samples.jsonl" and report.samples_path.is_file()
     assert {b: s["samples"] for b, s in summary["per_benchmark"].items()} == result.num_samples
     assert {b: set(s["subsets"]) for b, s in summary["per_benchmark"].items()} == \
         {b: set(subsets) for b, subsets in result.subsets.items()}
     for bench, s in summary["per_benchmark"].items():
-        # EvalScope's own per-sample verdicts, carried along, average to its report's score
+        # EvalScope's own per-sample verdicts, carried along, average to its report's score; ours agree with them
         assert s["evalscope_accuracy"] == pytest.approx(result.scores[bench])
-        # Our verifier and EvalScope's extractor may disagree in principle (EvalScope reads "0" out of the tiny
-        # model's "0</answer>1</answer>...", ours finds no well-formed answer); on the tiny model both say 0.
-        assert s["accuracy"] == pytest.approx(result.scores[bench]) == 0.0
-    assert all(r["reasoning_source"] == "whole_output" and 0 < r["reasoning_tokens"] <= 16 for r in report.rows)
-    assert summary["first_correct_tokens"] is None and summary["underthinking"]["samples"] == summary["samples"]
+        assert s["accuracy"] == pytest.approx(result.scores[bench]) == {"math_500": 0.4, "aime24": 0.5}[bench]
+
+    # the right answers' numbers, counted here from the model's own output text with its own tokenizer: the
+    # reasoning up to the paragraph holding the first \boxed{} (the second of three) is the first correct prefix
+    tokenizer = AutoTokenizer.from_pretrained(memorising_model)
+    count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    outputs = {(bench, path.stem.removeprefix(f"{bench}_"), line["index"]): line["model_output"]["choices"][0]["message"]
+               for bench, paths in result.predictions_paths.items() for path in paths
+               for line in map(json.loads, path.read_text().splitlines())}
+    right = [r for r in report.rows if r["correct"]]
+    assert len(right) == 5 and all(r["evalscope_score"] == 1.0 for r in right)
+    firsts, reflections = [], []
+    for row in right:
+        text = _output_reasoning(outputs[row["benchmark"], row["subset"], row["id"]])
+        first = text[:text.index("\n\n", text.index("\\boxed{"))]
+        assert first == f"I think.\n\nThe answer is \\boxed{{{row['gold'][0]}}}."  # what it was taught
+        assert (row["paragraphs"], row["first_correct_paragraph"]) == (3, 2)
+        assert (row["reasoning_tokens"], row["first_correct_tokens"]) == (count(text), count(first))
+        assert row["reflection_tokens"] == count(text) - count(first) > 0
+        assert row["token_efficiency"] == pytest.approx(count(first) / count(text))
+        firsts.append(count(first))
+        reflections.append(count(text) - count(first))
+    assert summary["first_correct_tokens"] == pytest.approx(sum(firsts) / 5) and summary["first_correct_tokens"] > 0
+    assert summary["overthinking"]["samples"] == 5
+    assert summary["overthinking"]["reflection_tokens"] == pytest.approx(sum(reflections) / 5)
+    # the other 7 are wrong, with no first-correct numbers, and none stated the right answer along the way
+    wrong = [r for r in report.rows if not r["correct"]]
+    assert len(wrong) == 7 and all(r["first_correct_tokens"] is None and r["evalscope_score"] == 0.0 for r in wrong)
+    assert summary["underthinking"]["samples"] == 7 and summary["underthinking"]["abandoned_correct"] == 0
+    assert all(0 < r["reasoning_tokens"] <= MAX_TOKENS for r in report.rows)
