@@ -24,7 +24,7 @@ import numpy as np
 
 from data.errors import MissingPathError
 from evaluation.eval_settings import setting_differences
-from evaluation.evalscope_reports import review_score
+from evaluation.evalscope_reports import problem_id, review_score
 
 log = logging.getLogger("grpoflow.compare")
 
@@ -94,7 +94,7 @@ def load_samples(work_dir: str | os.PathLike) -> Samples:
             subset = Path(rel).stem.removeprefix(f"{bench}_")
             for lineno, rec in _jsonl(path):
                 try:
-                    key = _review_id(rec, subset)
+                    key = problem_id(rec, subset)
                     value = review_score(rec)
                     if value is None:
                         raise KeyError(f"no accuracy among the sample's scores {rec['sample_score']['score']['value']}")
@@ -223,20 +223,6 @@ def _jsonl(path: Path):
                     raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from e
 
 
-def _review_id(rec: dict, subset: str) -> str:
-    score = rec["sample_score"]
-    # EvalScope keeps a sample's metadata under sample_score
-    question = (score.get("sample_metadata") or rec.get("sample_metadata") or {}).get("question_id")
-    if question is not None:
-        return str(question)
-    # a problem's repeated generations share its group_id; sample_id numbers the generations
-    sample_id = next((v for v in (score.get("group_id"), score.get("sample_id"), rec.get("index")) if v is not None),
-                     None)
-    if sample_id is None:
-        raise KeyError("sample_id")
-    return f"{subset}/{sample_id}"
-
-
 def _thinking_samples(path: Path) -> Samples:
     out: dict[str, dict[str, dict[str, list[float]]]] = {}
     for lineno, rec in _jsonl(path):
@@ -244,7 +230,8 @@ def _thinking_samples(path: Path) -> Samples:
         if "benchmark" not in rec or id_field is None:
             raise ValueError(f"{path}:{lineno}: a thinking sample needs 'benchmark' and an id "
                              f"(one of {', '.join(_ID_FIELDS)})")
-        key = f"{rec['subset']}/{rec[id_field]}" if rec.get("subset") is not None else str(rec[id_field])
+        qualified = id_field != "problem_id" and rec.get("subset") is not None  # a problem_id is whole already
+        key = f"{rec['subset']}/{rec[id_field]}" if qualified else str(rec[id_field])
         for name, value in rec.items():
             if name not in _NOT_METRICS and isinstance(value, (int, float)) and not isinstance(value, bool):
                 out.setdefault(rec["benchmark"], {}).setdefault(name, {}).setdefault(key, []).append(float(value))

@@ -86,6 +86,22 @@ def review_score(review: dict) -> float | None:
     return None
 
 
+def problem_id(review: dict, subset: str) -> str:
+    """The problem a reviewed sample answers, the same for its repeated generations and across evaluations:
+    MATH-500's `question_id` (its unique_id) when the sample has one, else `<subset>/<group_id>` (EvalScope
+    numbers problems within each subset; `sample_id` numbers generations). KeyError if the review has no id."""
+    score = review["sample_score"]
+    # EvalScope keeps a sample's metadata under sample_score
+    question = (score.get("sample_metadata") or review.get("sample_metadata") or {}).get("question_id")
+    if question is not None:
+        return str(question)
+    number = next((v for v in (score.get("group_id"), score.get("sample_id"), review.get("index")) if v is not None),
+                  None)
+    if number is None:
+        raise KeyError("sample_id")
+    return f"{subset}/{number}"
+
+
 DETAILED_REPORT = "collection_detailed_report.json"  # next to EvalScope's reports/<model>/data_collection.json
 
 

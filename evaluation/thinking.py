@@ -243,7 +243,8 @@ def analyze(path: str | os.PathLike, tokenizer: object, *, out: str | os.PathLik
 
 
 def _row(sample: Sample, count_tokens: CountTokens, judge: Judge | None) -> dict:
-    return {"benchmark": sample.benchmark, "subset": sample.subset, "id": sample.id, "gold": sample.golds,
+    return {"benchmark": sample.benchmark, "subset": sample.subset, "id": sample.id,
+            **({"problem_id": sample.problem} if sample.problem is not None else {}), "gold": sample.golds,
             "evalscope_score": sample.evalscope_score,
             **sample_metrics(sample.message, sample.golds, count_tokens, judge)}
 

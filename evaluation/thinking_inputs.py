@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from data.errors import DataError, MissingPathError
-from evaluation.evalscope_reports import review_score
+from evaluation.evalscope_reports import problem_id, review_score
 from evaluation.evalscope_runner import REPORT, load_result
 
 
@@ -37,6 +37,7 @@ class Sample:
     golds: list[str]                  # gold answers; the output is correct if it matches any
     message: dict                     # the assistant message: `content`, maybe `reasoning_content`
     evalscope_score: float | None = None  # EvalScope's own verdict, when the sample came from a work dir
+    problem: str | None = None        # the problem it answers (`problem_id`), shared by its repeated samples
 
 
 def read_samples(path: str | os.PathLike) -> list[Sample]:
@@ -65,9 +66,13 @@ def _work_dir_samples(work_dir: Path) -> Iterator[Sample]:
                 message = _field(review, "messages", list, where)
                 if not message or not isinstance(message[-1], Mapping):
                     raise DataError(f"{where}: field 'messages': expected a non-empty list of messages")
+                try:
+                    problem = problem_id(review, subset)
+                except KeyError:
+                    raise DataError(f"{where}: no problem id (sample_score.group_id or sample_id, or index)") from None
                 yield Sample(bench, subset, _field(review, "index", object, where),
                              _golds(_field(review, "target", object, where), where, "target"), dict(message[-1]),
-                             review_score(review))
+                             review_score(review), problem)
 
 
 def _jsonl_samples(path: Path) -> Iterator[Sample]:

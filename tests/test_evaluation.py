@@ -114,6 +114,19 @@ def test_repeats_add_evalscope_pass_at_k(memorising_model, tmp_path):
     # a comparison averages a problem's repeated samples, one value per problem
     assert load_samples(tmp_path)["aime24"]["accuracy"] == {f"default/{g}": sum(v) / 4 for g, v in correct.items()}
 
+    # so do the thinking metrics: each of the 16 rows names its problem, and a comparison sees 4 problems whose
+    # reasoning-token count is the mean of their 4 samples' (16 keys, one per sample, before problem_id)
+    from evaluation.thinking import analyze
+
+    rows = analyze(tmp_path, memorising_model, progress=False).rows
+    assert sorted(r["problem_id"] for r in rows) == sorted(f"default/{g}" for g in correct for _ in range(4))
+    by_problem: dict[str, list[float]] = {}
+    for r in rows:
+        by_problem.setdefault(r["problem_id"], []).append(r["reasoning_tokens"])
+    thinking = load_samples(tmp_path)["aime24"]["reasoning_tokens"]
+    assert thinking == pytest.approx({p: sum(v) / len(v) for p, v in by_problem.items()})
+    assert len(thinking) == 4 and all(len(v) == 4 for v in by_problem.values())
+
 
 # ---- served models: EvalScope's openai_api mode against a stub endpoint ----------------------------------
 # No model server (vLLM, LMDeploy) runs here; the stub answers every question correctly, so the test checks
