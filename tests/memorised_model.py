@@ -113,7 +113,13 @@ def text_of(message: dict) -> str:
     if isinstance(content, str):
         return content
     blocks = {block["type"]: block for block in content}
-    return f"<think>{blocks['reasoning']['reasoning']}</think>{blocks['text']['text']}"
+    return f"<think>{reasoning_of(message)}</think>{blocks['text']['text']}"
+
+
+def reasoning_of(message: dict) -> str:
+    """The `<think>` section of a recorded output, which EvalScope keeps as the message's one reasoning block."""
+    [block] = [b for b in message["content"] if b["type"] == "reasoning"]
+    return block["reasoning"]
 
 
 def eval_overrides(data: Path) -> list[str]:

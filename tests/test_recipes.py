@@ -110,7 +110,7 @@ def test_a_vision_recipe_loads_but_training_it_stops_at_start(tmp_path, command)
 
 # What each shipped recipe builds: where its processes go on its node, and what its rewards pay. Written from the
 # YAML by hand, so a recipe edit or a change in how placement/rewards read it shows up here.
-_RIGHT, _WRONG = "<think>work</think><answer>{}</answer>", "<think>work</think><answer>{}</answer>"
+_TAGGED = "<think>work</think><answer>{}</answer>"
 BUILDS = {
     # name: (gpus, mode, trainer CUDA_VISIBLE_DEVICES, rollout workers' masks, executor, rewards, task columns,
     #        (right answer, wrong answer), (reward of right, of wrong, of untagged wrong))
@@ -153,7 +153,7 @@ def test_what_each_recipe_builds(name):
     # untagged wrong completion
     assert {s.name: s.weight for s in recipe.rewards} == weights
     runner = RewardRunner([(s.name, resolve_reward(s.name, s.args), s.weight) for s in recipe.rewards])
-    right, wrong = (_RIGHT.format(answers[0]), _WRONG.format(answers[1]))
+    right, wrong = (_TAGGED.format(answer) for answer in answers)
     texts = [right, wrong, answers[1]]
     result = runner(["q"] * 3, texts, **{k: v * 3 for k, v in columns.items()})
     assert result.total == pytest.approx(list(paid), abs=1e-12)

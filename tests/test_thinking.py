@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from memorised_model import MAX_TOKENS
+from memorised_model import MAX_TOKENS, reasoning_of
 from test_evaluation import stub_chat_endpoint
 
 from conftest import REPO_ROOT
@@ -238,12 +238,6 @@ def test_cli_on_a_jsonl_with_the_tiny_models_tokenizer(tiny_base, tmp_path):
     assert proc.returncode == 2 and json.loads(proc.stdout.strip().splitlines()[-1])["exit_code"] == 2
 
 
-def _output_reasoning(message: dict) -> str:
-    """The reasoning of a memorised answer as EvalScope recorded it: it splits `<think>R</think>` off as a block."""
-    [block] = [b for b in message["content"] if b["type"] == "reasoning"]
-    return block["reasoning"]
-
-
 def test_real_evalscope_work_dir(memorised_eval, memorising_model, tmp_path):
     from transformers import AutoTokenizer
 
@@ -271,7 +265,7 @@ def test_real_evalscope_work_dir(memorised_eval, memorising_model, tmp_path):
     assert len(right) == 5 and all(r["evalscope_score"] == 1.0 for r in right)
     firsts, reflections = [], []
     for row in right:
-        text = _output_reasoning(outputs[row["benchmark"], row["subset"], row["id"]])
+        text = reasoning_of(outputs[row["benchmark"], row["subset"], row["id"]])
         first = text[:text.index("\n\n", text.index("\\boxed{"))]
         assert first == f"I think.\n\nThe answer is \\boxed{{{row['gold'][0]}}}."  # what it was taught
         assert (row["paragraphs"], row["first_correct_paragraph"]) == (3, 2)

@@ -53,7 +53,6 @@ KIND = "base-model"
 log = logging.getLogger("grpoflow.bootstrap")
 
 
-
 def config_hash(cfg: BootstrapConfig, system_prompt: str) -> str:
     settings = dataclasses.asdict(cfg)
     settings.pop("out")  # where it is saved does not change what is made

@@ -227,8 +227,8 @@ class GRPOTrainer:
         device = self.model.device
         micro_batches = [batch.micro_batch(idx, self.tokenizer.pad_token_id).to(device) for idx in micro]
         active = sum(len(c.token_ids) * float(m) for c, m in zip(batch.completions, batch.loss_mask, strict=True))
-        # groups dropped by dynamic sampling leave the batch; masked truncated completions stay (as in TRL)
-        totals = {"total_sequences": max(1, len(batch) - batch.sampled_out), "max_completion_length": cfg.max_completion_length,
+        sequences = max(1, len(batch) - batch.sampled_out)  # dynamic sampling's drops leave; masked truncations stay (TRL)
+        totals = {"total_sequences": sequences, "max_completion_length": cfg.max_completion_length,
                   "total_tokens": max(1, int(active))}
         off_policy = batch.policy_version != self.version
         old_logps, ref_logps, is_weights = [None] * len(micro), [None] * len(micro), [None] * len(micro)

@@ -47,7 +47,6 @@ class RolloutBatch:
     policy_version: int = 0
     sampled_out: int = 0  # completions of groups that dynamic sampling dropped: not in the batch, as DAPO has it
 
-
     def __len__(self) -> int:
         return len(self.completions)
 
