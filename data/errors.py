@@ -14,6 +14,30 @@ what was expected, what it got). `data.prepare` adds the location (`train.jsonl:
 
 from __future__ import annotations
 
+import reprlib
+
+SHOWN_CHARACTERS = 80  # the most of a bad value an error message shows
+
+
+def _bounded_repr() -> reprlib.Repr:
+    r = reprlib.Repr()
+    r.maxlevel, r.maxstring, r.maxother, r.maxlong = 4, SHOWN_CHARACTERS, SHOWN_CHARACTERS, SHOWN_CHARACTERS
+    r.maxlist = r.maxtuple = r.maxdict = r.maxset = r.maxfrozenset = r.maxdeque = r.maxarray = 8
+    return r
+
+
+_REPR = _bounded_repr()
+
+
+def short_repr(value: object, limit: int = SHOWN_CHARACTERS) -> str:
+    """`repr(value)` cut to `limit` characters, in time and memory bounded by the cut, not by the value: an
+    error message shows what was given without printing (or building) a huge value whole."""
+    try:
+        shown = _REPR.repr(value)
+    except ValueError:  # an int past Python's digit limit for str()
+        shown = f"<{type(value).__name__} too long to show>"
+    return shown if len(shown) <= limit else shown[:limit] + "..."
+
 
 class GrpoflowUserError(Exception):
     """Bad input or an unusable service named by the user: exit status 2, one line naming file, field or URL."""
@@ -49,6 +73,5 @@ class FieldError(ValueError):
         self.reason = reason  # the drop-count key in the manifest: short and the same for every such row
         message = f"field '{field}': expected {expected}"
         if got is not None:
-            shown = repr(got)
-            message += f", got {shown[:80] + '...' if len(shown) > 80 else shown}"
+            message += f", got {short_repr(got)}"
         super().__init__(message)

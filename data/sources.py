@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from data.errors import DataError
+from data.errors import DataError, short_repr
 from data.manifest import MANIFEST, sha256_file
 from data.reachability import probe_tcp
 
@@ -292,8 +292,9 @@ def _synthetic(spec: str, rows: int, seed: int) -> Source:
     if kind not in synthetic.KINDS:
         raise DataError(f"source '{spec}': unknown synthetic kind '{kind}'; "
                         f"expected one of {', '.join(SYNTHETIC + ':' + k for k in synthetic.KINDS)}")
-    if rows < 1:
-        raise DataError(f"source '{spec}': synthetic_rows must be at least 1, got {rows}")
+    if not 1 <= rows <= synthetic.MAX_ROWS:
+        raise DataError(f"source '{spec}': synthetic_rows must be between 1 and {synthetic.MAX_ROWS:,}, "
+                        f"got {short_repr(rows)}")
 
     def read() -> Iterator[Record]:
         for i, row in enumerate(synthetic.generate(rows, seed, kind), 1):

@@ -24,6 +24,9 @@ import random
 from fractions import Fraction
 
 KINDS = ("addition", "countdown", "counting")
+# The most rows one call generates: they are built in memory (a counting row holds its PNG, ~400 bytes), and a
+# million is far past what any of these tasks needs (addition has 10,000 distinct problems).
+MAX_ROWS = 1_000_000
 
 
 POOLS = ("all", "train", "eval")
@@ -108,6 +111,8 @@ def generate(n: int, seed: int, kind: str = "addition", pool: str = "all") -> li
         raise ValueError(f"unknown synthetic kind {kind!r}; expected one of {', '.join(KINDS)}")
     if pool not in POOLS:
         raise ValueError(f"unknown pool {pool!r}; expected one of {', '.join(POOLS)}")
+    if not 0 <= n <= MAX_ROWS:
+        raise ValueError(f"rows must be between 0 and {MAX_ROWS:,}, got {n!r}")
     if kind == "counting":
         return _counting(n, seed)
     rng = random.Random(f"{kind}:{seed}")

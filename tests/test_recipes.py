@@ -92,6 +92,85 @@ def test_missing_file_is_a_clear_error(tmp_path):
         load_recipe(tmp_path / "nope.yaml")
 
 
+def alias_bomb(levels: int) -> list[str]:
+    """YAML mapping entries a0..a{levels-1}: nine strings, then each a list of nine aliases of the one before
+    (under 600 bytes for 9 levels, 9**9 strings once expanded)."""
+    lines = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return lines
+
+
+def test_an_alias_bomb_is_refused_at_once_with_a_short_message_naming_the_file(tmp_path):
+    """As reward arguments (every number in them is checked), as a value a message would show, and in an
+    override; loaded in a fresh interpreter so that the wait for a refusal is bounded."""
+    args = tmp_path / "args.yaml"
+    args.write_text("rewards:\n  - name: accuracy\n    args:\n" + "".join(f"      {x}\n" for x in alias_bomb(9)))
+    shown = tmp_path / "shown.yaml"
+    shown.write_text("rewards:\n  - name: accuracy\n    args:\n" + "".join(f"      {x}\n" for x in alias_bomb(7))
+                     + "name: *a6\n")
+    override = "rewards=[{name: accuracy, args: {" + ", ".join(alias_bomb(9)) + "}}]"
+    code = ("import sys\nfrom trainer.recipe import ConfigError, load_recipe\n"
+            "for path, overrides in ((sys.argv[1], []), (sys.argv[2], []), (None, [sys.argv[3]])):\n"
+            "    try:\n        load_recipe(path, overrides)\n        print('loaded')\n"
+            "    except ConfigError as e:\n        print(str(e)[:1000].replace('\\n', ' '), len(str(e)))\n")
+    done = subprocess.run([sys.executable, "-c", code, str(args), str(shown), override], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 3, done.stdout
+    # a5 (line 9 of each file) is the first node past the limit
+    for line, source, where in zip(lines, (str(args), str(shown), "<defaults>: override 'rewards'"),
+                                   ("line 9", "line 9", "line 1"), strict=True):
+        message, length = line.rsplit(" ", 1)
+        assert message.startswith(f"{source}: {where}: more than 100,000 values once its aliases are expanded")
+        assert int(length) < 300
+
+
+def test_a_recursive_alias_is_refused_naming_the_file_and_line(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text("rewards:\n  - name: accuracy\n    args: &args\n      again: *args\n")
+    with pytest.raises(ConfigError, match=f"{path}: line 3: an alias refers to a node that contains it"):
+        load_recipe(path)
+
+
+def test_error_messages_show_a_bad_value_cut_short(tmp_path):
+    long_list = json.dumps(list(range(10_000)))
+    cases = {
+        f"name: {long_list}\n": "name: expected str, got list [0, 1, 2, 3, 4, 5, 6, 7, ...]",
+        f"train:\n  loss_type: {'x' * 5000}\n": "train.loss_type: 'xxxxxxxxxx",
+        f"? {'y' * 5000}\n: 1\n": "unknown key 'yyyyyyyyyy",  # an explicit key: a plain one is 1024 at most
+        f"rollout:\n  train_devices: [{', '.join(['-1'] * 5000)}]\n":
+            "rollout.train_devices[0]: must be >= 0, got -1",
+        f"bootstrap:\n  target_accuracy: {[0] * 10_000}\n": "target_accuracy must be [lo, hi], got [0.0, 0.0, 0.0",
+    }
+    for text, expected in cases.items():
+        path = tmp_path / "r.yaml"
+        path.write_text(text)
+        with pytest.raises(ConfigError) as e:
+            load_recipe(path)
+        assert expected in str(e.value), str(e.value)[:500]
+        assert len(str(e.value)) < 400, str(e.value)[:500]
+    with pytest.raises(ConfigError) as e:
+        load_recipe(None, ["train.max_completion_length=" + "9" * 2000])
+    assert "train.max_completion_length: must be <= 1,048,576, got 9999" in str(e.value)
+    assert len(str(e.value)) < 300
+
+
+def test_a_recipe_file_past_the_size_limit_is_refused_unread(tmp_path):
+    path = tmp_path / "big.yaml"
+    path.write_text("name: big\n" + "#" * (1 << 20) + "\n")
+    with pytest.raises(ConfigError, match=f"{path}: larger than 1,048,576 bytes, the most a recipe file may be"):
+        load_recipe(path)
+
+
+@pytest.mark.parametrize("key", ["bootstrap.sft_rows", "bootstrap.hidden_size", "bootstrap.vocab_size",
+                                 "train.max_completion_length", "train.num_generations", "train.micro_batch_size",
+                                 "rollout.max_model_len", "eval.max_tokens", "eval.repeats"])
+def test_numbers_that_size_memory_have_upper_bounds(key):
+    with pytest.raises(ConfigError, match=f"<defaults> \\+ overrides: {key}: must be <= "):
+        load_recipe(None, [f"{key}=1e30"])
+
+
 @pytest.mark.parametrize("command", ["train", "run"])
 def test_a_vision_recipe_loads_but_training_it_stops_at_start(tmp_path, command):
     """Until images reach vLLM, the 3B vision recipe (vLLM rollouts) must not generate from the questions alone."""

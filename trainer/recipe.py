@@ -11,7 +11,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from data.errors import short_repr
+from data.synthetic import MAX_ROWS
 from trainer.typed_config import ConfigError, apply_overrides, build, load_yaml, to_dict
+
+# Upper bounds of the numbers that size memory, far past any real run, so that a typo (1e30) is an error
+# naming its key rather than an allocation that fails, or never ends, somewhere inside the run.
+MAX_TOKENS = 1 << 20  # a sequence length: longer than any model's context (1M-token models included)
+MAX_BATCH = 1 << 16  # prompts, completions or examples in one batch
+MAX_WIDTH = 1 << 16  # a tiny base model's vocabulary, width or MLP width
+MAX_DEPTH = 1 << 10  # a tiny base model's layers or heads
 
 
 def _f(default, help: str, **meta):
@@ -36,14 +45,14 @@ class BootstrapConfig:
     """The embedded default's tiny base model: a small Qwen2 LM + local tokenizer + short SFT warm-up."""
     out: str = _f(".state/models/tiny-base", "where the model is saved (a cache keyed by this config's hash)")
     task: str = _f("addition", "synthetic task kind it is warmed up on")
-    vocab_size: int = _f(384, "byte-level BPE vocabulary size, trained locally", ge=1)
-    hidden_size: int = _f(128, "model width", ge=1)
-    num_layers: int = _f(4, "transformer blocks", ge=1)
-    num_heads: int = _f(4, "attention heads", ge=1)
-    intermediate_size: int = _f(384, "MLP width", ge=1)
-    sft_rows: int = _f(20000, "synthetic worked solutions for the warm-up", ge=1)
-    heldout_rows: int = _f(256, "held-out problems for the accuracy check", ge=1)
-    batch_size: int = _f(64, "warm-up batch size", ge=1)
+    vocab_size: int = _f(384, "byte-level BPE vocabulary size, trained locally", ge=1, le=MAX_WIDTH)
+    hidden_size: int = _f(128, "model width", ge=1, le=MAX_WIDTH)
+    num_layers: int = _f(4, "transformer blocks", ge=1, le=MAX_DEPTH)
+    num_heads: int = _f(4, "attention heads", ge=1, le=MAX_DEPTH)
+    intermediate_size: int = _f(384, "MLP width", ge=1, le=MAX_WIDTH)
+    sft_rows: int = _f(20000, "synthetic worked solutions for the warm-up", ge=1, le=MAX_ROWS)
+    heldout_rows: int = _f(256, "held-out problems for the accuracy check", ge=1, le=MAX_ROWS)
+    batch_size: int = _f(64, "warm-up batch size", ge=1, le=MAX_BATCH)
     learning_rate: float = _f(3e-3, "warm-up peak learning rate (AdamW, linear decay)", gt=0)
     max_steps: int = _f(700, "upper bound on warm-up steps (the learning rate decays linearly to 0 there)", ge=1)
     eval_every: int = _f(25, "held-out greedy accuracy is measured every this many steps", ge=1)
@@ -53,7 +62,7 @@ class BootstrapConfig:
 
     def __post_init__(self):
         if len(self.target_accuracy) != 2:
-            raise ValueError(f"target_accuracy must be [lo, hi], got {self.target_accuracy}")
+            raise ValueError(f"target_accuracy must be [lo, hi], got {short_repr(self.target_accuracy)}")
         lo, hi = self.target_accuracy
         if not 0 <= lo < hi <= 1:
             raise ValueError(f"target_accuracy must be [lo, hi] with 0 <= lo < hi <= 1, got {self.target_accuracy}")
@@ -71,7 +80,7 @@ class DataConfig:
     seed: int = _f(0, "seed of the train/held-out split and of synthetic generation")
     skip_invalid: bool = _f(False, "drop malformed rows (recorded in the manifest) instead of failing")
     limit: int | None = _f(None, "read at most this many source rows", ge=1)
-    synthetic_rows: int = _f(4000, "rows generated for a synthetic source", ge=1)
+    synthetic_rows: int = _f(4000, "rows generated for a synthetic source", ge=1, le=MAX_ROWS)
     system_prompt: str = _f("r1", "system prompt preset (r1, brief, none) or literal text; the tiny base model "
                                   "is warmed up with this one too")
 
@@ -79,12 +88,12 @@ class DataConfig:
         if self.task is None:  # a guessed adapter would store a gsm8k worked solution as the "answer"
             if self.source != "synthetic" and not self.source.startswith("synthetic:"):
                 from data.adapters import ADAPTERS
-                raise ValueError(f"task: required for source {self.source!r} (prep --task, or data.task); "
-                                 f"one of {', '.join(ADAPTERS)}")
+                raise ValueError(f"task: required for source {short_repr(self.source)} (prep --task, or "
+                                 f"data.task); one of {', '.join(ADAPTERS)}")
             self.task = "synthetic"
         if self.heldout >= 1 and not float(self.heldout).is_integer():
-            raise ValueError(f"heldout: {self.heldout!r} is neither a fraction in (0, 1) nor a whole number "
-                             "of rows")
+            raise ValueError(f"heldout: {short_repr(self.heldout)} is neither a fraction in (0, 1) nor a whole "
+                             "number of rows")
 
     def prepare_kwargs(self) -> dict:
         """Arguments of `data.prepare.prepare` (a held-out value >= 1 is a row count)."""
@@ -109,10 +118,11 @@ ZERO_PRESETS = ("zero1", "zero2", "zero3")  # train.deepspeed shorthands: ZeRO s
 class TrainConfig:
     output_dir: str = _f(".state/runs/train", "checkpoints and metrics.jsonl; rerunning with the same dir resumes")
     max_steps: int = _f(100, "optimizer steps (one generated batch each)", ge=1)
-    prompts_per_step: int = _f(4, "distinct prompts per generated batch", ge=1)
-    num_generations: int = _f(8, "completions per prompt (the GRPO group size)")
+    prompts_per_step: int = _f(4, "distinct prompts per generated batch", ge=1, le=MAX_BATCH)
+    num_generations: int = _f(8, "completions per prompt (the GRPO group size)", le=MAX_BATCH)
     num_iterations: int = _f(1, "optimisation passes over each generated batch (mu)", ge=1)
-    micro_batch_size: int = _f(32, "completions per forward/backward; the batch is accumulated over micro-batches", ge=1)
+    micro_batch_size: int = _f(32, "completions per forward/backward; the batch is accumulated over micro-batches",
+                               ge=1, le=MAX_BATCH)
     beta: float = _f(0.0, "KL weight against the reference model; 0 loads no reference model", ge=0)
     epsilon: float = _f(0.2, "lower clipping bound of the ratio (1 - epsilon)", gt=0)
     epsilon_high: float | None = _f(None, "upper clipping bound (1 + epsilon_high); None uses epsilon", gt=0)
@@ -121,8 +131,8 @@ class TrainConfig:
     dynamic_sampling: bool = _f(False, "drop groups whose rewards all match (DAPO's dynamic sampling)")
     temperature: float = _f(1.0, "sampling temperature; the loss uses the same temperature", gt=0)
     top_p: float = _f(1.0, "nucleus sampling", gt=0, le=1)
-    max_prompt_length: int = _f(512, "prompts are left-truncated to this many tokens", ge=1)
-    max_completion_length: int = _f(256, "completion tokens generated at most", ge=1)
+    max_prompt_length: int = _f(512, "prompts are left-truncated to this many tokens", ge=1, le=MAX_TOKENS)
+    max_completion_length: int = _f(256, "completion tokens generated at most", ge=1, le=MAX_TOKENS)
     mask_truncated_completions: bool = _f(False, "exclude completions that hit max_completion_length from the loss")
     learning_rate: float = _f(1e-6, "peak learning rate (AdamW)", gt=0)
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = _f("constant", "schedule after warm-up")
@@ -145,7 +155,7 @@ class TrainConfig:
             raise ValueError("num_generations must be >= 2: GRPO compares completions within a group")
         if self.deepspeed is not None and self.deepspeed not in ZERO_PRESETS and not self.deepspeed.endswith(".json"):
             raise ValueError(f"deepspeed must be one of {', '.join(ZERO_PRESETS)} or a path to a .json DeepSpeed "
-                             f"config, got {self.deepspeed!r}")
+                             f"config, got {short_repr(self.deepspeed)}")
 
 
 @dataclass
@@ -162,10 +172,11 @@ class RolloutConfig:
     tensor_parallel_size: int = _f(1, "tensor-parallel size of each engine", ge=1)
     gpu_memory_utilization: float = _f(0.9, "fraction of GPU memory the engine may take", gt=0, le=1)
     max_model_len: int | None = _f(None, "longest sequence the engine holds (None: max_prompt_length + "
-                                         "max_completion_length)", ge=1)
+                                         "max_completion_length)", ge=1, le=MAX_TOKENS)
     max_num_batched_tokens: int | None = _f(None, "vLLM: tokens scheduled per engine step (None: vLLM's default, on "
                                                   "CPU max(max_model_len, 4096); on CPU a set value is raised to "
-                                                  "max_model_len: prompts are prefilled whole)", ge=1)
+                                                  "max_model_len: prompts are prefilled whole)", ge=1,
+                                                  le=MAX_TOKENS)
     enforce_eager: bool = _f(False, "vLLM: run eagerly, no CUDA graphs or torch.compile (faster start, slower decode)")
     server_url: str | None = _f(None, "an already-running engine server (vLLM) instead of starting one")
     weight_sync: Literal["auto", "nccl", "reload"] = _f(
@@ -196,8 +207,8 @@ class EvalConfig:
     local_paths: dict[str, str] = _f({}, "benchmark -> local directory (EvalScope local_path); else the hub")
     limit: int | None = _f(None, "problems per benchmark subset, as EvalScope applies it (MATH-500 has 5 level "
                                  "subsets, so limit 2 scores 10 problems); None: all", ge=1)
-    repeats: int = _f(1, "samples per problem (pass@k)", ge=1)
-    max_tokens: int = _f(1024, "generation budget per answer", ge=1)
+    repeats: int = _f(1, "samples per problem (pass@k)", ge=1, le=MAX_BATCH)
+    max_tokens: int = _f(1024, "generation budget per answer", ge=1, le=MAX_TOKENS)
     temperature: float = _f(0.0, "0 is greedy", ge=0)
     request_timeout_s: float = _f(600.0, "an endpoint's longest wait for one answer (and its pre-flight check's "
                                          "connect timeout); a request that takes longer fails", gt=0)

@@ -8,6 +8,12 @@ Numbers are checked for meaning too, so that a NaN learning rate or a negative t
 the trainer: a float must be finite (`.nan`, `.inf` are refused) unless its field says
 `metadata={"finite": False}`, and a field may bound its value (and each item of a list of numbers) with
 `metadata` keys `gt`, `ge`, `lt`, `le`, and a list or mapping its length with `min_len`.
+
+YAML is read within bounds, so that a recipe cannot make loading it (or reporting an error in it) the
+expensive part: a file is at most `MAX_YAML_BYTES`, and a document (a file, or one override's value) at most
+`MAX_YAML_VALUES` values with its aliases expanded, which refuses an alias bomb (a kilobyte of nested anchors
+that stands for millions of values) and a recursive alias before any value is built. Error messages show a bad
+value cut to 80 characters (`data.errors.short_repr`).
 """
 
 from __future__ import annotations
@@ -23,7 +29,10 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from data.errors import GrpoflowUserError
+from data.errors import GrpoflowUserError, short_repr
+
+MAX_YAML_BYTES = 1 << 20  # a recipe is a few kilobytes; a megabyte is not a recipe
+MAX_YAML_VALUES = 100_000  # values of one document with its aliases expanded (a recipe has a few hundred)
 
 
 class ConfigError(GrpoflowUserError, ValueError):
@@ -52,8 +61,8 @@ def build(cls: type, data: Any, source: str = "<config>", prefix: str = ""):
     fields = {yaml_key(f): f for f in dataclasses.fields(cls) if f.init}
     unknown = [k for k in data if k not in fields]
     if unknown:
-        key = unknown[0]
-        close = difflib.get_close_matches(str(key), list(fields), n=1)
+        key = _key_text(unknown[0])
+        close = difflib.get_close_matches(key, list(fields), n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         raise ConfigError(f"{source}: unknown key '{prefix}{key}'{hint}; valid keys"
                           f"{' in ' + repr(prefix[:-1]) if prefix else ''}: {', '.join(sorted(fields))}")
@@ -80,7 +89,7 @@ def _check_bounds(f: dataclasses.Field, value: Any, source: str, key: str) -> No
     min_len = f.metadata.get("min_len")
     if min_len is not None and isinstance(value, (list, tuple, dict)) and len(value) < min_len:
         raise ConfigError(f"{_where(source, key)}: needs at least {min_len} "
-                          f"{'entry' if min_len == 1 else 'entries'}, got {value!r}")
+                          f"{'entry' if min_len == 1 else 'entries'}, got {short_repr(value)}")
     bounds = [(name, f.metadata[name]) for name in _BOUNDS if name in f.metadata]
     if not bounds:
         return
@@ -92,7 +101,8 @@ def _check_bounds(f: dataclasses.Field, value: Any, source: str, key: str) -> No
             compare, symbol = _BOUNDS[name]
             if not compare(item, limit):
                 where = key if i is None else f"{key}[{i}]"
-                raise ConfigError(f"{_where(source, where)}: must be {symbol} {limit}, got {item!r}")
+                raise ConfigError(f"{_where(source, where)}: must be {symbol} {limit:,}, "
+                                  f"got {short_repr(item)}")
 
 
 def _refuse_nonfinite(value: Any, source: str, key: str) -> None:
@@ -100,14 +110,21 @@ def _refuse_nonfinite(value: Any, source: str, key: str) -> None:
         raise ConfigError(f"{_where(source, key)}: must be a finite number, got {value!r}")
     if isinstance(value, dict):
         for k, v in value.items():
-            _refuse_nonfinite(v, source, f"{key}.{k}")
+            _refuse_nonfinite(v, source, f"{key}.{_key_text(k)}")
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
             _refuse_nonfinite(v, source, f"{key}[{i}]")
 
 
 def _show(value: Any) -> str:
-    return f"{type(value).__name__} {value!r}"
+    return f"{type(value).__name__} {short_repr(value)}"
+
+
+def _key_text(key: Any) -> str:
+    """A mapping key as a message shows it (a YAML key may be any value, a long list included)."""
+    if isinstance(key, str):
+        return key if len(key) <= 80 else key[:80] + "..."
+    return short_repr(key)
 
 
 def _coerce(tp: Any, value: Any, source: str, key: str, finite: bool = True):
@@ -130,7 +147,7 @@ def _coerce(tp: Any, value: Any, source: str, key: str, finite: bool = True):
     if origin is Literal:
         if value in args:
             return value
-        raise ConfigError(f"{_where(source, key)}: {value!r} is not a valid choice; choose one of "
+        raise ConfigError(f"{_where(source, key)}: {short_repr(value)} is not a valid choice; choose one of "
                           f"{', '.join(repr(a) for a in args)}")
     if dataclasses.is_dataclass(tp):
         return build(tp, value, source, key + ".")
@@ -143,7 +160,7 @@ def _coerce(tp: Any, value: Any, source: str, key: str, finite: bool = True):
         if not isinstance(value, dict):
             raise ConfigError(f"{_where(source, key)}: expected a mapping, got {_show(value)}")
         vt = args[1] if args else Any
-        return {str(k): _coerce(vt, v, source, f"{key}.{k}", finite) for k, v in value.items()}
+        return {str(k): _coerce(vt, v, source, f"{key}.{_key_text(k)}", finite) for k, v in value.items()}
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -176,12 +193,12 @@ def _type_name(tp: Any) -> str:
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`train.learning_rate=1e-4` -> (['train', 'learning_rate'], 1e-4); values are parsed as YAML."""
     if "=" not in text:
-        raise ConfigError(f"override {text!r}: expected key=value, e.g. train.learning_rate=1e-4")
+        raise ConfigError(f"override {short_repr(text)}: expected key=value, e.g. train.learning_rate=1e-4")
     key, raw = text.split("=", 1)
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {text!r}: empty key")
-    value = yaml.safe_load(raw) if raw.strip() else ""
+        raise ConfigError(f"override {short_repr(text)}: empty key")
+    value = safe_load(raw, f"override {short_repr(key)}") if raw.strip() else ""
     # YAML reads 1e-4 as a string (it wants 1.0e-4); people type 1e-4.
     if isinstance(value, str):
         try:
@@ -200,20 +217,80 @@ def apply_overrides(data: dict, overrides: typing.Iterable[str]) -> dict:
             if child is None:
                 child = node[part] = {}
             if not isinstance(child, dict):
-                raise ConfigError(f"override {text!r}: '{part}' is not a section")
+                raise ConfigError(f"override {short_repr(text)}: '{part}' is not a section")
             node = child
         node[path[-1]] = value
     return data
+
+
+class _ExpansionError(yaml.YAMLError):
+    pass
+
+
+class BoundedLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses a document of more than `MAX_YAML_VALUES` values with its aliases
+    expanded, or with an alias inside the node it names. Aliases are counted on the composed nodes, where
+    an alias is still one shared node: the count costs one visit per distinct node, never the expansion."""
+
+    def compose_document(self):
+        node = super().compose_document()
+        _expanded_size(node, {}, set())
+        return node
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int], open_nodes: set[int]) -> int:
+    if isinstance(node, yaml.ScalarNode):
+        return 1
+    if id(node) in sizes:
+        return sizes[id(node)]
+    line = node.start_mark.line + 1
+    if id(node) in open_nodes:
+        raise _ExpansionError(f"line {line}: an alias refers to a node that contains it (a recursive alias)")
+    open_nodes.add(id(node))
+    children = node.value if isinstance(node, yaml.SequenceNode) else [n for pair in node.value for n in pair]
+    total = 1
+    for child in children:
+        total += _expanded_size(child, sizes, open_nodes)
+        if total > MAX_YAML_VALUES:  # each child's own count is at most the limit: this stops early
+            raise _ExpansionError(f"line {line}: more than {MAX_YAML_VALUES:,} values once its aliases are "
+                                  "expanded (a recipe has a few hundred); write the values out or use fewer "
+                                  "aliases")
+    open_nodes.discard(id(node))
+    sizes[id(node)] = total
+    return total
+
+
+def safe_load(text: str, source: str) -> Any:
+    """`yaml.safe_load` within `MAX_YAML_VALUES`; a ConfigError naming `source` for anything that is not
+    valid, bounded YAML."""
+    try:
+        return yaml.load(text, Loader=BoundedLoader)  # noqa: S506 (a SafeLoader subclass)
+    except _ExpansionError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: not valid YAML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: nested too deeply to read") from None
+    except ValueError as e:  # an integer past Python's digit limit
+        raise ConfigError(f"{source}: not valid YAML: {str(e)[:200]}") from None
 
 
 def load_yaml(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
+    too_big = f"{path}: larger than {MAX_YAML_BYTES:,} bytes, the most a recipe file may be"
+    if path.stat().st_size > MAX_YAML_BYTES:
+        raise ConfigError(too_big)
+    with open(path, "rb") as f:
+        raw = f.read(MAX_YAML_BYTES + 1)  # the file may have grown since stat
+    if len(raw) > MAX_YAML_BYTES:
+        raise ConfigError(too_big)
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    data = safe_load(text, str(path))
     if data is None:
         return {}
     if not isinstance(data, dict):
