@@ -9,12 +9,17 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from fractions import Fraction
+from http.server import BaseHTTPRequestHandler
 from itertools import permutations
 from pathlib import Path
 
 import pytest
 
+from conftest import loopback_http
+from data import images
 from data.adapters import COUNTDOWN_PROMPT, numina
 from data.prepare import DataError, load_prepared, prepare
 from data.schema import SYSTEM_PROMPT, user_text
@@ -331,6 +336,147 @@ def test_counting_with_images_next_to_the_source(tmp_path):
         "How many cubes are there?", "3", [str((tmp_path / "images" / "a.png").resolve())])
     assert (user_text(b), b["answer"]) == ("How many items are there in the image?", "0")
     assert manifest(tmp_path / "out")["images"]["files"] == 2
+
+
+# --- images within limits ---
+
+def small_png(path: Path) -> bytes:
+    from PIL import Image
+
+    Image.new("RGB", (4, 4), "red").save(path)
+    return path.read_bytes()
+
+
+def image_url_rows(tmp_path: Path, url: str) -> Path:
+    src = tmp_path / "rows.jsonl"
+    src.write_text(json.dumps({"image": url, "count": 1}) + "\n")
+    return src
+
+
+class QuietHandler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+def test_an_image_url_has_one_deadline_for_the_whole_request(tmp_path, monkeypatch):
+    """A server sending a valid PNG one byte every 0.25 s (about 20 s in all) answers every read long before a
+    read timeout; the whole request still ends at its deadline (set to 1 s here), naming the URL and the limit."""
+    body = small_png(tmp_path / "a.png")
+    assert len(body) * 0.25 > 15
+
+    class Drip(QuietHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            for i in range(len(body)):
+                try:
+                    self.wfile.write(body[i:i + 1])
+                except OSError:  # the client has gone
+                    return
+                time.sleep(0.25)
+
+    monkeypatch.setattr(images, "URL_TIMEOUT_S", 1.0)
+    with loopback_http(Drip) as server:
+        url = f"http://127.0.0.1:{server.server_address[1]}/slow.png"
+        started = time.monotonic()
+        with pytest.raises(DataError) as e:
+            prepare("counting", str(image_url_rows(tmp_path, url)), tmp_path / "out", heldout=0)
+        took = time.monotonic() - started
+    assert took < 10, f"the request ran {took:.1f} s past a 1 s deadline"
+    assert f"rows.jsonl:1: field 'image': expected an image within limits; {url}: no complete answer within 1 s" \
+        in str(e.value)
+    assert "data.images.URL_TIMEOUT_S" in str(e.value)
+    assert not (tmp_path / "out").exists()
+    with loopback_http(Drip) as server:  # skipped, the row is counted under its own reason
+        url = f"http://127.0.0.1:{server.server_address[1]}/slow.png"
+        with pytest.raises(DataError, match=r"no usable rows .*'image timed out': 1"):
+            prepare("counting", str(image_url_rows(tmp_path, url)), tmp_path / "out", skip_invalid=True)
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["declared-length", "no-length"])
+def test_an_image_url_larger_than_the_byte_limit_is_refused_naming_it(tmp_path, monkeypatch, declared):
+    """A declared Content-Length past the limit is refused before any of the body is read (the server here
+    sends four bytes and then holds the connection open for 10 s); a body without one is read no further
+    than the limit (set to 100 kB here: the server would send 2 MB)."""
+    limit = 100_000
+    monkeypatch.setattr(images, "MAX_IMAGE_BYTES", limit, raising=False)
+    release = threading.Event()
+
+    class Large(QuietHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            if declared:
+                self.send_header("Content-Length", str(200_000_000))
+                self.end_headers()
+                self.wfile.write(b"\x89PNG")
+                release.wait(10)
+                return
+            self.end_headers()  # HTTP/1.0, no length: the body ends when the connection closes
+            try:
+                self.wfile.write(b"\x89PNG\r\n\x1a\n" + bytes(2_000_000))
+            except OSError:
+                pass
+
+    with loopback_http(Large) as server:
+        url = f"http://127.0.0.1:{server.server_address[1]}/large.png"
+        started = time.monotonic()
+        try:
+            with pytest.raises(DataError) as e:
+                prepare("counting", str(image_url_rows(tmp_path, url)), tmp_path / "out", heldout=0)
+        finally:
+            release.set()
+        took = time.monotonic() - started
+    assert f"{url}: larger than the 100,000-byte limit of an image (data.images.MAX_IMAGE_BYTES)" in str(e.value)
+    if declared:
+        assert "the server declares 200,000,000 bytes" in str(e.value)
+        assert took < 5, f"{took:.1f} s: the body was waited for"
+    else:
+        assert "the server sent more" in str(e.value)
+
+
+def test_an_image_declaring_too_many_pixels_is_refused_before_it_is_decoded(tmp_path):
+    """A 12000 x 12000 PNG is 17 kB on disk and over 400 MB decoded to RGB: prep refuses it from its header,
+    naming the file and the pixel limit, and its peak memory (measured in a fresh interpreter) stays small."""
+    from PIL import Image
+
+    Image.new("1", (12000, 12000)).save(tmp_path / "huge.png")
+    assert (tmp_path / "huge.png").stat().st_size < 100_000
+    src = tmp_path / "rows.jsonl"
+    src.write_text(json.dumps({"image": "huge.png", "count": 1}) + "\n")
+    code = ("import resource, sys\n"
+            "import PIL.Image, PIL.PngImagePlugin\n"
+            "from data.prepare import DataError, prepare\n"
+            "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+            "try:\n    prepare('counting', sys.argv[1], sys.argv[2], heldout=0)\n"
+            "except DataError as e:\n    print(e)\n"
+            "print('peak growth KiB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(src), str(tmp_path / "out")], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    *message, growth = done.stdout.strip().splitlines()
+    message = "\n".join(message)
+    assert f"rows.jsonl:1: field 'image': expected an image within limits; {tmp_path / 'huge.png'}" in message
+    assert "declares more pixels than the 25,000,000-pixel limit of an image (data.images.MAX_IMAGE_PIXELS): " \
+           "it is 12000 x 12000" in message
+    assert int(growth.split()[-1]) < 100 * 1024, growth
+    assert not (tmp_path / "out").exists()
+
+
+def test_synthetic_rows_past_the_limit_are_refused_naming_the_field(tmp_path):
+    from trainer.recipe import ConfigError, load_recipe
+
+    assert load_recipe(None, ["data.synthetic_rows=1000000"]).data.synthetic_rows == 1_000_000
+    with pytest.raises(ConfigError, match=r"data.synthetic_rows: must be <= 1,000,000, got 1000000000000000019"):
+        load_recipe(None, ["data.synthetic_rows=1e30"])
+    with pytest.raises(DataError, match=r"synthetic_rows must be between 1 and 1,000,000, got 1000001"):
+        prepare("synthetic", "synthetic", tmp_path / "out", synthetic_rows=1_000_001)
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "prep", "--out", str(tmp_path / "out"),
+                           "data.synthetic_rows=1e30", "--json"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "data.synthetic_rows: must be <= 1,000,000" in done.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_synthetic_addition_keeps_the_generators_evaluation_pool_held_out(tmp_path):
