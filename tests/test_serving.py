@@ -7,21 +7,26 @@ only records its command line and answers `/health`; the test says so in its nam
 
 from __future__ import annotations
 
+import http.client
 import json
+import os
+import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import pytest
 from memorised_model import completion, eval_overrides, evaluated_problems, reviews, text_of
 
 from conftest import REPO_ROOT, shared
 from evaluation import load_result
-from evaluation.serving import ServingInputError, get_json, served_model
+from evaluation.serving import ServerLimits, ServingInputError, get_json, served_model
+from evaluation.serving.guards import api_key_from_env
 
 QUESTION = [{"role": "user", "content": "What is 12 + 7?"}]
 
@@ -228,6 +233,178 @@ def test_eval_serve_scores_through_the_endpoint_like_a_direct_run(memorising_mod
         if p.memorised:
             answers = {text_of(r[p.benchmark, p.key]["messages"][-1]) for r in (through_endpoint, direct)}
             assert answers == {completion(p.answer)}
+
+
+# ---- connections and the API key: a server as `serve-model --max-connections 16 --api-key-env` ---------------
+# The key is given as a file's content reads: with a trailing newline. Every client here is 127.0.0.1, one
+# client address, whose default share is a quarter of the 16 connections; 127.0.0.2 is another client.
+
+KEY_VAR, KEY = "GRPOFLOW_TEST_SERVING_KEY", "sk-serving-5b7e0c93d1a2"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_CONNECTIONS, PER_CLIENT = 16, 4
+QUESTION_TEXT = {"prompt": "1+1", "max_tokens": 2, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tiny_base, tmp_path_factory):
+    """(port, stderr path) of `grpoflow serve-model --max-connections 16 --api-key-env VAR` (VAR = key + newline)."""
+    err_path = tmp_path_factory.mktemp("keyed-server") / "stderr.log"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-model", tiny_base["path"], "--json",
+                                 "--api-key-env", KEY_VAR, "--max-connections", str(MAX_CONNECTIONS)],
+                                cwd=REPO_ROOT, text=True, env={**os.environ, KEY_VAR: KEY + "\n"},
+                                stdout=subprocess.PIPE, stderr=err)
+    try:
+        ready = ready_line(proc, timeout_s=180)
+        yield int(ready["url"].rsplit(":", 1)[1].removesuffix("/v1")), err_path
+        assert proc.poll() is None, f"the server died during the tests:\n{err_path.read_text()[-3000:]}"
+        assert stop_cleanly(proc, signal.SIGTERM)["engine"] == "transformers"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def call(port: int, method: str, path: str, body: dict | None = None, headers: dict | None = None,
+         source: str | None = None) -> tuple[int, bytes]:
+    """(status, body) of one request on its own connection, from the address `source` if given."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60,
+                                      source_address=(source, 0) if source else None)
+    try:
+        data = None if body is None else json.dumps(body).encode()
+        conn.request(method, path, data, {"Content-Type": "application/json", **(headers or {})})
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+def answered(sock: socket.socket) -> bool:
+    return bool(select.select([sock], [], [], 0)[0])
+
+
+def closed_by_server(sock: socket.socket, within_s: float) -> bool:
+    """Whether the server closes `sock` (a read returns EOF, not data) within `within_s` seconds."""
+    if not select.select([sock], [], [], within_s)[0]:
+        return False
+    try:
+        return sock.recv(4096) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_a_key_read_with_its_trailing_newline_is_accepted_and_others_refused(keyed_server):
+    port, err = keyed_server
+    assert call(port, "GET", "/v1/models", headers=AUTH)[0] == 200
+    status, body = call(port, "POST", "/v1/completions", QUESTION_TEXT, AUTH)
+    assert status == 200 and json.loads(body)["usage"]["completion_tokens"] >= 1
+    for wrong in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"},
+                  {"Authorization": f"Bearer {KEY}x"}):
+        status, body = call(port, "POST", "/v1/completions", QUESTION_TEXT, wrong)
+        assert status == 401 and json.loads(body)["error"]["param"] == "authorization", (wrong, body)
+    assert KEY not in err.read_text()
+
+
+def test_the_bearer_scheme_is_case_insensitive(keyed_server):
+    port, _ = keyed_server
+    for scheme in ("bearer", "BEARER", "bEaReR"):
+        status, body = call(port, "POST", "/v1/completions", QUESTION_TEXT, {"Authorization": f"{scheme} {KEY}"})
+        assert status == 200, (scheme, body)
+
+
+def test_the_docs_and_the_schema_need_the_key(keyed_server):
+    port, _ = keyed_server
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert call(port, "GET", path)[0] == 401, path
+        assert call(port, "GET", path, headers={"Authorization": "Bearer wrong"})[0] == 401, path
+        status, body = call(port, "GET", path, headers=AUTH)
+        assert status == 200, path
+    assert "/v1/completions" in json.loads(call(port, "GET", "/openapi.json", headers=AUTH)[1])["paths"]
+    assert call(port, "GET", "/health")[0] == 200  # open, for probes
+
+
+def test_idle_connections_holding_every_slot_do_not_shut_out_health_or_a_completion(keyed_server):
+    """16 silent sockets, as many as --max-connections: a new request closes the one idle longest."""
+    port, _ = keyed_server
+    with ExitStack() as stack:
+        idle = [stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=30))
+                for _ in range(MAX_CONNECTIONS)]
+        status, body = call(port, "GET", "/health")
+        assert status == 200, body
+        status, body = call(port, "POST", "/v1/completions", QUESTION_TEXT, AUTH)
+        assert status == 200, body
+        # one client holds at most its share: each idle socket over it was closed for the next one
+        closed, end = set(), time.monotonic() + 10
+        while len(closed) < MAX_CONNECTIONS - PER_CLIENT and time.monotonic() < end:
+            for sock in select.select([s for s in idle if s not in closed], [], [], 0.1)[0]:
+                if closed_by_server(sock, within_s=0):
+                    closed.add(sock)
+        assert len(closed) >= MAX_CONNECTIONS - PER_CLIENT, f"{len(closed)} of the idle sockets were closed"
+
+
+def test_a_client_at_its_connection_share_gets_503_and_another_client_is_served(keyed_server):
+    """127.0.0.1 holds its 4 connections with requests in progress (uploads it has not finished): its 5th
+    request gets 503 naming --max-connections-per-client; /health still answers it; 127.0.0.2 is served."""
+    port, _ = keyed_server
+    with ExitStack() as stack:
+        for _ in range(PER_CLIENT):
+            sock = stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=30))
+            sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                         "Content-Type: application/json\r\nContent-Length: 100\r\nExpect: 100-continue\r\n\r\n"
+                         .encode())
+            # the 100 Continue says the server is reading its body: a request in progress
+            assert sock.recv(4096).startswith(b"HTTP/1.1 100"), "the upload did not start"
+        status, body = call(port, "POST", "/v1/completions", QUESTION_TEXT, AUTH)
+        assert status == 503, body
+        assert "--max-connections-per-client" in json.loads(body)["error"]["message"]
+        assert call(port, "GET", "/health")[0] == 200
+        status, body = call(port, "POST", "/v1/completions", QUESTION_TEXT, AUTH, source="127.0.0.2")
+        assert status == 200, body
+    # its uploads abandoned, the client gets its share back
+    end = time.monotonic() + 30
+    while (status := call(port, "POST", "/v1/completions", QUESTION_TEXT, AUTH)[0]) == 503 and time.monotonic() < end:
+        time.sleep(0.1)
+    assert status == 200
+
+
+def test_a_connection_that_never_completes_its_headers_is_closed_after_the_header_timeout(keyed_server):
+    """The default --header-timeout (10 s), counted from the connection's opening: a silent socket and one
+    sending a header line every half second are both closed; a server without the timeout keeps them for good."""
+    port, _ = keyed_server
+    default = 10.0  # --header-timeout
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as silent, \
+            socket.create_connection(("127.0.0.1", port), timeout=30) as dripping:
+        opened = time.monotonic()
+        dripping.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        while not answered(dripping) and time.monotonic() - opened < default + 15:
+            try:
+                dripping.sendall(b"X-Slow: 1\r\n")
+            except OSError:  # closed under us
+                break
+            time.sleep(0.5)
+        assert closed_by_server(dripping, within_s=1), "a dripping header stayed open"
+        assert closed_by_server(silent, within_s=max(0.0, default + 15 - (time.monotonic() - opened)))
+    assert call(port, "POST", "/v1/completions", QUESTION_TEXT, AUTH)[0] == 200
+
+
+def test_an_api_key_is_read_without_surrounding_whitespace(monkeypatch):
+    monkeypatch.setenv(KEY_VAR, f"  {KEY}\r\n")
+    assert api_key_from_env(KEY_VAR) == KEY
+    for unusable in (" \n", f"{KEY[:4]}\x07{KEY[4:]}"):
+        monkeypatch.setenv(KEY_VAR, unusable)
+        with pytest.raises(ServingInputError, match=KEY_VAR):
+            api_key_from_env(KEY_VAR)
+
+
+def test_connection_limits_are_checked_and_a_client_share_defaults_to_a_quarter():
+    assert ServerLimits(max_connections=16).connections_per_client == PER_CLIENT
+    with pytest.raises(ServingInputError, match=r"--max-connections-per-client \(32\) cannot exceed "
+                                                r"--max-connections \(16\)"):
+        ServerLimits(max_connections=16, max_connections_per_client=32)
+    for field, flag in (("header_timeout_s", "--header-timeout"), ("body_timeout_s", "--body-timeout"),
+                        ("keep_alive_timeout_s", "--keep-alive-timeout")):
+        with pytest.raises(ServingInputError, match=flag):
+            ServerLimits(**{field: 0.0})
 
 
 def _has_vllm() -> bool:

@@ -5,8 +5,11 @@ key, no request data; it counts `batches`, `requests`, `cancelled`, `timed_out`,
 Generation is `scheduler.Scheduler`: token slices in turn, so a small request is not starved by a
 big one, and a request whose client disconnects or whose `--request-timeout` passes stops being generated.
 
-A request is checked in this order: API key (401), body size (413, before it is read in full), JSON and
-every field (400 naming the field, also for the `ServerLimits`), then generation (504 past the timeout).
+With an API key, every request but `/health` needs it (`/docs`, `/redoc` and `/openapi.json` too), the
+`Bearer` scheme in any case, the key compared in constant time. A request is checked in this order: API key
+(401), body size (413, before it is read in full), JSON and every field (400 naming the field, also for the
+`ServerLimits`), then generation (504 past the timeout). A body must arrive within `--body-timeout` (and
+`--request-timeout`) of its headers (408).
 Parsing, tokenizing and cutting at stop strings run in worker threads, never on the event loop, so
 `/health` answers while a big body is being handled.
 
@@ -75,10 +78,34 @@ _KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
           408: "timeout", 413: "invalid_request_error", 504: "timeout"}
 
 
-def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    """An OpenAI-style error: `{"error": {"message", "type", "param", "code"}}`."""
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     return JSONResponse({"error": {"message": message, "type": _KINDS.get(status, "server_error"), "param": param,
                                    "code": status}}, status, headers=headers)
+
+
+def _bearer_token(authorization: bytes) -> bytes | None:
+    """The credentials of an `Authorization: Bearer <token>` header; the scheme is case-insensitive (RFC 7235)."""
+    scheme, _, token = authorization.strip().partition(b" ")
+    return token.strip(b" \t") if scheme.lower() == b"bearer" else None
+
+
+class _RequireKey:
+    """ASGI middleware: every request but `/health` must carry the key (the docs and the schema too)."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            token = _bearer_token(given)
+            if token is None or not hmac.compare_digest(token, self.key):
+                refusal = error_response(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
+                                         "authorization")
+                return await refusal(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 def _text_of(message: dict, index: int) -> dict:
@@ -252,32 +279,25 @@ def build_app(tokenizer, model_name: str, scheduler: Scheduler, context_length: 
     """The FastAPI app serving what `scheduler` generates as `model_name`."""
     limits = limits or ServerLimits()
     parser = _Parser(tokenizer, model_name, context_length, limits)
-    expected = f"Bearer {api_key}".encode() if api_key else None
     app = FastAPI(title=f"grpoflow: {model_name}")
+    if api_key:
+        app.add_middleware(_RequireKey, key=api_key)
     created = int(time.time())
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
-        return _error(e.status, e.message, e.param)
+        return error_response(e.status, e.message, e.param)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):  # uvicorn logs the traceback
-        return _error(500, f"internal error: {type(e).__name__}")
-
-    def authorize(request: Request) -> None:
-        if expected is None:
-            return
-        given = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            raise ApiError(401, "a valid API key is required: send 'Authorization: Bearer <key>'", "authorization")
+        return error_response(500, f"internal error: {type(e).__name__}")
 
     @app.get("/health")
     async def health():  # on the event loop, not in a thread pool that busy requests may fill
         return {"status": "ok", "model": model_name, "engine": "transformers", **scheduler.stats()}
 
     @app.get("/v1/models")
-    def models(request: Request):
-        authorize(request)
+    def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "grpoflow", "max_model_len": context_length}]}
 
@@ -334,15 +354,14 @@ def build_app(tokenizer, model_name: str, scheduler: Scheduler, context_length: 
     async def handle(request: Request, kind: str, prefix: str) -> Response:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + limits.request_timeout_s
-        authorize(request)
+        upload_s, flag = min((limits.body_timeout_s, "--body-timeout"), (limits.request_timeout_s, "--request-timeout"))
         try:
-            body = await asyncio.wait_for(read_body(request), timeout=limits.request_timeout_s)
+            body = await asyncio.wait_for(read_body(request), timeout=upload_s)
             prepared = await asyncio.to_thread(parser.parse, kind, body)
             rid = f"{prefix}-{uuid.uuid4().hex}"
             groups = await generate(request, prepared, rid, deadline)
         except TimeoutError:
-            raise ApiError(408, f"body: not received within {limits.request_timeout_s:g} s "
-                                "(--request-timeout)", "body") from None
+            raise ApiError(408, f"body: not received within {upload_s:g} s ({flag})", "body") from None
         except _ClientGone:
             return Response(status_code=499)  # nobody reads it
         content = await asyncio.to_thread(_response, prepared, groups, tokenizer, model_name, rid)

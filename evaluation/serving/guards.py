@@ -1,4 +1,4 @@
-"""What a model server accepts: the per-request limits, the address it listens on, the API key.
+"""What a model server accepts: the request and connection limits, the address it listens on, the API key.
 
 Every check raises `ServingInputError` (a user error: exit 2) naming the flag, the host:port or the variable.
 """
@@ -29,9 +29,10 @@ def _limit(default, flag: str, help: str, kind=int):
 
 @dataclass(frozen=True)
 class ServerLimits:
-    """What one request may ask of the transformers server; each field is a `serve-model` flag.
+    """What one request or connection may ask of the transformers server; each field is a `serve-model` flag.
 
     A request over a limit gets HTTP 400 naming the field (413 for the body). vLLM applies its own.
+    `connections.py` applies the connection limits and timeouts.
     """
     max_body_bytes: int = _limit(1_000_000, "--max-body-bytes", "largest request body in bytes (HTTP 413 beyond)")
     max_sequences: int = _limit(64, "--max-sequences", "most completions one request may ask for: prompts x n")
@@ -45,7 +46,22 @@ class ServerLimits:
                                       float)
     max_active_sequences: int = _limit(256, "--max-active-sequences", "completions generated at once across "
                                                                       "requests; later requests wait their turn")
-    max_connections: int = _limit(128, "--max-connections", "connections served at once (HTTP 503 beyond)")
+    max_connections: int = _limit(128, "--max-connections", "connections held at once; a connection beyond "
+                                                            "closes the one idle longest, else gets HTTP 503 "
+                                                            "(a few more may still ask for /health)")
+    max_connections_per_client: int | None = _limit(None, "--max-connections-per-client",
+                                                    "connections one client address may hold, so that one "
+                                                    "client cannot take them all (default: a quarter of "
+                                                    "--max-connections; behind a proxy, its clients are one "
+                                                    "address)")
+    header_timeout_s: float = _limit(10.0, "--header-timeout", "seconds a connection may take to send a "
+                                                               "request's headers, counted from its opening or "
+                                                               "its previous response; then it is closed", float)
+    body_timeout_s: float = _limit(60.0, "--body-timeout", "seconds a request's body may take to arrive after "
+                                                           "its headers (HTTP 408 beyond)", float)
+    keep_alive_timeout_s: float = _limit(5.0, "--keep-alive-timeout", "seconds an idle connection stays open "
+                                                                      "after a response, waiting for the next "
+                                                                      "request", float)
 
     def __post_init__(self):
         for f in fields(self):
@@ -57,6 +73,13 @@ class ServerLimits:
         if self.max_sequences > self.max_active_sequences:
             raise ServingInputError(f"--max-sequences ({self.max_sequences}) cannot exceed --max-active-sequences "
                                     f"({self.max_active_sequences})")
+        if self.connections_per_client > self.max_connections:
+            raise ServingInputError(f"--max-connections-per-client ({self.connections_per_client}) cannot exceed "
+                                    f"--max-connections ({self.max_connections})")
+
+    @property
+    def connections_per_client(self) -> int:
+        return self.max_connections_per_client or max(1, self.max_connections // 4)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerLimits:
@@ -105,9 +128,13 @@ def bind_socket(host: str, port: int, api_key: str | None = None, resolve_timeou
 
 
 def api_key_from_env(var: str | None) -> str | None:
+    """The key in `$var`, without the whitespace around it (a key read from a file ends with a newline)."""
     if var is None:
         return None
-    value = os.environ.get(var, "")
-    if not value.strip():
+    value = os.environ.get(var, "").strip()
+    if not value:
         raise ServingInputError(f"--api-key-env {var}: the environment variable {var} is not set or empty")
+    bad = next((i for i, c in enumerate(value) if ord(c) < 32 or ord(c) == 127), None)
+    if bad is not None:  # no client can send it in a header
+        raise ServingInputError(f"--api-key-env {var}: the key has a control character at position {bad}")
     return value

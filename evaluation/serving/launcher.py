@@ -178,7 +178,9 @@ def served_model(checkpoint: str | os.PathLike, *, engine: str = "auto", port: i
     path = check_checkpoint(checkpoint)
     choose_engine(engine)
     cmd = [sys.executable, "-m", "evaluation.serving", str(path), "--host", LOOPBACK, "--port", str(port),
-           "--engine", engine, "--max-batch-size", str(max_batch_size), "--json"]
+           "--engine", engine, "--max-batch-size", str(max_batch_size), "--json",
+           # its one client is this process: as many of the connections as it wants
+           "--max-connections-per-client", str(ServerLimits().max_connections)]
     if served_model_name:
         cmd += ["--served-model-name", served_model_name]
     root = str(Path(__file__).resolve().parent.parent)  # the child imports this very copy of the package
@@ -265,9 +267,10 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto: vLLM when installed and a GPU is visible, else transformers")
     parser.add_argument("--max-batch-size", type=int, default=16, help="requests generated together at most")
     parser.add_argument("--api-key-env", metavar="VAR",
-                        help="environment variable holding the API key that /v1 requests must send as "
-                             "'Authorization: Bearer <key>' (required for a non-loopback --host)")
-    limits = parser.add_argument_group("per-request limits (transformers engine)")
+                        help="environment variable holding the API key (surrounding whitespace dropped) that "
+                             "every request but /health must send as 'Authorization: Bearer <key>' (required "
+                             "for a non-loopback --host)")
+    limits = parser.add_argument_group("request and connection limits (transformers engine)")
     for f in fields(ServerLimits):
         default = "" if f.default is None else f" (default {f.default:g})" if isinstance(f.default, float) \
             else f" (default {f.default})"

@@ -1,4 +1,5 @@
-"""Running the transformers server: load the checkpoint, serve `app.build_app` with uvicorn on a bound socket.
+"""Running the transformers server: load the checkpoint, serve `app.build_app` with uvicorn on a bound socket,
+its connections admitted and timed out by `connections.guarded_protocol`.
 
 It stops on SIGTERM/SIGINT with status 0 and reports what it served (`batches`, `requests`).
 """
@@ -10,6 +11,7 @@ import threading
 
 from data.progress import progress_enabled
 from evaluation.serving.app import build_app
+from evaluation.serving.connections import guarded_protocol
 from evaluation.serving.guards import ServerLimits
 from evaluation.serving.scheduler import Scheduler
 
@@ -54,8 +56,11 @@ def _serve(checkpoint, sock, host, model_name, max_batch_size, on_ready, limits,
             if self.started and not self.should_exit:
                 on_ready(url)
 
+    # connections are admitted and timed out by our protocol (connections.py), not by uvicorn's
+    # limit_concurrency, which counted idle connections and had none closed
     server = Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
-                                   lifespan="off", limit_concurrency=limits.max_connections))
+                                   lifespan="off", http=guarded_protocol(limits),
+                                   timeout_keep_alive=limits.keep_alive_timeout_s))
     # uvicorn re-raises the signal that stopped it once it has shut down; these handlers take it instead,
     # so the process ends with status 0 and can report what it served.
     main_thread = threading.current_thread() is threading.main_thread()
