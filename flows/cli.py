@@ -137,12 +137,9 @@ def cmd_train(args) -> dict | None:
 
 def cmd_run(args) -> dict:
     recipe, services = _recipe_and_services(args)
-    from tasks.preflight import check_before_run
+    from flows.pipeline import run_pipeline  # after configure(): Prefect reads its settings at import
 
-    check_before_run(recipe, services, _source(args))
-    from flows.pipeline import grpo_pipeline  # after configure(): Prefect reads its settings at import
-
-    summary = grpo_pipeline(recipe.to_dict(), services.flow_parameters())
+    summary = run_pipeline(recipe, services, _source(args))
     summary["state"] = services.describe()
     summary["ui"] = services.ui_commands()
     if not args.json:

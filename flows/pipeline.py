@@ -101,6 +101,19 @@ def grpo_pipeline(recipe: dict | None = None, services: dict | None = None, conf
     return summary
 
 
+def run_pipeline(recipe, services, source: str) -> dict:
+    """`grpoflow run`: the pipeline on `recipe` (a `trainer.recipe.Recipe`) with `services` (`tasks.services`),
+    holding the state folder from the checks before it to its end. One pipeline per state folder: two at once
+    would race on its stores (MLflow's sqlite schema is made by the first to touch it, Prefect's home) and
+    register the same checkpoint twice; the second is refused (`DirectoryBusy`, exit 2) naming the first."""
+    from data.dir_lock import exclusive
+    from tasks.preflight import check_before_run
+
+    with exclusive(services.state_dir, "--state-dir"):
+        check_before_run(recipe, services, source)
+        return grpo_pipeline(recipe.to_dict(), services.flow_parameters())
+
+
 def _deployment_inputs(config: str | None, overrides: list[str] | None) -> tuple[dict, dict]:
     from tasks.preflight import check_before_run
     from tasks.services import recipe_and_services

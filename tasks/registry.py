@@ -10,25 +10,40 @@ optimizer, scheduler and RNG state stay with the training run's checkpoint.
 A version is identified by its checkpoint's content hash (tag `checkpoint_sha256`): registering the same
 checkpoint again (a retried task, a rerun flow) returns the existing version and writes nothing, and a logged
 model left by an attempt that died before its version was made is reused, not uploaded again.
+
+Also when two processes register the same checkpoint at once, one version comes out:
+- a store on this machine (sqlite, a file store): the check and the upload and create that follow are done
+  holding a lock file beside it (`registration_lock`), so the second process finds the first's version
+  and uploads nothing;
+- a tracking server or a database that other machines reach: no lock file reaches them all, so the check
+  is repeated after the create. The lowest version with the hash wins; a process whose version is not it
+  deletes its version (and the logged model it uploaded) and returns the winner. Both may have uploaded
+  meanwhile (the loser's upload is deleted), but the registry keeps one version per checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 from mlflow import MlflowClient
 from mlflow.entities import LoggedModel, LoggedModelStatus
 from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
 
+from data.dir_lock import exclusive
+
 CHECKPOINT_TAG = "checkpoint_sha256"
 MODEL_ID_TAG = "mlflow_model_id"  # on each version: the logged model it is
 MODEL_DIR = "model"  # the transformers flavor's folder of model files inside an MLflow model
 TASK = "text-generation"
 VISION_TASK = "image-text-to-text"  # a python-function model (`_package_vision`)
+# How long a registration waits for another one on the same store: packaging and uploading a large model
+REGISTRATION_WAIT_S = 1800.0
 
 
 def find_version(client: MlflowClient, name: str, checkpoint_sha256: str):
@@ -121,7 +136,35 @@ def log_checkpoint_model(client: MlflowClient, experiment_id: str, run_id: str, 
 
 def register_checkpoint(client: MlflowClient, name: str, experiment_id: str, run_id: str, checkpoint: str | Path,
                         checkpoint_sha256: str, tags: dict, alias: str = "candidate") -> tuple[str, bool]:
-    """(version, created) of `checkpoint` registered as `name`, its MLflow model logged by `run_id`."""
+    """(version, created) of `checkpoint` registered as `name`, its MLflow model logged by `run_id`; one version
+    per checkpoint also when processes register it at once (see the module docstring)."""
+    with registration_lock(client):
+        return _register(client, name, experiment_id, run_id, checkpoint, checkpoint_sha256, tags, alias)
+
+
+def registration_lock(client: MlflowClient):
+    """A lock file beside the registry's store when it is on this machine (sqlite, a file store), waited for
+    up to REGISTRATION_WAIT_S; nothing for a server or a remote database."""
+    store = local_store(getattr(client, "_registry_uri", None) or client.tracking_uri)
+    if store is None:
+        return contextlib.nullcontext()
+    return exclusive(store.parent, "the MLflow registry's folder", name=f".{store.name}.register.lock",
+                     wait_s=REGISTRATION_WAIT_S)
+
+
+def local_store(uri: str) -> Path | None:
+    """The file (sqlite) or folder (file store) of a store on this machine; None for a server or a database."""
+    parts = urlsplit(uri)
+    if parts.scheme == "sqlite":
+        path = unquote(uri.removeprefix("sqlite:///"))
+        return None if not path or path.startswith(":memory:") else Path(path).resolve()
+    if parts.scheme == "file" or (not parts.scheme and uri):
+        return Path(unquote(parts.path) if parts.scheme else uri).resolve()
+    return None
+
+
+def _register(client: MlflowClient, name: str, experiment_id: str, run_id: str, checkpoint: str | Path,
+              checkpoint_sha256: str, tags: dict, alias: str) -> tuple[str, bool]:
     existing = find_version(client, name, checkpoint_sha256)
     if existing is not None:
         return str(existing.version), False
@@ -130,13 +173,21 @@ def register_checkpoint(client: MlflowClient, name: str, experiment_id: str, run
     except MlflowException as e:
         if "RESOURCE_ALREADY_EXISTS" not in str(e.error_code):
             raise
-    logged = (find_logged_model(client, experiment_id, checkpoint_sha256)
-              or log_checkpoint_model(client, experiment_id, run_id, name, checkpoint, checkpoint_sha256))
+    logged = find_logged_model(client, experiment_id, checkpoint_sha256)
+    uploaded = logged is None
+    if uploaded:
+        logged = log_checkpoint_model(client, experiment_id, run_id, name, checkpoint, checkpoint_sha256)
     all_tags = {**{k: str(v) for k, v in tags.items()}, CHECKPOINT_TAG: checkpoint_sha256, MODEL_ID_TAG: logged.model_id}
     # the model's own artifact location, not `models:/<id>`: MLflow's SQL registry resolves that one through
     # the process-wide tracking URI, not this client's (and keeps no model id: the tag above does)
     version = client.create_model_version(name, source=logged.artifact_location, run_id=run_id, tags=all_tags,
                                           model_id=logged.model_id)
+    first = find_version(client, name, checkpoint_sha256)  # another process may have made one meanwhile
+    if first is not None and str(first.version) != str(version.version):
+        client.delete_model_version(name, version.version)
+        if uploaded and model_id_of(first) != logged.model_id:
+            client.delete_logged_model(logged.model_id)
+        return str(first.version), False
     linked = json.loads(logged.tags.get(MLFLOW_MODEL_VERSIONS, "[]"))  # the Models tab's "registered as" column
     client.set_logged_model_tags(logged.model_id, {MLFLOW_MODEL_VERSIONS: json.dumps(
         [*linked, {"name": name, "version": str(version.version)}])})

@@ -71,17 +71,21 @@ def make_base_model(model_cfg: dict, bootstrap_cfg: dict, system_prompt: str) ->
 
 @task(name="train-policy", cache_policy=CACHE, persist_result=True, retries=2, retry_delay_seconds=[5, 20])
 def train_policy(recipe_dict: dict, base: dict, prepared: dict, ctx: dict) -> dict:
-    """GRPO training; a retry resumes from the last checkpoint in the same output_dir (no lost steps)."""
+    """GRPO training; a retry resumes from the last checkpoint in the same output_dir (no lost steps). The run
+    directory is held while training (`trainer.checkpoint.claim_run_dir`): another run on it is refused."""
+    from trainer.checkpoint import claim_run_dir
     from trainer.grpo import GRPOTrainer
 
     recipe = typed_recipe(recipe_dict)
     client = _ctx_client(ctx)
-    run_id = _stage_run(client, ctx, "train", recipe.train.output_dir)
-    tracking.log_params(client, run_id, {"train": recipe_dict["train"], "rollout": recipe_dict["rollout"],
-                                         "rewards": recipe_dict["rewards"], "base_model": base["path"]})
-    tracking.log_dataset(client, run_id, read_manifest(prepared["out"]), prepared["out"])
-    callbacks = [tracking.MlflowTrainingCallback(client, run_id)]
-    result = GRPOTrainer(recipe, base["path"], prepared["out"], callbacks=callbacks, progress=False).train().summary()
+    with claim_run_dir(recipe.train.output_dir):  # before the stage's MLflow run: a refused run opens none
+        run_id = _stage_run(client, ctx, "train", recipe.train.output_dir)
+        tracking.log_params(client, run_id, {"train": recipe_dict["train"], "rollout": recipe_dict["rollout"],
+                                             "rewards": recipe_dict["rewards"], "base_model": base["path"]})
+        tracking.log_dataset(client, run_id, read_manifest(prepared["out"]), prepared["out"])
+        callbacks = [tracking.MlflowTrainingCallback(client, run_id)]
+        trainer = GRPOTrainer(recipe, base["path"], prepared["out"], callbacks=callbacks, progress=False)
+        result = trainer.train().summary()
     checkpoint = Path(result["checkpoint"])
     from evaluation.plots import plot_training_curves
     plots = plot_training_curves(result["metrics"], checkpoint.parent / "plots")

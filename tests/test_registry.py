@@ -8,11 +8,17 @@ Loading runs with HF_HUB_OFFLINE=1: nothing may come from a hub.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import REPO_ROOT, shared, stop_group
 from data.manifest import read_manifest, verify_output
 
 NAME = "reg-tiny"
@@ -187,3 +193,126 @@ def test_training_metrics_reach_mlflow_under_trls_names_with_steps(store):
             "pass_at_4"} == set(metrics)
     history = client.get_metric_history(run_id, "completions/mean_length")
     assert [(m.step, m.value) for m in history] == [(1, 10.0), (2, 20.0)]
+
+
+# ---------------------------------------------------------------------------- processes registering at once
+
+GUARD_S = 300  # a process that hangs fails the test here instead of hanging the suite
+
+# One registering process: it connects and opens its run, reports ready, and registers when the test says go,
+# so that the two processes' registrations overlap.
+REGISTER_WHEN_TOLD = """
+import json, os, sys, time
+from pathlib import Path
+
+from mlflow import MlflowClient
+
+from data.manifest import read_manifest
+from tasks.registry import register_checkpoint
+
+uri, experiment, checkpoint, name, go = sys.argv[1:]
+client = MlflowClient(uri, registry_uri=uri)
+run_id = client.create_run(experiment, run_name="register").info.run_id
+Path(f"{go}.ready-{os.getpid()}").write_text("")
+deadline = time.monotonic() + 240
+while not Path(go).exists() and time.monotonic() < deadline:
+    time.sleep(0.01)
+print(json.dumps(register_checkpoint(client, name, experiment, run_id, checkpoint,
+                                     read_manifest(checkpoint)["sha256"], {"base_model": "tiny"})))
+"""
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def shared_store(request, tmp_path, monkeypatch):
+    """A store two processes share: a sqlite file on this machine, or a PostgreSQL database (as other machines
+    would reach it: no lock file beside it), fresh for the test."""
+    from mlflow import MlflowClient
+
+    from tasks import tracking
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    database = None
+    if request.param == "sqlite":
+        uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    else:
+        database = f"grpoflow_registry_{os.getpid()}_{time.monotonic_ns()}"
+        subprocess.run([*PSQL, f"create database {database}"], check=True, capture_output=True, timeout=60)
+        uri = f"postgresql://postgres@127.0.0.1:5432/{database}"
+    try:
+        client = MlflowClient(uri, registry_uri=uri)
+        yield client, tracking.ensure_experiment(client, "grpoflow", str(tmp_path / "artifacts")), request.param
+    finally:
+        if database:
+            subprocess.run([*PSQL, f"drop database if exists {database} with (force)"], capture_output=True,
+                           timeout=60)
+
+
+PSQL = ["psql", "-h", "127.0.0.1", "-U", "postgres", "-v", "ON_ERROR_STOP=1", "-c"]
+
+
+def test_two_processes_registering_one_checkpoint_at_once_make_one_version(shared_store, checkpoint, tmp_path):
+    """On a local store the second waits for the first (a lock file beside it) and uploads nothing; on a
+    database others reach, both may upload, and the one whose version is not the first deletes its own."""
+    client, experiment, kind = shared_store
+    script, go = tmp_path / "register_when_told.py", tmp_path / "go"
+    script.write_text(REGISTER_WHEN_TOLD)
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    procs = [subprocess.Popen([sys.executable, str(script), client.tracking_uri, experiment, str(checkpoint), NAME,
+                               str(go)], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, stdin=subprocess.DEVNULL) for _ in range(2)]
+    try:
+        deadline = time.monotonic() + GUARD_S
+        while len(list(tmp_path.glob("go.ready-*"))) < 2:
+            assert all(p.poll() is None for p in procs), [p.communicate()[1][-3000:] for p in procs]
+            assert time.monotonic() < deadline, "the registering processes did not start"
+            time.sleep(0.05)
+        go.write_text("")
+        outputs = [p.communicate(timeout=GUARD_S) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], [err[-3000:] for _, err in outputs]
+    results = sorted(tuple(json.loads(out.strip().splitlines()[-1])) for out, _ in outputs)
+    assert results == [("1", False), ("1", True)], results
+    versions = client.search_model_versions(f"name='{NAME}'")
+    assert [str(v.version) for v in versions] == ["1"]
+    assert versions[0].tags["checkpoint_sha256"] == read_manifest(checkpoint)["sha256"]
+    assert len(client.search_logged_models([experiment])) == 1
+    if kind == "sqlite":  # one upload: the second found the first's version
+        assert len(list((tmp_path / "artifacts").rglob("model.safetensors"))) == 1
+    assert {k: str(v) for k, v in client.get_registered_model(NAME).aliases.items()} == {"candidate": "1"}
+
+
+def test_two_pipelines_started_at_once_on_an_empty_state_dir_one_is_refused_naming_the_other(tmp_path, tiny_base):
+    """Both would make MLflow's sqlite schema (and Prefect's) in the same folder at once; the second to ask
+    for the state folder is refused, exit 2, one line naming the first; the first goes on."""
+    state = tmp_path / "state"
+    cmd = [sys.executable, "-m", "flows.cli", "run", "--state-dir", str(state), "--json",
+           f"bootstrap.out={tiny_base['path']}", f"data.out={tmp_path / 'data'}", "data.synthetic_rows=600",
+           f"train.output_dir={tmp_path / 'runs'}", "train.max_steps=2", "train.eval_heldout=4",
+           f"eval.out={tmp_path / 'eval'}", "eval.limit=1", "eval.max_tokens=8",
+           f"eval.local_paths={{math_500: {shared('math_500')}, aime24: {shared('aime24')}}}"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "GRPOFLOW_"))}
+    logs = [tmp_path / f"run-{i}.log" for i in range(2)]
+    procs = [subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log.open("w"),
+                              start_new_session=True, stdin=subprocess.DEVNULL) for log in logs]
+    try:
+        deadline = time.monotonic() + GUARD_S
+        while all(p.poll() is None for p in procs):
+            assert time.monotonic() < deadline, "neither pipeline was refused the state folder"
+            time.sleep(0.1)
+        [refused] = [i for i, p in enumerate(procs) if p.poll() is not None]
+        first = procs[1 - refused]
+        first_status = first.poll()
+    finally:
+        for p in procs:
+            stop_group(p, signal.SIGTERM, timeout=30)
+    err = logs[refused].read_text()
+    assert procs[refused].returncode == 2, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    [line] = [x for x in err.splitlines() if x.startswith("grpoflow run: error:")]
+    assert f"--state-dir {state} is in use by another grpoflow process: pid {first.pid} " in line, line
+    assert "flows.cli run --state-dir" in line, line
+    assert first_status in (None, 0), logs[1 - refused].read_text()[-3000:]  # still running (or done)

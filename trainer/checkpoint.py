@@ -23,20 +23,29 @@ because they say how long, how often or where, not what is trained:
 - `rollout.sync_timeout_s`, `rollout.gpu_memory_utilization`: operational limits.
 The recipe's `name`, `description`, `eval` and `registry` sections do not decide the checkpoint and are
 not compared; progress bars and logging are not part of the recipe.
+
+One run at a time writes a run directory (`claim_run_dir`): the process that trains it (trainer rank 0, or
+the launcher of the ranks) holds `output_dir/.lock` from start to end (`data.dir_lock`); a second run on it
+is refused naming the holder. Holding it proves that no checkpoint is being written there, so the claim
+also removes what a killed writer left: `.checkpoint-<step>.tmp-*` (a checkpoint cut short), `.old-*` (one
+being replaced), `.latest.tmp-*` and DeepSpeed's `.zero-state-<step>` staging.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import random
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+from data.dir_lock import Held, exclusive
 from data.manifest import (
     MANIFEST,
     IntegrityError,
@@ -66,6 +75,8 @@ RESUMABLE_CHANGES = frozenset({"train.max_steps", "train.save_steps", "train.sav
                                "train.output_dir", "rollout.sync_timeout_s", "rollout.gpu_memory_utilization"})
 _UNSET = object()
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+# What a writer killed mid-checkpoint leaves (`data.manifest.atomic_dir`, `_point_latest`, DeepSpeed's staging)
+_LEFTOVER = re.compile(r"^\.(checkpoint-\d+\.(tmp|old)-.+|latest\.tmp-\d+|zero-state-\d+)$")
 log = logging.getLogger("grpoflow.train")
 
 
@@ -81,6 +92,31 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@contextlib.contextmanager
+def claim_run_dir(output_dir: str | os.PathLike) -> Iterator[Held | None]:
+    """Hold the run directory for a training run (see the module docstring); `DirectoryBusy` (exit 2) names
+    the run holding it. Trainer ranks other than 0 (RANK) take nothing: rank 0, or their launcher, holds it."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        yield None
+        return
+    with exclusive(output_dir, "train.output_dir") as held:
+        if held.owner:
+            remove_leftovers(Path(output_dir))
+        yield held
+
+
+def remove_leftovers(output_dir: Path) -> list[Path]:
+    """Remove the partial writes `_LEFTOVER` names; only while holding the directory (no writer is running)."""
+    removed = sorted(p for p in output_dir.iterdir() if _LEFTOVER.match(p.name))
+    for path in removed:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        log.warning("removed %s: left by a run that stopped while writing a checkpoint", path)
+    return removed
 
 
 def save_checkpoint(output_dir: Path, step: int, model, tokenizer, trainer_state: dict, manifest: dict,

@@ -51,6 +51,7 @@ from trainer import deepspeed_setup as zero
 from trainer import loss as L
 from trainer.checkpoint import (
     check_resumable,
+    claim_run_dir,
     load_trainer_state,
     resume_checkpoint,
     save_checkpoint,
@@ -388,11 +389,10 @@ def prepare_inputs(recipe: Recipe) -> str:
 
 
 def train_recipe(recipe: Recipe, callbacks: list[TrainerCallback] = (), progress: bool | None = None) -> dict:
-    """Prepare data and base model if missing (both cached), train, return the JSON summary."""
-
+    """Prepare data and base model if missing (both cached), train in the claimed run directory, summarise."""
     model_path = prepare_inputs(recipe)
     trainer = GRPOTrainer(recipe, model_path, recipe.data.out, callbacks, progress)
-    with distributed_exit():
+    with claim_run_dir(recipe.train.output_dir), distributed_exit():
         result = trainer.train()
     return result.summary() if result is not None else None
 

@@ -8,6 +8,8 @@
 - The trainer ranks' process group has gloo for CPU tensors (metrics, `broadcast_object_list`) and, on GPUs,
   NCCL for CUDA tensors (`cpu:gloo,cuda:nccl`); each rank selects its own GPU before the group is made, so
   NCCL never puts two ranks on one device.
+- The launching process holds the run directory (`trainer.checkpoint.claim_run_dir`) and hands it down to
+  the ranks it starts.
 - `rollout.async`: rank 0 spawns the rollout workers itself (trainer/rollout/remote.py), each with its
   engine's CUDA_VISIBLE_DEVICES.
 Multi-node: run the same `grpoflow train` command under your own launcher, e.g.
@@ -26,6 +28,7 @@ from collections.abc import Mapping
 
 import torch
 
+from trainer.checkpoint import claim_run_dir
 from trainer.placement import node_gpus, plan, trainer_device, trainer_env, visible_gpus
 from trainer.recipe import Recipe, RolloutConfig
 
@@ -67,8 +70,12 @@ def launch_env(recipe: Recipe, environ: Mapping[str, str] | None = None, count: 
 
 
 def launch_ranks(recipe: Recipe, cli_args: list[str]) -> int:
-    """Re-run `grpoflow train <cli_args>` as the plan's trainer ranks under torchrun; returns its exit status."""
-    return subprocess.call(launch_command(recipe, cli_args), env=launch_env(recipe))
+    """Re-run `grpoflow train <cli_args>` as the plan's trainer ranks under torchrun; returns its exit status.
+    The run directory is held here for the whole run (a second run is refused before any rank starts) and
+    handed down to the ranks, whose rank 0 would otherwise wait on this process's lock."""
+    with claim_run_dir(recipe.train.output_dir) as held:
+        handed = held.child_env() if held is not None else {}
+        return subprocess.call(launch_command(recipe, cli_args), env={**launch_env(recipe), **handed})
 
 
 def process_group_backend(cuda: bool) -> str:
