@@ -157,7 +157,8 @@ def cmd_eval(args) -> dict:
 
     result = evaluate_reference(args.model, recipe, services, source=_source(args), serve=args.serve,
                                 served_model_name=args.served_model_name, api_key_env=args.api_key_env,
-                                concurrency=args.concurrency, serve_engine=args.serve_engine)
+                                concurrency=args.concurrency, serve_engine=args.serve_engine,
+                                work_dir=args.work_dir)
     for bench, score in result["scores"].items():
         _say(args, f"{bench}: {score:.4f}")
     return result
@@ -269,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the engine --serve starts (default auto: vLLM when installed and a GPU is seen)")
     p.add_argument("--concurrency", type=number(int, ge=1), default=8,
                    help="requests in flight against an endpoint (--serve or a URL; default 8)")
+    p.add_argument("--work-dir", help="where the evaluation goes (default under eval.out: the model's name, or "
+                                      "for a URL a new folder each time)")
     p.add_argument("--state-dir", help="where the embedded stores live (default .state, or $GRPOFLOW_STATE)")
     _add_recipe_args(p, DEFAULT_CONFIG)
     p.set_defaults(func=cmd_eval)

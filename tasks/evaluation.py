@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import re
+import secrets
 import shutil
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,11 +172,13 @@ def heldout_accuracy(model_path: str, data_dir: str | Path, recipe) -> float | N
 
 def evaluate_reference(model: str, recipe: Recipe, services: Services, *, source: str, serve: bool = False,
                        served_model_name: str | None = None, api_key_env: str | None = None,
-                       concurrency: int = 8, serve_engine: str = "auto") -> dict:
+                       concurrency: int = 8, serve_engine: str = "auto", work_dir: str | None = None) -> dict:
     """`grpoflow eval`: evaluate `model` (a reference, see `resolve_model`) with the recipe's eval settings,
     through a local endpoint when `serve`, and record it in MLflow; returns the command's summary.
 
-    `source` names the recipe in errors; `concurrency`: requests in flight against an endpoint."""
+    `source` names the recipe in errors; `concurrency`: requests in flight against an endpoint; `work_dir`:
+    where the evaluation goes (default `default_work_dir`). A work dir holding an evaluation made with other
+    settings is refused (`UsageError` naming `--work-dir`)."""
     from evaluation import evaluate
 
     endpoint = model if model.startswith(("http://", "https://")) else None
@@ -187,12 +191,17 @@ def evaluate_reference(model: str, recipe: Recipe, services: Services, *, source
     client = tracking.client_for(services.tracking_uri, services.registry_uri)
     ref = resolve_model(model, client, services.state_dir / "models-cache")
     name = ref.model_name and f"{ref.model_name}-v{ref.model_version}" or Path(ref.local_path or "endpoint").name
+    target = (Path(work_dir).expanduser().resolve() if work_dir
+              else default_work_dir(recipe.eval.out, ref, name, serve, served_model_name))
     with _served(ref, model, name, serve, served_model_name, concurrency, serve_engine) as served:
         api_url = served.url if served else ref.api_url
-        result = evaluate(served.model_name if served else ref.local_path or served_model_name or "default",
-                          recipe.eval, work_dir=Path(recipe.eval.out).resolve() / (f"{name}-served" if served else name),
-                          api_url=api_url, api_key_env=None if served else api_key_env,
-                          eval_batch_size=concurrency if api_url else 1)
+        evaluated = served.model_name if served else ref.local_path or served_model_name or "default"
+        try:
+            result = evaluate(evaluated, recipe.eval, work_dir=target, api_url=api_url,
+                              api_key_env=None if served else api_key_env,
+                              eval_batch_size=concurrency if api_url else 1)
+        except FileExistsError as e:  # a finished evaluation with other settings: never mixed, never replaced
+            raise UsageError(f"{e}: pass --work-dir DIR to evaluate into another directory") from e
     scores = dict(result.scores)
     if ref.local_path and (acc := heldout_accuracy(ref.local_path, recipe.data.out, recipe)) is not None:
         scores["heldout_accuracy"] = acc
@@ -203,6 +212,21 @@ def evaluate_reference(model: str, recipe: Recipe, services: Services, *, source
             "work_dir": str(result.work_dir), "mlflow_run_id": run_id,
             "tracking_uri": services.flow_parameters()["tracking_uri"],
             "served_by": served.engine if served else None}
+
+
+def default_work_dir(out: str, ref: ModelRef, name: str, serve: bool, served_model_name: str | None) -> Path:
+    """Where `grpoflow eval` evaluates by default, under the recipe's `eval.out`: a checkpoint or a registered
+    version in a folder of its name (rerun with the same settings, it returns the finished evaluation), served
+    for the evaluation in `<name>-served`. An endpoint gets a folder of its own each time
+    (`endpoint-<served model>-<UTC time>-<random>`): what a URL serves can change between two runs, so a
+    finished evaluation of it stands for nothing but itself."""
+    root = Path(out).resolve()
+    if serve:
+        return root / f"{name}-served"
+    if ref.api_url is None:
+        return root / name
+    model = re.sub(r"[^A-Za-z0-9._-]+", "_", served_model_name or "default").strip("_") or "model"
+    return root / f"endpoint-{model}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}"
 
 
 def _served(ref: ModelRef, model: str, name: str, serve: bool, served_model_name: str | None, concurrency: int,
