@@ -1,4 +1,4 @@
-"""EvalScope's child process: how it is launched, where its output goes, and what of its log an error shows.
+"""EvalScope's child process: how it is launched, where its output goes, and what an error says of it.
 
 EvalScope runs in `evalscope_worker.py`, a child process, so that its offline flags, its logging and its
 memory stay out of the caller. Both the evaluation run and the collection build launch it through `launch`.
@@ -48,8 +48,16 @@ def launch(spec: dict, workdir: Path, log_path: Path, *, offline: bool, echo: bo
     return code, json.loads(status_path.read_text()) if status_path.is_file() else {}
 
 
-def log_tail(log_path: Path, lines: int = 25) -> str:
-    """The last lines of a worker's log, colour codes and progress-bar redraws removed, for an error message."""
-    text = _ANSI.sub("", log_path.read_text(errors="replace")) if log_path.is_file() else ""
-    tail = [line.rsplit("\r", 1)[-1] for line in text.splitlines() if line.strip()][-lines:]
-    return f"\n--- last lines of {log_path} ---\n" + "\n".join(tail)
+def log_tail(log_path: Path) -> str:
+    """How an error about a worker ends: where its log is. The log's own lines (a traceback, progress bars)
+    stay in the file: quoted, their fragments would make an error of many lines, none of them the cause."""
+    return f"; EvalScope's log: {log_path}"
+
+
+def one_line(message: str, limit: int = 500) -> str:
+    """A worker's error message as one line: a traceback's lines and ANSI colours dropped, cut to `limit`."""
+    lines = [line.strip() for line in _ANSI.sub("", message).splitlines()]
+    kept = [line for line in lines
+            if line and not line.startswith(("Traceback (most recent call last)", 'File "')) and set(line) - set("^~ ")]
+    text = " ".join(kept)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -17,8 +17,12 @@ task does not evaluate twice); with other settings it raises `FileExistsError` (
 what "the same" is: the port of a loopback `api_url` is no setting, a model served for one evaluation gets
 a fresh port each time). Raises `ValueError`
 / `FileNotFoundError` / `NotADirectoryError` for bad inputs (a missing checkpoint, a missing local dataset
-directory, an unknown benchmark) and `RuntimeError` naming the benchmark and quoting the log tail when
-EvalScope fails.
+directory, an unknown benchmark), `ServiceUnavailable` / `EndpointAnswerTooLarge` for an endpoint that does
+not answer in time or answers too much, and `RuntimeError` naming the benchmark, the error and the log when
+EvalScope fails: one line each, the traceback left in the log.
+
+An endpoint's requests are each bounded whole (`bounded_http`, installed by the worker): `request_timeout_s`
+from sending to the last byte of the answer, and an answer of at most `response_limit(max_tokens)` bytes.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
-from data.errors import MissingPathError, ServiceUnavailable
+from data.errors import GrpoflowUserError, MissingPathError, ServiceUnavailable
 from data.manifest import write_json_atomic
 from data.progress import progress_enabled
 from data.redact import mask_uri, strip_credentials
@@ -45,7 +49,7 @@ from evaluation.eval_inputs import (
     unknown_benchmark_error,
 )
 from evaluation.eval_settings import setting_differences
-from evaluation.evalscope_child import launch, log_tail
+from evaluation.evalscope_child import launch, log_tail, one_line
 from evaluation.evalscope_reports import (
     BenchmarkReport,
     read_collection_report,
@@ -59,6 +63,15 @@ OUTPUTS = "evalscope"
 COLLECTION = "data_collection"  # EvalScope's benchmark for a collection JSONL (see `evaluation.collection`)
 # The child's environment variable with an endpoint's credentials: {"headers": {...}, "query": {...}}.
 CREDENTIALS_ENV = "GRPOFLOW_EVAL_CREDENTIALS"
+# An endpoint's answer may hold this many bytes a requested token (a streamed answer spends a few hundred
+# a token on JSON framing, reasoning and log-probabilities add more), and never less than the floor.
+RESPONSE_BYTES_PER_TOKEN = 1024
+MIN_RESPONSE_BYTES = 4 * 1024 * 1024
+
+
+class EndpointAnswerTooLarge(GrpoflowUserError):
+    """An evaluation endpoint answered with more bytes than `response_limit` allows: it is not answering
+    the request it was sent (`max_tokens`)."""
 
 
 @dataclass
@@ -113,9 +126,11 @@ def run_evalscope(
       and adds EvalScope's pass@k for k = 1..repeats.
     - `temperature=0` is greedy decoding; above 0 it is plain temperature sampling (top_p 1, no top_k).
     - `progress`: echo EvalScope's own log and progress bars to stderr; by default only in a terminal.
-    - `request_timeout_s`: an endpoint's longest wait for one answer; a request is retried
-      `ENDPOINT_RETRIES` times. The endpoint is probed first (`eval_inputs.check_endpoint`): one
-      that does not answer raises `ServiceUnavailable` before EvalScope starts.
+    - `request_timeout_s`: the deadline for one request to an endpoint, from sending it to the last byte of
+      the answer; a request is made `ENDPOINT_ATTEMPTS` times, `ENDPOINT_RETRY_INTERVAL_S` apart. An answer
+      over `response_limit(max_tokens)` bytes is refused (`EndpointAnswerTooLarge`). The endpoint is
+      probed first (`eval_inputs.check_endpoint`): one that does not answer raises `ServiceUnavailable`
+      before EvalScope starts.
     """
     checkpoint = api_url is None
     model, local_paths = check_model_and_paths(model, benchmarks, dict(local_paths or {}), api_url, api_key_env)
@@ -156,7 +171,9 @@ def run_evalscope(
     started = time.time()
     echo = progress_enabled(progress)
     spec = {"task_config": task_config, "api_key_env": api_key_env,
-            "credentials_env": CREDENTIALS_ENV if credentials else None}
+            "credentials_env": CREDENTIALS_ENV if credentials else None,
+            "endpoint_limits": None if checkpoint else {"timeout_s": request_timeout_s,
+                                                        "max_bytes": response_limit(max_tokens)}}
     log_path = _run_worker(outputs, spec, settings["offline"], echo,
                            {CREDENTIALS_ENV: json.dumps(credentials)} if credentials else {})
     reports = {}
@@ -236,15 +253,22 @@ def _result_json(result: EvalResult) -> dict:
     }
 
 
-ENDPOINT_RETRIES = 2  # EvalScope retries a failed request 5 times, 10 s apart, by default
-# The OpenAI client's errors for an endpoint that did not answer (EvalScope gives up after ENDPOINT_RETRIES)
+ENDPOINT_ATTEMPTS = 3  # EvalScope makes 5 attempts, 10 s apart, by default
+# The OpenAI client's errors for an endpoint that did not answer (EvalScope gives up after ENDPOINT_ATTEMPTS)
 ENDPOINT_GAVE_UP = ("APITimeoutError", "APIConnectionError")
 ENDPOINT_RETRY_INTERVAL_S = 5
 
 
+def response_limit(max_tokens: int) -> int:
+    """The most bytes an endpoint's answer to one request may hold."""
+    return max(MIN_RESPONSE_BYTES, RESPONSE_BYTES_PER_TOKEN * max_tokens)
+
+
 def _endpoint_waits(request_timeout_s: float) -> dict:
-    """EvalScope's generation settings that bound the wait on an endpoint (not scores: report.json omits them)."""
-    return {"timeout": request_timeout_s, "retries": ENDPOINT_RETRIES, "retry_interval": ENDPOINT_RETRY_INTERVAL_S}
+    """EvalScope's generation settings that bound the wait on an endpoint (not scores: report.json omits
+    them). EvalScope's `retries` counts attempts, the first included (its `retry_call`)."""
+    return {"timeout": request_timeout_s, "retries": ENDPOINT_ATTEMPTS,
+            "retry_interval": ENDPOINT_RETRY_INTERVAL_S}
 
 
 def _model_id(model: str, checkpoint: bool) -> str:
@@ -313,18 +337,27 @@ def _run_worker(outputs: Path, spec: dict, offline: bool, echo: bool, secret_env
         shutil.rmtree(outputs, ignore_errors=True)
         raise unknown_benchmark_error(status)
     failed = _first_without_report(outputs, spec["task_config"])
-    waits = spec["task_config"]["generation_config"]
-    if status.get("error") in ENDPOINT_GAVE_UP and spec["task_config"].get("api_url"):  # the endpoint, not us
+    where = f"on benchmark {failed!r}" if failed else "after every benchmark had reported"
+    url = spec["task_config"].get("api_url")
+    if status.get("error") == "ResponseTooLarge" and url:
+        limits = spec["endpoint_limits"]
+        max_tokens = spec["task_config"]["generation_config"]["max_tokens"]
+        raise EndpointAnswerTooLarge(
+            f"the evaluation endpoint at {mask_uri(url)} answered {where} with more than "
+            f"{limits['max_bytes']:,} bytes, the limit for eval.max_tokens={max_tokens} "
+            f"({RESPONSE_BYTES_PER_TOKEN:,} bytes a token, at least {MIN_RESPONSE_BYTES:,})" + log_tail(log_path))
+    if status.get("error") in ENDPOINT_GAVE_UP and url:  # the endpoint, not us
+        waits = spec["task_config"]["generation_config"]
         raise ServiceUnavailable(
-            f"the evaluation endpoint at {mask_uri(spec['task_config']['api_url'])} stopped answering on benchmark "
-            f"{failed!r}: {status['error']} after {waits.get('retries', 0) + 1} attempts of up to "
-            f"{waits.get('timeout'):g} s (eval.request_timeout_s); EvalScope's log: {log_path}")
+            f"the evaluation endpoint at {mask_uri(url)} stopped answering {where}: {status['error']} after "
+            f"{waits['retries']} attempts of up to {waits['timeout']:g} s (eval.request_timeout_s), "
+            f"{waits['retry_interval']:g} s apart" + log_tail(log_path))
     local = spec["task_config"].get("dataset_args", {}).get(failed, {}).get("local_path")
     hint = "" if failed is None or local else (
-        f"\n{failed!r} has no local path, so EvalScope loads it from its dataset hub (ModelScope by default); "
-        f"without network access pass local_paths={{{failed!r}: '<directory with its data>'}}")
-    what = f"{status['error']}: {status['message']}" if status else f"the worker exited with code {code}"
-    where = f"on benchmark {failed!r}" if failed else "after every benchmark had reported"
+        f" ({failed!r} has no local path, so EvalScope loads it from its dataset hub, ModelScope by default; "
+        f"without network access pass local_paths={{{failed!r}: '<directory with its data>'}})")
+    what = (f"{status['error']}: {one_line(status['message'])}" if status
+            else f"the worker exited with code {code}")
     raise RuntimeError(f"EvalScope failed {where}: {what}{hint}" + log_tail(log_path))
 
 

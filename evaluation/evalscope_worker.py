@@ -6,14 +6,18 @@ loaded checkpoint is only truly freed when its process ends. The parent (`evalsc
 process's output into a log file and reads back what it wrote.
 
 The spec is `{"task_config": {...TaskConfig fields...}, "api_key_env": name or null, "credentials_env": name
-or null}`. The API key is read here from the named environment variable, so it is never written to a file;
-so are an endpoint's other credentials (`{"headers": {...}, "query": {...}}`, from its URL's userinfo and
-query), which EvalScope's OpenAI client sends with every request while the TaskConfig that EvalScope logs and
-saves holds only the bare URL. A spec `{"build_collection":
+or null, "endpoint_limits": {"timeout_s": s, "max_bytes": n} or null}`. The API key is read here from the
+named environment variable, so it is never written to a file; so are an endpoint's other credentials
+(`{"headers": {...}, "query": {...}}`, from its URL's userinfo and query), which EvalScope's OpenAI client
+sends with every request while the TaskConfig that EvalScope logs and saves holds only the bare URL. With
+`endpoint_limits` that client's requests are each bounded whole (`bounded_http`): a deadline of
+`timeout_s` and a body of at most `max_bytes`. A spec `{"build_collection":
 {"schema": ..., "count": n, "seed": s, "out": path}}` instead samples a collection JSONL with EvalScope's own
 collection machinery (see `evaluation.collection`). The status file receives
 `{"ok": true}`, or `{"unknown_benchmark": name, "suggestions": [...]}` (exit code 2), or
-`{"error": type, "message": text}` (exit code 1). This module imports nothing from grpoflow.
+`{"error": type, "message": text}` (exit code 1; an endpoint's answer over `max_bytes` is reported as
+`ResponseTooLarge` whatever EvalScope wrapped it in). This module imports nothing from grpoflow
+(`bounded_http`, its sibling, is imported as a top-level module: this file runs as a script).
 """
 
 from __future__ import annotations
@@ -78,33 +82,41 @@ def run(spec: dict) -> dict:
     if spec.get("api_key_env"):
         task["api_key"] = os.environ[spec["api_key_env"]]
         secrets.append(task["api_key"])
-    if spec.get("credentials_env"):
-        secrets += _send_credentials(json.loads(os.environ[spec["credentials_env"]]))
+    credentials = json.loads(os.environ[spec["credentials_env"]]) if spec.get("credentials_env") else None
+    if credentials or spec.get("endpoint_limits"):
+        secrets += _install_endpoint_client(credentials or {"headers": {}, "query": {}},
+                                            spec.get("endpoint_limits"))
     if secrets:
         _scrub_logs(secrets)
     run_task(TaskConfig(**task))
     return {"ok": True}
 
 
-def _send_credentials(credentials: dict) -> list[str]:
-    """EvalScope's `openai_api` client, made to send `credentials` (headers and query parameters) itself;
-    returns the secret values, for `_scrub_logs`.
+def _install_endpoint_client(credentials: dict, limits: dict | None) -> list[str]:
+    """EvalScope's `openai_api` client, made to send `credentials` (headers and query parameters) itself and,
+    with `limits`, to bound each request whole (`bounded_http`); returns the secret values, for `_scrub_logs`.
 
-    Passing them as `model_args` would work too, but EvalScope logs its model_args and saves them in its
-    config dump. Request log lines (httpx logs each URL, query included) are scrubbed of the values.
+    Passing credentials as `model_args` would work too, but EvalScope logs its model_args and saves them in
+    its config dump. Request log lines (httpx logs each URL, query included) are scrubbed of the values.
+    EvalScope's evaluator calls the synchronous client, the one bounded here; should it ever build its
+    asynchronous one, the OpenAI client refuses the synchronous HTTP client: no limit is lost quietly.
     """
     import evalscope.models  # noqa: F401  (registers the model APIs, `openai_api` among them)
     from evalscope.api.registry import MODEL_APIS, get_model_api
 
     base = get_model_api("openai_api")
 
-    class CredentialedOpenAIAPI(base):
+    class EndpointOpenAIAPI(base):
         def __init__(self, *args, **model_args):
             model_args["default_headers"] = {**model_args.get("default_headers", {}), **credentials["headers"]}
             model_args["default_query"] = {**model_args.get("default_query", {}), **credentials["query"]}
+            if limits:
+                from bounded_http import bounded_client
+
+                model_args["http_client"] = bounded_client(limits["timeout_s"], limits["max_bytes"])
             super().__init__(*args, **model_args)
 
-    MODEL_APIS["openai_api"] = CredentialedOpenAIAPI
+    MODEL_APIS["openai_api"] = EndpointOpenAIAPI
     values = [v for v in (*credentials["headers"].values(), *credentials["query"].values()) if v]
     return values + [part for v in credentials["headers"].values() for part in v.split()[1:]]  # "Basic <token>"
 
@@ -151,6 +163,19 @@ def build_collection(spec: dict) -> dict:
     return {"ok": True, "rows": len(rows)}
 
 
+def _too_large_within(exc: BaseException) -> BaseException | None:
+    """The `ResponseTooLarge` that `exc` was raised from, if any: EvalScope may wrap what a request raised."""
+    from bounded_http import ResponseTooLarge
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, ResponseTooLarge):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def main(argv: list[str]) -> int:
     spec_path, status_path = argv
     with open(spec_path) as f:
@@ -159,6 +184,7 @@ def main(argv: list[str]) -> int:
         status = build_collection(spec["build_collection"]) if "build_collection" in spec else run(spec)
     except BaseException as exc:  # the parent needs a status for every way this process can end
         print(_scrub(traceback.format_exc()), file=sys.stderr, flush=True)
+        exc = _too_large_within(exc) or exc
         _write_status(status_path, {"error": type(exc).__name__, "message": _scrub(str(exc))[-2000:]})
         return EXIT_FAILED
     _write_status(status_path, status)

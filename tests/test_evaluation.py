@@ -8,13 +8,19 @@ import json
 import math
 import os
 import re
+import subprocess
+import sys
+import threading
+import time
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler
+from pathlib import Path
 
 import pytest
 from memorised_model import MAX_TOKENS
 
-from conftest import loopback_http, shared
+from conftest import REPO_ROOT, loopback_http, shared
+from data.errors import ServiceUnavailable
 from evaluation import load_result, run_evalscope
 from evaluation.compare import load_samples
 
@@ -202,6 +208,186 @@ def test_openai_api_mode_scores_a_served_model_with_the_key_from_the_environment
         assert not path.is_file() or "sk-stub-secret" not in path.read_text(errors="replace"), path
 
 
+def _grpoflow_eval(url: str, state, *extra: str) -> subprocess.CompletedProcess:
+    args = ["eval", url, "eval.benchmarks=[aime24]", f"eval.local_paths={{aime24: {shared('aime24')}}}",
+            "eval.limit=1", "eval.max_tokens=16", "--state-dir", str(state), "--json", *extra]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "GRPOFLOW_"))}
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=240, env={**env, "NO_PROXY": "127.0.0.1,localhost"},
+                          stdin=subprocess.DEVNULL)
+
+
+def test_grpoflow_eval_gives_each_endpoint_its_own_evaluation(tmp_path):
+    """`grpoflow eval URL` on two endpoints one after the other, both serving the model name `default` on
+    loopback: each is evaluated (its own requests, its own score), each in a work dir of its own under
+    eval.out. `--work-dir` names the work dir; one holding an evaluation made with other settings is
+    refused in one line, exit 2, naming the flag, before any request."""
+    aime_answers = {r["problem"]: r["answer"] for r in _lines(shared("aime24") / "test.jsonl")}
+
+    def right(prompt):
+        [solution] = [a for problem, a in aime_answers.items() if problem in prompt]
+        return f"So the answer is \\boxed{{{solution}}}."
+
+    state = tmp_path / "state"
+    with stub_chat_endpoint(right) as (url_a, requests_a), \
+            stub_chat_endpoint(lambda prompt: "So the answer is \\boxed{-1}.") as (url_b, requests_b):
+        first = _grpoflow_eval(url_a, state)
+        second = _grpoflow_eval(url_b, state)
+        assert first.returncode == 0 and second.returncode == 0, (first.stderr[-3000:], second.stderr[-3000:])
+        a, b = (json.loads(p.stdout.strip().splitlines()[-1]) for p in (first, second))
+        assert (a["scores"], b["scores"]) == ({"aime24": 1.0}, {"aime24": 0.0})
+        assert (len(requests_a), len(requests_b)) == (1, 1)
+        work_dirs = [Path(a["work_dir"]), Path(b["work_dir"])]
+        assert work_dirs[0] != work_dirs[1] and {d.parent for d in work_dirs} == {(state / "eval").resolve()}
+        assert all((d / "report.json").is_file() for d in work_dirs)
+
+        refused = _grpoflow_eval(url_b, state, "--work-dir", b["work_dir"], "eval.max_tokens=8")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    [line] = [x for x in refused.stderr.splitlines() if x.startswith("grpoflow eval: error:")]
+    assert f"{b['work_dir']} already holds an evaluation made with other settings (generation_config: " \
+        in line
+    assert line.endswith("pass --work-dir DIR to evaluate into another directory")
+    assert len(requests_b) == 1
+
+
+# ---- endpoints that never finish answering, or answer too much: each request bounded whole -----------------
+
+DRIP_S = 60  # how long the endpoint below keeps one answer going when the client lets it
+MODELS = json.dumps({"object": "list", "data": [{"id": "stub/model", "object": "model"}]}).encode()
+
+
+@contextmanager
+def raw_endpoint(answer):
+    """An OpenAI-compatible endpoint on 127.0.0.1 that answers GET /v1/models and writes each POST's whole
+    raw HTTP response with `answer(wfile, attempt)` (attempt 0, 1, ...); yields (url, attempts): the
+    monotonic start and end of each POST, its end when `answer` returned or the client hung up."""
+    attempts: list[dict] = []
+    lock = threading.Lock()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(MODELS)))
+            self.end_headers()
+            self.wfile.write(MODELS)
+
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            with lock:
+                attempt = {"start": time.monotonic()}
+                attempts.append(attempt)
+            try:
+                answer(self.wfile, len(attempts) - 1)
+            except OSError:  # the client hung up
+                pass
+            attempt["end"] = time.monotonic()
+            self.close_connection = True
+
+        def log_message(self, *args):
+            pass
+
+    with loopback_http(Handler) as server:
+        yield f"http://127.0.0.1:{server.server_port}/v1", attempts
+
+
+def _drip(wfile, head: bytes, piece: bytes) -> None:
+    """`head`, then `piece` five times a second for DRIP_S seconds: never a pause long enough for a read to
+    time out."""
+    wfile.write(head)
+    wfile.flush()
+    until = time.monotonic() + DRIP_S
+    while time.monotonic() < until:
+        wfile.write(piece)
+        wfile.flush()
+        time.sleep(0.2)
+
+
+SSE_CHUNK = b'data: {"id": "s", "object": "chat.completion.chunk", "model": "m", "choices": []}\n\n'
+DRIPS = [  # one per attempt: the status line and then a header forever, a body forever, a stream of chunks
+    (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Drip: ", b"a"),
+    (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n{", b" "),
+    (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n",
+     b"%x\r\n%s\r\n" % (len(SSE_CHUNK), SSE_CHUNK)),
+]
+
+
+def test_an_endpoint_that_drips_forever_fails_each_request_at_its_deadline(tmp_path, monkeypatch):
+    """eval.request_timeout_s is a deadline for the whole request, not for each read: an endpoint that drips
+    its headers, its body or a stream of chunks without ever pausing is given up on after each attempt's
+    2 s, within the attempts and intervals the message states."""
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    with raw_endpoint(lambda wfile, n: _drip(wfile, *DRIPS[n % len(DRIPS)])) as (url, attempts):
+        with pytest.raises(ServiceUnavailable) as err:
+            run_evalscope("stub/model", ["aime24"], work_dir=tmp_path / "eval", limit=1, max_tokens=16,
+                          api_url=url, local_paths={"aime24": str(shared("aime24"))}, request_timeout_s=2)
+        deadline = time.monotonic() + 10
+        while any("end" not in a for a in attempts) and time.monotonic() < deadline:
+            time.sleep(0.1)  # the endpoint notices the last hang-up at its next write
+
+    message = str(err.value)
+    assert message.startswith(
+        f"the evaluation endpoint at {url} stopped answering on benchmark 'aime24': "
+        "APITimeoutError after 3 attempts of up to 2 s (eval.request_timeout_s), 5 s apart")
+    assert "Traceback" not in message and 'File "' not in message and "\n" not in message
+    assert len(attempts) == 3
+    durations = [a["end"] - a["start"] for a in attempts]
+    assert all(d < 15 for d in durations), durations  # each ended near its 2 s, none lasted the drip's 60 s
+    log = (tmp_path / "eval" / "evalscope" / "run.log").read_text()
+    assert "within 2 s (the deadline for the whole request)" in log
+
+
+BIG_ANSWER_BYTES = 30 * 1024 * 1024
+
+
+def _big_answer(wfile, attempt: int) -> None:
+    """A 30 MB chat completion, with its Content-Length on even attempts and without one (the connection's
+    end ends it) on odd ones, written a megabyte at a time."""
+    content = "x" * BIG_ANSWER_BYTES
+    body = json.dumps({"id": "big", "object": "chat.completion", "created": 0, "model": "stub/model",
+                       "choices": [{"index": 0, "finish_reason": "stop",
+                                    "message": {"role": "assistant", "content": content}}],
+                       "usage": {"prompt_tokens": 1, "completion_tokens": 16, "total_tokens": 17}}).encode()
+    length = b"Content-Length: %d\r\n" % len(body) if attempt % 2 == 0 else b"Connection: close\r\n"
+    wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n" + length + b"\r\n")
+    for start in range(0, len(body), 1 << 20):
+        wfile.write(body[start:start + (1 << 20)])
+    wfile.flush()
+
+
+EVAL_IN_A_PROCESS = """
+import json, resource, sys
+from evaluation import run_evalscope
+url, aime24, work_dir = sys.argv[1:]
+try:
+    run_evalscope("stub/model", ["aime24"], work_dir=work_dir, limit=1, max_tokens=16, api_url=url,
+                  local_paths={"aime24": aime24}, request_timeout_s=60)
+    outcome = "finished"
+except Exception as e:
+    outcome = f"{type(e).__name__}: {e}"
+print(json.dumps({"outcome": outcome, "max_rss_kb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))
+"""
+
+
+def test_an_answer_over_the_response_limit_is_refused_naming_the_limit_in_bounded_memory(tmp_path):
+    """A 30 MB answer to a request for 16 tokens is refused, whether it announces its length or not, naming
+    the endpoint and the limit (4 MiB for max_tokens=16); EvalScope's process never holds it (its peak
+    memory, measured as the evaluating process's largest child, stays far below what 30 MB parsed takes)."""
+    env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost"}
+    with raw_endpoint(_big_answer) as (url, attempts):
+        proc = subprocess.run([sys.executable, "-c", EVAL_IN_A_PROCESS, url, str(shared("aime24")),
+                               str(tmp_path / "eval")], cwd=REPO_ROOT, env=env, capture_output=True,
+                              text=True, timeout=240, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["outcome"] == (
+        f"EndpointAnswerTooLarge: the evaluation endpoint at {url} answered on benchmark 'aime24' with more "
+        "than 4,194,304 bytes, the limit for eval.max_tokens=16 (1,024 bytes a token, at least 4,194,304); "
+        f"EvalScope's log: {tmp_path / 'eval' / 'evalscope' / 'run.log'}")
+    assert len(attempts) == 3  # retried like any failed request, each refused
+    assert result["max_rss_kb"] < 1.5 * 1024 * 1024, result
+
+
 # ---- errors: named, and raised before any model is loaded -----------------------------------------------
 
 @pytest.fixture
@@ -251,12 +437,15 @@ def test_unknown_benchmark_is_named_with_suggestions(fake_checkpoint, tmp_path):
     assert not (tmp_path / "eval" / "report.json").exists()
 
 
-def test_evalscope_failure_names_the_benchmark_and_quotes_its_log(fake_checkpoint, tmp_path):
+def test_evalscope_failure_is_one_line_naming_the_benchmark_the_error_and_the_log(fake_checkpoint, tmp_path):
     empty = tmp_path / "aime24-empty"
     empty.mkdir()
     with pytest.raises(RuntimeError, match="EvalScope failed on benchmark 'aime24'") as err:
         run_evalscope(str(fake_checkpoint), ["aime24"], work_dir=tmp_path / "eval",
                       local_paths={"aime24": str(empty)})
-    assert "--- last lines of" in str(err.value) and "run.log" in str(err.value)
+    message, log = str(err.value), tmp_path / "eval" / "evalscope" / "run.log"
+    assert "\n" not in message and "Traceback" not in message and 'File "' not in message
+    assert str(empty) in message and message.endswith(f"; EvalScope's log: {log}")
+    assert "Traceback" in log.read_text()  # the traceback stays in the log
     assert not (tmp_path / "eval" / "report.json").exists()
 
