@@ -4,7 +4,10 @@ Direction: every difference is candidate minus baseline, so a positive `diff` is
 paired: both sides are reduced to the problems both scored (keyed by a stable id, see `load_samples`), and the
 confidence interval of the mean difference comes from a paired bootstrap over those problems.
 
-Per-sample correctness comes from EvalScope's review files (`report.json` lists them). If the evaluation also
+Per-sample correctness comes from EvalScope's review files (`report.json` lists them under `review_paths`),
+and for a held-out evaluation (`evaluation.heldout`: a recipe with `eval.benchmarks: []`) from its samples file,
+compared as the benchmark `heldout`. Two evaluations are compared on the benchmarks both have; one that only one
+side has is named in the table and left out. If the evaluation also
 has a thinking-efficiency file (`<work_dir>/thinking/samples.jsonl`: one JSON object per sample with
 `benchmark`, `subset`, an `id` and numeric metric fields, as `evaluation.thinking` writes it), each numeric
 field is compared the same way over the problems where both sides have a value; those rows are reported but
@@ -25,6 +28,7 @@ import numpy as np
 from data.errors import MissingPathError
 from evaluation.eval_settings import setting_differences
 from evaluation.evalscope_reports import problem_id, review_score
+from evaluation.heldout import HELDOUT, SETTING_KEYS, heldout_samples
 
 log = logging.getLogger("grpoflow.compare")
 
@@ -74,20 +78,51 @@ class GateResult:
         return head + ("\n" + markdown_table(self.failing) if self.failing else "")
 
 
+def read_report_json(work_dir: str | os.PathLike) -> dict:
+    """The `report.json` of a finished evaluation, checked for what a comparison reads: a JSON object with
+    EvalScope's `review_paths` (benchmark -> review files) or a held-out evaluation's `heldout` section.
+    MissingPathError when there is none, ValueError naming the file and what was expected otherwise."""
+    path = Path(work_dir) / "report.json"
+    if not path.is_file():
+        raise MissingPathError(f"no report.json in {work_dir}: not a finished evaluation")
+    expected = ("expected the JSON object an evaluation writes, with 'review_paths' (EvalScope's review files "
+                "per benchmark) or 'heldout' (a held-out evaluation)")
+    text = path.read_text()
+    if not text.strip():
+        raise ValueError(f"{path}: the file is empty; {expected}")
+    try:
+        report = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); {expected}") from e
+    if not isinstance(report, dict) or not ({"review_paths", HELDOUT} & report.keys()):
+        if isinstance(report, dict):
+            got = f"an object with keys {sorted(report)}" if report else "an empty object {}"
+        else:
+            got = f"a JSON {type(report).__name__}"
+        raise ValueError(f"{path}: {expected}; got {got}")
+    reviews = report.get("review_paths", {})
+    if not isinstance(reviews, dict) or not all(
+            isinstance(ps, list) and all(isinstance(p, str) for p in ps) for ps in reviews.values()):
+        raise ValueError(f"{path}: 'review_paths' must map each benchmark to a list of review file paths, "
+                         f"got {reviews!r:.200}")
+    held = report.get(HELDOUT)
+    if held is not None and not (isinstance(held, dict) and isinstance(held.get("samples"), str)):
+        raise ValueError(f"{path}: 'heldout' must be an object naming its 'samples' file, got {held!r:.200}")
+    return report
+
+
 def load_samples(work_dir: str | os.PathLike) -> Samples:
-    """Per-problem scores of a finished evaluation: correctness from EvalScope's reviews, plus thinking metrics.
+    """Per-problem scores of a finished evaluation: correctness from EvalScope's reviews (and from the held-out
+    samples of a held-out evaluation, as benchmark `heldout`), plus thinking metrics.
 
     A problem's id is MATH-500's `question_id` when the sample has one, else `<subset>/<group_id>` (EvalScope
-    numbers problems within each subset; its `sample_id` numbers generations). Repeated generations of a problem
-    are averaged.
+    numbers problems within each subset; its `sample_id` numbers generations); a held-out problem's is its row
+    id. Repeated generations of a problem are averaged.
     """
     work_dir = Path(work_dir)
-    report_file = work_dir / "report.json"
-    if not report_file.is_file():
-        raise MissingPathError(f"no report.json in {work_dir}: not a finished evaluation")
-    report = json.loads(report_file.read_text())
+    report = read_report_json(work_dir)
     samples: Samples = {}
-    for bench, paths in report["review_paths"].items():
+    for bench, paths in report.get("review_paths", {}).items():
         values: dict[str, list[float]] = {}
         for rel in paths:
             path = work_dir / rel
@@ -105,6 +140,11 @@ def load_samples(work_dir: str | os.PathLike) -> Samples:
         if not values:
             raise ValueError(f"{work_dir}: no reviewed samples for benchmark {bench!r} in {paths}")
         samples[bench] = {SCORE: {k: sum(v) / len(v) for k, v in values.items()}}
+    if HELDOUT in report:
+        held = heldout_samples(work_dir, report)
+        if not held:
+            raise ValueError(f"{work_dir / report[HELDOUT]['samples']}: no held-out samples")
+        samples[HELDOUT] = {SCORE: held}
     thinking = work_dir / THINKING_SAMPLES
     if thinking.is_file():
         for bench, metrics in _thinking_samples(thinking).items():  # never overrides EvalScope's correctness
@@ -139,14 +179,20 @@ def compare(a_samples: Samples, b_samples: Samples, n_resamples: int = 10000, se
             confidence: float = 0.95) -> list[Row]:
     """One row per benchmark x metric: baseline `a_samples` against candidate `b_samples`.
 
-    Both sides must have scored the same benchmarks (a gate that silently skips one would pass a model it
-    never checked); thinking metrics are compared where both sides have them.
+    The benchmarks both sides scored are compared (`only_one_side` names the others, which the caller shows);
+    none in common is a ValueError naming what each side has. Thinking metrics are compared where both sides
+    have them.
     """
-    a_benches = {b for b, m in a_samples.items() if SCORE in m}
-    b_benches = {b for b, m in b_samples.items() if SCORE in m}
-    if a_benches != b_benches:
-        raise ValueError(f"the evaluations cover different benchmarks: baseline {sorted(a_benches)}, candidate "
-                         f"{sorted(b_benches)}; evaluate both with the same benchmarks")
+    a_benches, b_benches = _scored(a_samples), _scored(b_samples)
+    if not a_benches & b_benches:
+        raise ValueError(f"the evaluations have no benchmark in common (different benchmarks: baseline "
+                         f"{sorted(a_benches)}, candidate {sorted(b_benches)}); evaluate both with the same "
+                         "benchmarks, or both on the held-out split (eval.benchmarks: [])")
+    baseline_only, candidate_only = only_one_side(a_samples, b_samples)
+    if baseline_only or candidate_only:
+        log.warning("benchmarks only one side scored are not compared: baseline only %s, candidate only %s",
+                    baseline_only, candidate_only)
+    a_benches &= b_benches
     rows = []
     for bench in sorted(a_benches):
         metrics = [SCORE] + sorted(m for m in a_samples[bench] if m != SCORE and m in b_samples[bench])
@@ -170,6 +216,16 @@ def compare(a_samples: Samples, b_samples: Samples, n_resamples: int = 10000, se
     return rows
 
 
+def only_one_side(a_samples: Samples, b_samples: Samples) -> tuple[list[str], list[str]]:
+    """(benchmarks only the baseline scored, benchmarks only the candidate scored): what `compare` leaves out."""
+    a, b = _scored(a_samples), _scored(b_samples)
+    return sorted(a - b), sorted(b - a)
+
+
+def _scored(samples: Samples) -> set[str]:
+    return {b for b, m in samples.items() if SCORE in m}
+
+
 def check_max_drop(max_drop: float) -> None:
     """A gate's allowed drop must be a finite number >= 0: NaN compares false with everything and would
     pass any regression, infinity would too."""
@@ -189,7 +245,9 @@ def gate(rows: list[Row], max_drop: float = DEFAULT_MAX_DROP) -> GateResult:
     return GateResult(not failing, max_drop, failing, checked)
 
 
-def markdown_table(rows: list[Row], confidence: float = 0.95) -> str:
+def markdown_table(rows: list[Row], confidence: float = 0.95,
+                   left_out: tuple[list[str], list[str]] = ((), ())) -> str:
+    """The rows as a markdown table; `left_out`: `only_one_side`'s benchmarks, named below it."""
     lines = [f"| benchmark | metric | baseline | candidate | diff (cand - base) | {confidence:.0%} CI | n |",
              "|---|---|---:|---:|---:|---|---:|"]
     for r in rows:
@@ -198,15 +256,30 @@ def markdown_table(rows: list[Row], confidence: float = 0.95) -> str:
     dropped = [f"{r.benchmark} {r.metric}: {r.dropped}" for r in rows if r.dropped]
     if dropped:
         lines.append(f"\nProblems scored by one side only, left out: {'; '.join(dropped)}.")
+    sides = [f"{side} only: {', '.join(benches)}" for side, benches in zip(("baseline", "candidate"), left_out,
+                                                                          strict=True) if benches]
+    if sides:
+        lines.append(f"\nBenchmarks scored by one side only, not compared: {'; '.join(sides)}.")
     return "\n".join(lines) + "\n"
 
 
 def evaluation_differences(a_dir: str | os.PathLike, b_dir: str | os.PathLike) -> dict[str, tuple]:
     """Generation settings that differ between two evaluations (a comparison across them is apples to pears),
-    as `{key: (a's, b's)}`."""
+    as `{key: (a's, b's)}`; a held-out evaluation's settings as `heldout.<key>`. ValueError when both hold
+    held-out results of different data: their row ids would pair different problems."""
     keys = ("limit", "repeats", "generation_config", "dtype", "seed")
-    a, b = (json.loads((Path(d) / "report.json").read_text()) for d in (a_dir, b_dir))
-    return setting_differences(a, {k: b.get(k) for k in keys})
+    a, b = (read_report_json(d) for d in (a_dir, b_dir))
+    differs = setting_differences(a, {k: b.get(k) for k in keys})
+    if isinstance(a.get(HELDOUT), dict) and isinstance(b.get(HELDOUT), dict):
+        held = setting_differences({f"{HELDOUT}.{k}": a[HELDOUT].get(k) for k in SETTING_KEYS},
+                                   {f"{HELDOUT}.{k}": b[HELDOUT].get(k) for k in SETTING_KEYS})
+        sha = held.pop(f"{HELDOUT}.data_sha256", None)
+        if sha:
+            raise ValueError(f"the held-out results of {a_dir} and {b_dir} were scored on different data (sha256 "
+                             f"{sha[0]} and {sha[1]}): their problems cannot be paired; evaluate both on one "
+                             "prepared held-out split (data.out)")
+        differs.update(held)
+    return differs
 
 
 def _fmt(x: float, sign: str = "") -> str:

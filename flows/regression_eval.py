@@ -3,7 +3,8 @@
 Each side's evaluation is reused when MLflow already has one with the recipe's settings, and run otherwise
 (see `tasks.comparison`). Called from code, the flow returns the gate's verdict instead of failing on a
 regression, so a caller decides what a failed gate means; a deployment sets `fail_on_regression`, so that the
-run's state says it. Infrastructure errors (MLflow unreachable, an unknown model) fail the flow. `grpoflow gate`
+run's state says it. Infrastructure errors (MLflow unreachable, an unknown model: both sides are checked
+before either is evaluated, the error naming the side) fail the flow. `grpoflow gate`
 runs the same steps without Prefect, so a gate answers without a Prefect server.
 Call `services.configure()` before importing this module: Prefect reads its settings at import time.
 """
@@ -24,6 +25,13 @@ from tasks.services import recipe_and_services
 REGRESSION = "Regression"  # the name of a Failed state that a failed gate ends in (fail_on_regression)
 
 
+@task(name="check-sides")
+def check_sides(baseline: str, candidate: str, recipe: dict, services: dict) -> None:
+    """Both references exist, checked before either is evaluated (no retries: an unknown version stays unknown)."""
+    client, _ = comparison.open_store(typed_recipe(recipe), services)
+    comparison.check_sides(baseline, candidate, client)
+
+
 @task(name="evaluated-side", retries=1, retry_delay_seconds=10)
 def evaluated_side(ref: str, recipe: dict, services: dict) -> comparison.Side:
     recipe = typed_recipe(recipe)
@@ -36,10 +44,10 @@ def compare_and_log(baseline: comparison.Side, candidate: comparison.Side, max_d
                     services: dict) -> dict:
     recipe = typed_recipe(recipe)
     client, experiment_id = comparison.open_store(recipe, services)
-    rows = comparison.compare_sides(baseline, candidate)
+    rows, left_out = comparison.compare_sides(baseline, candidate)
     verdict = gate(rows, max_drop)
     logged = comparison.log_comparison(client, experiment_id, baseline, candidate, rows,
-                                       f"{recipe.eval.out}/comparisons", verdict)
+                                       f"{recipe.eval.out}/comparisons", verdict, left_out)
     return {**logged, "rows": [r.to_dict() for r in rows], "passed": verdict.passed, "max_drop": max_drop,
             "failing": [r.to_dict() for r in verdict.failing], "report": verdict.markdown()}
 
@@ -68,6 +76,7 @@ def regression_eval(candidate: str, baseline: str, max_drop: float = DEFAULT_MAX
         recipe, services = typed.to_dict(), found.flow_parameters()
     if promote and not comparison.is_registered(candidate):
         raise ValueError(f"promoting needs a registered candidate (models:/...), got {candidate!r}")
+    check_sides(baseline, candidate, recipe, services)
     base = evaluated_side(baseline, recipe, services)
     cand = evaluated_side(candidate, recipe, services)
     result = compare_and_log(base, cand, max_drop, recipe, services)

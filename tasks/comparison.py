@@ -1,12 +1,15 @@
 """Comparing a candidate with a baseline through MLflow: find (or make) each side's evaluation, compare, log.
 
 A side is a registered version (`models:/name@alias`, `models:/name/3`), a checkpoint directory, or a finished
-evaluation (its work dir, or the `report.json` in it). Evaluations are reused: a registered version's
+evaluation (its work dir, or the `report.json` in it). Both sides are checked (the version exists, the path is
+there) before either is evaluated, and an error names the side. Evaluations are reused: a registered version's
 evaluation runs (the one its `eval_mlflow_run_id` tag names first, then any other run tagged with its name and
 version) are checked for one made with the recipe's `eval` settings (`evaluation.made_with`) whose work dir is
 on this machine. Only when
 there is none is EvalScope run, and the result recorded with `record_evaluation` (the run also gets an
-`eval_work_dir` tag, so the next comparison finds it directly).
+`eval_work_dir` tag, so the next comparison finds it directly). A recipe with `eval.benchmarks: []` evaluates on
+its held-out split instead (`evaluation.heldout`: per problem, compared as the benchmark `heldout`), reused when
+made on the same data with the same `train.eval_heldout` and token budgets.
 
 The comparison is one MLflow run (`compare`) with per-benchmark metrics `<benchmark>.<metric>.{diff,ci_low,
 ci_high,baseline,candidate,n}`, the markdown table, the PNG and the rows as artifacts, and tags naming both sides.
@@ -15,7 +18,6 @@ Differences are candidate minus baseline.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,8 +25,8 @@ from pathlib import Path
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
-from data.errors import GrpoflowUserError, MissingPathError, ServiceUnavailable, UsageError
-from data.manifest import write_json_atomic
+from data.errors import DataError, GrpoflowUserError, MissingPathError, ServiceUnavailable, UsageError
+from data.manifest import sha256_json, write_json_atomic
 from evaluation import made_with, settings_hash
 from evaluation.compare import (
     GateResult,
@@ -35,7 +37,10 @@ from evaluation.compare import (
     gate,
     load_samples,
     markdown_table,
+    only_one_side,
+    read_report_json,
 )
+from evaluation.heldout import HELDOUT, SETTING_KEYS, evaluate_heldout, heldout_settings, made_with_heldout
 from evaluation.plots import plot_comparison
 from tasks import tracking
 from tasks.evaluation import ModelRef, is_registered_ref, lookup_version, record_evaluation, resolve_model
@@ -87,38 +92,63 @@ def open_store(recipe: Recipe, services: dict) -> tuple[MlflowClient, str]:
     return client, tracking.ensure_experiment(client, recipe.registry.experiment, services.get("artifact_root"))
 
 
+def check_sides(baseline: str, candidate: str, client: MlflowClient) -> None:
+    """Refuse, naming the side, a reference that cannot stand for one (an unknown version, a missing path),
+    before either side is evaluated: one side's evaluation can take long, and its error would hide the other's."""
+    for role, ref in (("baseline", baseline), ("candidate", candidate)):
+        try:
+            if is_registered_ref(ref):
+                _version_of(ref, client)
+            else:
+                _local_side(ref)
+        except tracking.TrackingError as e:
+            raise tracking.TrackingError(f"{role} {e}") from e
+        except MissingPathError as e:
+            raise MissingPathError(f"{role} {e}") from e
+
+
 def evaluated_side(ref: str, client: MlflowClient, experiment_id: str, recipe: Recipe, services: dict) -> Side:
     """The finished evaluation standing for `ref`: reused when one with the recipe's settings exists, else run."""
     settings = recipe.eval
+    heldout = None if settings.benchmarks else heldout_settings(recipe)
+    benchmarks = list(settings.benchmarks) or [HELDOUT]
+    if is_registered_ref(ref):
+        name, version = _version_of(ref, client)
+        found = find_evaluation(client, name, version, settings, experiment_id, heldout)
+        if found:
+            log.info("%s: reusing the evaluation in %s (MLflow run %s)", ref, *found)
+            return Side(ref, str(found[0]), benchmarks, name, version, found[1])
+        work_dir = _fresh_work_dir(settings, f"{name}-v{version}", heldout)
+    else:
+        path, kind = _local_side(ref)
+        if kind == "evaluation":
+            return Side(ref, str(path))
+        # one work dir per checkpoint path and settings: two runs' `checkpoint-150` must not share one
+        work_dir = _fresh_work_dir(settings, f"{path.name}-{settings_hash(settings, path)}", heldout)
+        if _usable(work_dir, settings, heldout):  # evaluated before, by an earlier comparison
+            return Side(ref, str(work_dir), benchmarks)
+    model = resolve_model(ref, client, Path(services["state_dir"]) / "models-cache")
+    run_id = _evaluate(model, work_dir, client, experiment_id, recipe, heldout)
+    return Side(ref, str(work_dir), benchmarks, model.model_name, model.model_version, run_id, reused=False)
+
+
+def _local_side(ref: str) -> tuple[Path, str]:
+    """(resolved path, "evaluation" or "checkpoint") of a side given as a path; MissingPathError otherwise."""
     path = Path(ref).expanduser()
     if path.is_file() and path.name == "report.json":
         path = path.parent
-    if not is_registered_ref(ref) and (path / "report.json").is_file():
-        return Side(ref, str(path.resolve()))
-    if is_registered_ref(ref):
-        name, version = _version_of(ref, client)
-        found = find_evaluation(client, name, version, settings, experiment_id)
-        if found:
-            log.info("%s: reusing the evaluation in %s (MLflow run %s)", ref, *found)
-            return Side(ref, str(found[0]), list(settings.benchmarks), name, version, found[1])
-        work_dir = _fresh_work_dir(settings, f"{name}-v{version}")
-    elif path.is_dir() and (path / "config.json").is_file():
-        # one work dir per checkpoint path and settings: two runs' `checkpoint-150` must not share one
-        work_dir = _fresh_work_dir(settings, f"{path.resolve().name}-{settings_hash(settings, path.resolve())}")
-        if (work_dir / "report.json").is_file():  # evaluated before, by an earlier comparison
-            return Side(ref, str(work_dir), list(settings.benchmarks))
-    else:
-        raise MissingPathError(f"{ref!r}: expected models:/name@alias, models:/name/<version>, a checkpoint "
-                                "directory, or a finished evaluation (a work dir with report.json, or the file)")
-    model = resolve_model(ref, client, Path(services["state_dir"]) / "models-cache")
-    run_id = _evaluate(model, work_dir, client, experiment_id, settings)
-    return Side(ref, str(work_dir), list(settings.benchmarks), model.model_name, model.model_version, run_id,
-                reused=False)
+    if (path / "report.json").is_file():
+        return path.resolve(), "evaluation"
+    if path.is_dir() and (path / "config.json").is_file():
+        return path.resolve(), "checkpoint"
+    raise MissingPathError(f"{ref!r}: expected models:/name@alias, models:/name/<version>, a checkpoint "
+                           "directory, or a finished evaluation (a work dir with report.json, or the file)")
 
 
 def find_evaluation(client: MlflowClient, name: str, version: str, settings: EvalConfig,
-                    experiment_id: str) -> tuple[Path, str] | None:
-    """(work dir, eval run id) of an evaluation of this version made with `settings`, found on this machine."""
+                    experiment_id: str, heldout: dict | None = None) -> tuple[Path, str] | None:
+    """(work dir, eval run id) of an evaluation of this version made with `settings` (with `heldout`, the held-out
+    evaluation those settings name, see `evaluation.heldout`), found on this machine."""
     try:
         tagged = client.get_model_version(name, version).tags.get("eval_mlflow_run_id")
         runs = client.search_runs([experiment_id], f"tags.model_name = '{name}' and tags.model_version = "
@@ -134,26 +164,41 @@ def find_evaluation(client: MlflowClient, name: str, version: str, settings: Eva
             log.warning("models:/%s/%s: its eval_mlflow_run_id %s cannot be read (%s)", name, version, tagged, e)
     for run in runs:
         for work_dir in _work_dir_candidates(run, name, version):
-            report = work_dir / "report.json"
-            if report.is_file() and made_with(json.loads(report.read_text()), settings):
+            if _usable(work_dir, settings, heldout):
                 return work_dir, run.info.run_id
     return None
 
 
-def compare_sides(baseline: Side, candidate: Side) -> list[Row]:
-    """Rows of candidate minus baseline over the benchmarks both sides were asked for."""
+def _usable(work_dir: Path, settings: EvalConfig, heldout: dict | None) -> bool:
+    """Whether `work_dir` holds a finished evaluation made with these settings; an unreadable report.json is
+    not one (it is named in a warning, and a new evaluation is made elsewhere)."""
+    if not (work_dir / "report.json").is_file():
+        return False
+    try:
+        report = read_report_json(work_dir)
+    except ValueError as e:
+        log.warning("not reusing %s: %s", work_dir, e)
+        return False
+    return made_with_heldout(report, heldout) if heldout is not None else made_with(report, settings)
+
+
+def compare_sides(baseline: Side, candidate: Side) -> tuple[list[Row], tuple[list[str], list[str]]]:
+    """Rows of candidate minus baseline over the benchmarks both sides were asked for and both have, and the
+    benchmarks only one side has (`only_one_side`), which are left out."""
     for key, (a, b) in evaluation_differences(baseline.work_dir, candidate.work_dir).items():
         log.warning("the two evaluations differ in %s: %r (baseline) vs %r (candidate)", key, a, b)
     samples = []
     for side in (baseline, candidate):
         loaded = load_samples(side.work_dir)
         samples.append({b: s for b, s in loaded.items() if side.benchmarks is None or b in side.benchmarks})
-    return compare(*samples, **BOOTSTRAP)
+    return compare(*samples, **BOOTSTRAP), only_one_side(*samples)
 
 
 def log_comparison(client: MlflowClient, experiment_id: str, baseline: Side, candidate: Side, rows: list[Row],
-                   out_root: str | Path, verdict: GateResult | None = None) -> dict:
-    """The comparison as an MLflow run, its table and plot written under `out_root/<run id>/` and logged."""
+                   out_root: str | Path, verdict: GateResult | None = None,
+                   left_out: tuple[list[str], list[str]] = ([], [])) -> dict:
+    """The comparison as an MLflow run, its table and plot written under `out_root/<run id>/` and logged;
+    `left_out`: the benchmarks only the baseline, and only the candidate, has."""
     tags = {"baseline": baseline.ref, "candidate": candidate.ref, "baseline_work_dir": baseline.work_dir,
             "candidate_work_dir": candidate.work_dir}
     for role, side in (("baseline", baseline), ("candidate", candidate)):
@@ -165,7 +210,7 @@ def log_comparison(client: MlflowClient, experiment_id: str, baseline: Side, can
         tags["gate"] = "PASS" if verdict.passed else "FAIL"
     run_id = tracking.start_run(client, experiment_id, "compare", tags=tags)
     out = Path(out_root).resolve() / run_id
-    table = markdown_table(rows, BOOTSTRAP["confidence"])
+    table = markdown_table(rows, BOOTSTRAP["confidence"], left_out)
     text = f"# {candidate.label} (candidate) vs {baseline.label} (baseline)\n\n{table}"
     if verdict is not None:
         text += "\n" + verdict.markdown()
@@ -176,7 +221,8 @@ def log_comparison(client: MlflowClient, experiment_id: str, baseline: Side, can
     tmp.replace(markdown)
     plot = plot_comparison(rows, out / "comparison.png", baseline.label, candidate.label)
     write_json_atomic(out / "comparison.json", {"baseline": baseline.to_dict(), "candidate": candidate.to_dict(),
-                                                "rows": [r.to_dict() for r in rows], "bootstrap": BOOTSTRAP})
+                                                "rows": [r.to_dict() for r in rows], "bootstrap": BOOTSTRAP,
+                                                "left_out": _left_out_dict(left_out)})
     tracking.log_params(client, run_id, {"bootstrap": BOOTSTRAP, **({"max_drop": verdict.max_drop} if verdict else {})})
     metrics = {}
     for r in rows:
@@ -188,7 +234,12 @@ def log_comparison(client: MlflowClient, experiment_id: str, baseline: Side, can
     tracking.log_metrics(client, run_id, metrics)
     client.log_artifacts(run_id, str(out), "comparison")
     client.set_terminated(run_id)
-    return {"mlflow_run_id": run_id, "plot": str(plot), "markdown": str(markdown), "table": table}
+    return {"mlflow_run_id": run_id, "plot": str(plot), "markdown": str(markdown), "table": table,
+            "left_out": _left_out_dict(left_out)}
+
+
+def _left_out_dict(left_out: tuple[list[str], list[str]]) -> dict:
+    return {"baseline_only": list(left_out[0]), "candidate_only": list(left_out[1])}
 
 
 def promote(client: MlflowClient, candidate: Side, alias: str = CHAMPION) -> str:
@@ -212,11 +263,13 @@ def run_comparison(baseline: str, candidate: str, recipe: Recipe | dict, service
                          f"got {candidate!r}")
     recipe = typed_recipe(recipe)
     client, experiment_id = open_store(recipe, services)
+    check_sides(baseline, candidate, client)
     base = evaluated_side(baseline, client, experiment_id, recipe, services)
     cand = evaluated_side(candidate, client, experiment_id, recipe, services)
-    rows = compare_sides(base, cand)
+    rows, left_out = compare_sides(base, cand)
     verdict = gate(rows, max_drop) if max_drop is not None else None
-    logged = log_comparison(client, experiment_id, base, cand, rows, Path(recipe.eval.out) / "comparisons", verdict)
+    logged = log_comparison(client, experiment_id, base, cand, rows, Path(recipe.eval.out) / "comparisons", verdict,
+                            left_out)
     promoted = None
     if verdict is not None and verdict.passed and promote_to:
         promoted = promote(client, cand, promote_to)
@@ -266,24 +319,37 @@ def _work_dir_candidates(run, name: str, version: str) -> list[Path]:
     return found
 
 
-def _fresh_work_dir(settings: EvalConfig, name: str) -> Path:
-    """`<eval.out>/<name>`, or a settings-specific sibling when that one holds an evaluation with other settings."""
+def _fresh_work_dir(settings: EvalConfig, name: str, heldout: dict | None = None) -> Path:
+    """`<eval.out>/<name>`, or a settings-specific sibling when that one holds an evaluation with other settings
+    (or an unreadable report.json)."""
     work_dir = Path(settings.out).resolve() / name
-    report = work_dir / "report.json"
-    if report.is_file() and not made_with(json.loads(report.read_text()), settings):
-        work_dir = work_dir.with_name(f"{name}-{settings_hash(settings)}")
+    if (work_dir / "report.json").is_file() and not _usable(work_dir, settings, heldout):
+        key = settings_hash(settings)
+        if heldout is not None:  # the eval section says nothing of the held-out rows and budgets
+            key = sha256_json([key, {k: heldout[k] for k in SETTING_KEYS}])[:8]
+        work_dir = work_dir.with_name(f"{name}-{key}")
     return work_dir
 
 
-def _evaluate(model: ModelRef, work_dir: Path, client: MlflowClient, experiment_id: str, settings: EvalConfig) -> str:
+def _evaluate(model: ModelRef, work_dir: Path, client: MlflowClient, experiment_id: str, recipe: Recipe,
+              heldout: dict | None) -> str:
     from evaluation import evaluate
 
-    log.info("%s: no evaluation with these settings yet; running EvalScope into %s", model.text, work_dir)
+    settings = recipe.eval
+    what = "a held-out evaluation" if heldout is not None else "an evaluation"
+    log.info("%s: no %s with these settings yet; running one into %s", model.text, what, work_dir)
     try:
-        result = evaluate(model.local_path, settings, work_dir=work_dir)
-    except (RuntimeError, ValueError, OSError) as e:
-        raise ComparisonError(f"{model.text} has no evaluation with the requested settings, and running one "
+        if heldout is not None:
+            report = evaluate_heldout(model.local_path, recipe.model, heldout, work_dir)
+            scores, report_json = {"heldout_accuracy": report["scores"][HELDOUT]}, work_dir / "report.json"
+            # recorded without its local path: there are no EvalScope samples to measure thinking on
+            model = ModelRef(model.text, None, None, model.model_name, model.model_version)
+        else:
+            result = evaluate(model.local_path, settings, work_dir=work_dir)
+            scores, report_json = dict(result.scores), result.report_json
+    except (RuntimeError, ValueError, OSError, DataError) as e:
+        raise ComparisonError(f"{model.text} has no {what} with the requested settings, and running one "
                               f"into {work_dir} failed: {e}") from e
-    run_id = record_evaluation(client, experiment_id, model, dict(result.scores), settings, result.report_json)
+    run_id = record_evaluation(client, experiment_id, model, scores, settings, report_json)
     client.set_tag(run_id, WORK_DIR_TAG, str(work_dir))
     return run_id

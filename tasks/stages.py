@@ -176,12 +176,24 @@ def evaluate_model(registered: dict, trained: dict, eval_cfg: dict, ctx: dict) -
 
     settings = typed_section("eval", eval_cfg)
     ref = ModelRef(registered["uri"], trained["checkpoint"], None, registered["model_name"], registered["model_version"])
-    if not settings.benchmarks:  # the held-out split, scored by the trainer after its last step, is the evaluation
+    work_dir = Path(settings.out).resolve() / f"{registered['model_name']}-v{registered['model_version']}"
+    if not settings.benchmarks and trained["heldout_accuracy_after"] is not None:
+        # the held-out split is the evaluation: scored again problem by problem, so that compare and gate can pair
+        from evaluation.heldout import HELDOUT, evaluate_heldout, heldout_settings
+
+        trained_with = typed_recipe(read_manifest(trained["checkpoint"])["recipe"])
+        report = evaluate_heldout(trained["checkpoint"], trained_with.model, heldout_settings(trained_with), work_dir)
+        scores = {"heldout_accuracy": report["scores"][HELDOUT]}
+        ref.local_path = None  # no EvalScope samples in it to measure thinking on
+        run_id = record_evaluation(_ctx_client(ctx), ctx["experiment_id"], ref, scores, settings,
+                                   work_dir / "report.json", ctx["parent_run_id"])
+        return {"scores": scores, "num_samples": report["num_samples"], "work_dir": str(work_dir),
+                "report": str(work_dir / "report.json"), "mlflow_run_id": run_id}
+    if not settings.benchmarks:  # no held-out rows either (train.eval_heldout 0): the aggregate, as training left it
         scores = {"heldout_accuracy": trained["heldout_accuracy_after"]}
         run_id = record_evaluation(_ctx_client(ctx), ctx["experiment_id"], ref, scores, settings, None,
                                    ctx["parent_run_id"])
         return {"scores": scores, "num_samples": {}, "work_dir": None, "report": None, "mlflow_run_id": run_id}
-    work_dir = Path(settings.out).resolve() / f"{registered['model_name']}-v{registered['model_version']}"
     result = evaluate(trained["checkpoint"], settings, work_dir=work_dir, progress=False)
     scores = {**result.scores, "heldout_accuracy": trained["heldout_accuracy_after"]}
     report = result.report_json

@@ -333,3 +333,204 @@ def test_regression_eval_flow_returns_the_verdict_under_prefect(memorised_eval, 
     assert result["passed"] is False and [r["benchmark"] for r in result["failing"]] == ["math_500"]
     diffs = {r["benchmark"]: r["diff"] for r in result["rows"] if r["metric"] == "accuracy"}
     assert diffs == {"math_500": pytest.approx(-0.4), "aime24": -0.5} and Path(result["plot"]).is_file()
+
+
+# --- versions evaluated on their held-out split (eval.benchmarks: []) -------------------------------------------
+
+def heldout_data(out: Path) -> Path:
+    """A prepared data dir whose held-out split is `evaluated_problems`, prompted as the memorising model was
+    taught (no system prompt), so that its greedy answers are known problem by problem; two rows to train on."""
+    from data.prepare import prepare
+
+    source = out.parent / f"{out.name}-source.jsonl"
+    rows = [{"question": p.prompt, "answer": p.answer, "split": "heldout"} for p in evaluated_problems(shared())]
+    rows += [{"question": "1+1", "answer": "2", "split": "train"}, {"question": "2+2", "answer": "4", "split": "train"}]
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prepare("synthetic", str(source), out, system_prompt="none")
+    return out
+
+
+def registrable_copy(model: str, base: str, dst: Path) -> Path:
+    """A copy of `model` with the manifest registration reads (the base model's, with `model`'s files)."""
+    from data.manifest import combined_sha256, file_hashes, read_manifest, write_json_atomic
+
+    shutil.copytree(model, dst)
+    (dst / "manifest.json").unlink(missing_ok=True)
+    files = file_hashes(dst)
+    write_json_atomic(dst / "manifest.json", {**read_manifest(base), "files": files, "sha256": combined_sha256(files)})
+    return dst
+
+
+def heldout_overrides(tmp_path: Path, data: Path) -> list[str]:
+    # the memorising model's answers are 61 tokens at most; AIME prompts are long, and must not be cut
+    return [f"eval.out={tmp_path / 'eval'}", "eval.benchmarks=[]", f"data.out={data}", "train.eval_heldout=12",
+            "train.max_completion_length=64", "train.max_prompt_length=1024"]
+
+
+def test_heldout_only_versions_are_compared_and_gated_problem_by_problem(memorising_model, tiny_base, tmp_path):
+    from mlflow import MlflowClient
+
+    from evaluation.heldout import evaluate_heldout, heldout_settings
+    from tasks import tracking
+    from tasks.evaluation import ModelRef, record_evaluation
+    from trainer.recipe import load_recipe
+
+    state, name = tmp_path / "state", "heldout-tiny"
+    data = heldout_data(tmp_path / "data")
+    overrides = heldout_overrides(tmp_path, data)
+    uri = f"sqlite:///{state / 'mlflow.db'}"
+    client = MlflowClient(uri, registry_uri=uri)
+    experiment_id = tracking.ensure_experiment(client, "grpoflow", str(state / "mlartifacts"))
+    assert register(client, experiment_id, Path(tiny_base["path"]), name) == "1"
+    memorising = registrable_copy(memorising_model, tiny_base["path"], tmp_path / "memorising")
+    assert register(client, experiment_id, memorising, name) == "2"
+
+    # version 2 evaluated as `grpoflow run` evaluates a recipe with eval.benchmarks: [] (tasks.stages.evaluate_model)
+    recipe = load_recipe(REPO_ROOT / "configs" / "tiny-cpu.yaml", overrides)
+    v2_dir = tmp_path / "eval" / f"{name}-v2"
+    report = evaluate_heldout(memorising, recipe.model, heldout_settings(recipe), v2_dir)
+    v2_eval = record_evaluation(client, experiment_id, ModelRef(f"models:/{name}/2", None, None, name, "2"),
+                                {"heldout_accuracy": report["scores"]["heldout"]}, recipe.eval, v2_dir / "report.json")
+    # its answers, problem by problem: right exactly on the 5 memorised problems of 12
+    problems = evaluated_problems(shared())
+    held = [json.loads(line) for line in (v2_dir / "heldout" / "samples.jsonl").read_text().splitlines()]
+    assert [r["answer"] for r in held] == [p.answer for p in problems]
+    assert [r["correct"] for r in held] == [float(p.memorised) for p in problems]
+    assert report["scores"]["heldout"] == 5 / 12 and report["num_samples"] == {"heldout": 12}
+
+    # the plain model (version 1) as the candidate: evaluated by the gate, version 2's evaluation reused
+    proc = grpoflow("gate", "--candidate", f"models:/{name}/1", "--baseline", f"models:/{name}/2", *overrides, "--json",
+                    state=state)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    result = last_json(proc)
+    assert result["baseline"]["reused"] and result["baseline"]["eval_run_id"] == v2_eval
+    assert not result["candidate"]["reused"] and Path(result["candidate"]["work_dir"]) == tmp_path / "eval" / f"{name}-v1"
+    plain = [json.loads(line) for line in
+             (tmp_path / "eval" / f"{name}-v1" / "heldout" / "samples.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in plain] == [r["id"] for r in held] and not any(r["correct"] for r in plain)
+    # differences -1 on the 5 memorised problems of 12: a resample's mean is -Binomial(12, 5/12) / 12, whose
+    # 2.5% and 97.5% points are 2 and 8 (P(X <= 1) = 0.015, P(X <= 2) = 0.067, P(X <= 7) = 0.927,
+    # P(X <= 8) = 0.979): the interval is [-8/12, -2/12], wholly below -0.02, so the gate fails
+    [row] = result["rows"]
+    assert (row["benchmark"], row["metric"], row["n"], row["dropped"]) == ("heldout", "accuracy", 12, 0)
+    assert (row["a"], row["b"]) == (5 / 12, 0.0) and row["diff"] == pytest.approx(-5 / 12)
+    assert (row["ci_low"], row["ci_high"]) == (pytest.approx(-8 / 12), pytest.approx(-2 / 12))
+    assert result["passed"] is False and [r["benchmark"] for r in result["gate"]["failing"]] == ["heldout"]
+    assert "| heldout | accuracy | 0.417 | 0.000 | -0.417 | [-0.667, -0.167] | 12 |" in result["table"]
+    assert client.get_model_version(name, "1").tags["eval.heldout_accuracy"] == "0.0000"
+
+    # the other way round (in this process: `run_comparison` is what the command runs) both evaluations are
+    # reused, and the gate passes
+    from tasks.comparison import run_comparison
+
+    services = {"tracking_uri": uri, "registry_uri": uri, "artifact_root": str(state / "mlartifacts"),
+                "state_dir": str(state)}
+    result = run_comparison(f"models:/{name}/1", f"models:/{name}/2", recipe, services, max_drop=0.02)
+    assert result["baseline"]["reused"] and result["candidate"]["reused"] and result["gate"]["passed"] is True
+    assert [(r["diff"], r["ci_low"], r["ci_high"]) for r in result["rows"]] == [
+        (pytest.approx(5 / 12), pytest.approx(2 / 12), pytest.approx(8 / 12))]
+    assert len(client.search_runs([experiment_id], "attributes.run_name = 'evaluate'")) == 2
+
+
+def test_compare_takes_the_benchmarks_both_sides_have_and_names_the_rest(memorised_eval, memorising_model, tiny_base,
+                                                                         tmp_path):
+    from evaluation.heldout import evaluate_heldout, heldout_settings
+    from trainer.recipe import load_recipe
+
+    data = heldout_data(tmp_path / "data")
+    recipe = load_recipe(REPO_ROOT / "configs" / "tiny-cpu.yaml", heldout_overrides(tmp_path, data))
+    held_only = tmp_path / "held-only"
+    evaluate_heldout(tiny_base["path"], recipe.model, heldout_settings(recipe), held_only)
+
+    # EvalScope's benchmarks on one side, the held-out split on the other: nothing to compare, exit 2 naming both
+    proc = grpoflow("gate", "--candidate", str(held_only), "--baseline", str(memorised_eval.work_dir),
+                    f"eval.out={tmp_path / 'out'}", state=tmp_path / "state")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "no benchmark in common" in proc.stderr
+    assert "baseline ['aime24', 'math_500'], candidate ['heldout']" in proc.stderr
+
+    # a work dir with both (the memorising model's EvalScope run and its held-out answers) against the held-out
+    # only one: the held-out split is compared, the EvalScope benchmarks are named as left out
+    both = shutil.copytree(memorised_eval.work_dir, tmp_path / "both")
+    held = evaluate_heldout(memorising_model, recipe.model, heldout_settings(recipe), tmp_path / "held-memorising")
+    shutil.copytree(tmp_path / "held-memorising" / "heldout", both / "heldout")
+    report = json.loads((both / "report.json").read_text())
+    (both / "report.json").write_text(json.dumps({**report, "heldout": held["heldout"]}))
+    proc = grpoflow("compare", str(held_only), str(both), f"eval.out={tmp_path / 'out'}", "--json",
+                    state=tmp_path / "state")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = last_json(proc)
+    assert [(r["benchmark"], r["metric"], r["n"], r["diff"]) for r in result["rows"]] == [
+        ("heldout", "accuracy", 12, pytest.approx(5 / 12))]
+    assert result["left_out"] == {"baseline_only": [], "candidate_only": ["aime24", "math_500"]}
+    assert "Benchmarks scored by one side only, not compared: candidate only: aime24, math_500." in result["table"]
+
+
+def test_held_out_results_of_different_data_are_not_paired(tiny_base, tmp_path):
+    from evaluation.heldout import evaluate_heldout, heldout_settings
+    from trainer.recipe import load_recipe
+
+    dirs = []
+    for name, answer in (("data", "2"), ("other", "3")):  # the same ids, other gold answers: other problems
+        data = tmp_path / name
+        source = tmp_path / f"{name}.jsonl"
+        source.write_text("".join(json.dumps(r) + "\n" for r in [
+            {"question": "1+1", "answer": answer, "split": "heldout"}, {"question": "2+2", "answer": "4", "split": "train"}]))
+        from data.prepare import prepare
+        prepare("synthetic", str(source), data, system_prompt="none")
+        recipe = load_recipe(REPO_ROOT / "configs" / "tiny-cpu.yaml", [f"data.out={data}", "train.eval_heldout=4"])
+        dirs.append(tmp_path / f"eval-{name}")
+        evaluate_heldout(tiny_base["path"], recipe.model, heldout_settings(recipe), dirs[-1])
+    proc = grpoflow("compare", *map(str, dirs), f"eval.out={tmp_path / 'out'}", state=tmp_path / "state")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "scored on different data" in proc.stderr and str(dirs[0]) in proc.stderr
+
+
+# --- what a comparison refuses, naming it -------------------------------------------------------------------------
+
+def test_a_missing_version_is_named_with_its_side_before_the_other_is_evaluated(tiny_base, tmp_path):
+    from mlflow import MlflowClient
+
+    from tasks import tracking
+
+    state, name = tmp_path / "state", "missing-tiny"
+    uri = f"sqlite:///{state / 'mlflow.db'}"
+    client = MlflowClient(uri, registry_uri=uri)
+    experiment_id = tracking.ensure_experiment(client, "grpoflow", str(state / "mlartifacts"))
+    assert register(client, experiment_id, Path(tiny_base["path"]), name) == "1"
+    data = heldout_data(tmp_path / "data")
+    for args in (("--candidate", f"models:/{name}/99", "--baseline", f"models:/{name}/1"),
+                 ("--candidate", f"models:/{name}/1", "--baseline", str(tmp_path / "no-such-eval"))):
+        proc = grpoflow("gate", *args, *heldout_overrides(tmp_path, data), state=state)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        missing = args[1] if "99" in args[1] else args[3]
+        role = "candidate" if "99" in args[1] else "baseline"
+        assert f"grpoflow gate: error: {role} " in proc.stderr and missing in proc.stderr, proc.stderr[-3000:]
+        assert not (tmp_path / "eval" / f"{name}-v1").exists()  # the existing side was not evaluated
+    assert client.search_runs([experiment_id], "attributes.run_name = 'evaluate'") == []
+
+
+def test_an_empty_or_keyless_report_json_is_exit_2_naming_the_file(memorised_eval, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    report = broken / "report.json"
+    for content, command, says in (
+            ("", ["compare", str(broken), str(memorised_eval.work_dir)], "the file is empty"),
+            ("{}", ["gate", "--candidate", str(memorised_eval.work_dir), "--baseline", str(report)],
+             "got an empty object {}")):
+        report.write_text(content)
+        proc = grpoflow(*command, f"eval.out={tmp_path / 'out'}", state=tmp_path / "state")
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert f"error: {report}: " in proc.stderr and says in proc.stderr and "review_paths" in proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(("content", "says"), [
+    ('{"scores": {}}', "got an object with keys ['scores']"), ("[1]", "got a JSON list"),
+    ('{"review_paths": ', "not valid JSON"), ('{"review_paths": {"aime24": "r.jsonl"}}', "a list of review file paths"),
+    ('{"heldout": {}}', "naming its 'samples' file")])
+def test_a_malformed_report_json_is_named_with_what_was_expected(tmp_path, content, says):
+    (tmp_path / "report.json").write_text(content)
+    with pytest.raises(ValueError, match="expected|must") as e:
+        load_samples(tmp_path)
+    assert str(e.value).startswith(f"{tmp_path / 'report.json'}: ") and says in str(e.value)
