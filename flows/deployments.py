@@ -4,6 +4,12 @@ their schedules from one long-lived process (`grpoflow serve`), for users withou
 The YAML is the one home of each deployment's settings (entrypoint, parameters, schedules, work pool); both
 commands read it. Both need a Prefect server (PREFECT_API_URL): Prefect's ephemeral API runs no scheduler, so
 nothing scheduled would ever start. Call `services.configure()` first: Prefect reads its settings at import.
+
+`deploy` puts the deployments that name the process pool `grpoflow-process` on $GRPOFLOW_WORK_POOL when it is
+set (infra/services/up.sh writes it to services.env: the pool its worker polls); a deployment naming another
+pool (a GPU pool) keeps it. `serve` takes over deployments of the same names while it runs; when it stops,
+those that were active before it started stay active (a worker runs them again), and the others are paused,
+since nobody runs them once the serving process is gone.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import datetime
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -23,10 +30,15 @@ from tasks.services import configure
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PREFECT_FILE = REPO_ROOT / "infra" / "prefect.yaml"
 DEPLOY_TIMEOUT_S = 600.0
+PROCESS_POOL = "grpoflow-process"  # the file's pool for this machine's worker; GRPOFLOW_WORK_POOL renames it
 
 
 def load_deployments(path: str | Path = PREFECT_FILE) -> list[dict]:
     """The `deployments` of a Prefect deployment file, each checked for what `deploy` and `serve` read."""
+    return _load_spec(path)["deployments"]
+
+
+def _load_spec(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"{path}: no such Prefect deployment file")
@@ -43,7 +55,13 @@ def load_deployments(path: str | Path = PREFECT_FILE) -> list[dict]:
             raise UsageError(f"{path}: deployments[{i}] lacks {', '.join(missing)}")
         if not (d.get("work_pool") or {}).get("name"):
             raise UsageError(f"{path}: deployment {d['name']!r} names no work_pool.name")
-    return deployments
+    return spec
+
+
+def work_pool(d: dict) -> str:
+    """The pool a deployment goes to: its own, except that the process pool is the configured one."""
+    name = d["work_pool"]["name"]
+    return (os.environ.get("GRPOFLOW_WORK_POOL") or name) if name == PROCESS_POOL else name
 
 
 def require_server() -> str:
@@ -57,29 +75,42 @@ def require_server() -> str:
 
 
 def deploy(path: str | Path = PREFECT_FILE, timeout_s: float = DEPLOY_TIMEOUT_S) -> dict:
-    """Create the file's work pools (type process) where missing, then `prefect deploy --all` from the
-    repository root (the runs' working directory). Returns the deployments' full names and the pools made."""
-    deployments = load_deployments(path)
+    """Create the deployments' work pools (type process) where missing, then `prefect deploy --all` from the
+    repository root (the runs' working directory). Returns the deployments' full names, their pools and the
+    pools made."""
+    spec = _load_spec(path)
     url = require_server()
-    created = [pool for pool in sorted({d["work_pool"]["name"] for d in deployments}) if _ensure_process_pool(pool)]
-    cmd = [str(Path(sys.executable).with_name("prefect")), "deploy", "--all", "--prefect-file", str(Path(path).resolve())]
-    try:
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s,
-                              env={**os.environ, "PREFECT_CLI_PROMPT": "false"})
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"prefect deploy did not finish within {timeout_s:g} s") from None
+    pools = [work_pool(d) for d in spec["deployments"]]
+    created = [pool for pool in sorted(set(pools)) if _ensure_process_pool(pool)]
+    with tempfile.TemporaryDirectory(prefix="grpoflow-deploy-") as tmp:
+        resolved = Path(path).resolve()
+        if pools != [d["work_pool"]["name"] for d in spec["deployments"]]:
+            for d, pool in zip(spec["deployments"], pools, strict=True):
+                d["work_pool"]["name"] = pool
+            resolved = Path(tmp) / "prefect.yaml"  # the file with the configured pool; entrypoints are cwd's
+            resolved.write_text(yaml.safe_dump(spec, sort_keys=False))
+        cmd = [str(Path(sys.executable).with_name("prefect")), "deploy", "--all",
+               "--prefect-file", str(resolved)]
+        try:
+            proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s,
+                                  env={**os.environ, "PREFECT_CLI_PROMPT": "false"})
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"prefect deploy did not finish within {timeout_s:g} s") from None
     if proc.returncode != 0:
         raise RuntimeError(f"prefect deploy --all --prefect-file {path} failed ({proc.returncode}):\n"
                            f"{redact(proc.stdout[-2000:] + proc.stderr[-2000:])}")
-    names = [f"{_flow_name(d)}/{d['name']}" for d in deployments]
-    return {"deployments": names, "work_pools_created": created, "prefect_api_url": mask_uri(url)}
+    names = [f"{_flow_name(d)}/{d['name']}" for d in spec["deployments"]]
+    return {"deployments": names, "work_pools": dict(zip(names, pools, strict=True)),
+            "work_pools_created": created, "prefect_api_url": mask_uri(url)}
 
 
-def serve(path: str | Path = PREFECT_FILE, limit: int | None = None) -> None:
-    """Serve every deployment of the file from this process, schedules included, until interrupted."""
+def serve(path: str | Path = PREFECT_FILE, limit: int | None = None) -> dict:
+    """Serve every deployment of the file from this process, schedules included, until interrupted (SIGINT or
+    SIGTERM). Then pause those it made active, and leave active those that were before it started (Prefect's
+    `serve` would pause them all: `grpoflow deploy`'s deployments would stop running on the worker)."""
     from prefect import serve as prefect_serve
 
-    require_server()
+    url = require_server()
     runners = []
     for d in load_deployments(path):
         flow = _load_flow(d)
@@ -87,7 +118,45 @@ def serve(path: str | Path = PREFECT_FILE, limit: int | None = None) -> None:
                                           schedules=[_schedule(s, d["name"]) for s in d.get("schedules") or []],
                                           description=d.get("description"), tags=d.get("tags"),
                                           concurrency_limit=d.get("concurrency_limit")))
-    prefect_serve(*runners, limit=limit)
+    names = [r.full_name for r in runners]
+    active_before = [name for name, paused in _paused(names).items() if paused is False]
+    try:
+        prefect_serve(*runners, limit=limit, pause_on_shutdown=False)
+    finally:  # a SIGTERM before the runner started ends in SystemExit: pause what serve unpaused all the same
+        to_pause = [name for name in names if name not in active_before]
+        _pause(to_pause)
+    outcome = (("paused", to_pause), ("left active", active_before))
+    print(f"stopped serving {', '.join(names)}: "
+          + "; ".join(f"{label} {', '.join(group)}" for label, group in outcome if group), file=sys.stderr)
+    return {"deployments": names, "paused": to_pause, "left_active": active_before,
+            "prefect_api_url": mask_uri(url)}
+
+
+def _paused(names: list[str]) -> dict[str, bool | None]:
+    """Each deployment's `paused` on the server (None: there is none of that name)."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    found = {}
+    with get_client(sync_client=True) as client:
+        for name in names:
+            try:
+                found[name] = client.read_deployment_by_name(name).paused
+            except ObjectNotFound:
+                found[name] = None
+    return found
+
+
+def _pause(names: list[str]) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        for name in names:
+            try:
+                client.pause_deployment(client.read_deployment_by_name(name).id)
+            except ObjectNotFound:  # stopped before serve had made it
+                continue
 
 
 def _load_flow(d: dict):
@@ -146,17 +215,21 @@ def add_commands(sub, number) -> None:
     p.add_argument("--prefect-file", default=PREFECT_FILE, help=file_help)
     p.add_argument("--limit", type=number(int, ge=1), help="at most this many flow runs at once")
     p.add_argument("--state-dir", help=state_help)
-    p.set_defaults(func=cmd_serve, json=False)
+    p.add_argument("--json", action="store_true",
+                   help="once stopped, print a JSON summary (what it paused, what it left active) as "
+                        "the last line of stdout")
+    p.set_defaults(func=cmd_serve)
 
 
 def cmd_deploy(args) -> dict:
     configure(args.state_dir)
     result = deploy(args.prefect_file)
-    print(f"deployed {', '.join(result['deployments'])} to {result['prefect_api_url']}",
-          file=sys.stderr if args.json else sys.stdout)
+    pools = sorted(set(result["work_pools"].values()))
+    print(f"deployed {', '.join(result['deployments'])} to {result['prefect_api_url']} "
+          f"(work pool {', '.join(pools)})", file=sys.stderr if args.json else sys.stdout)
     return result
 
 
-def cmd_serve(args) -> None:
+def cmd_serve(args) -> dict:
     configure(args.state_dir)
-    serve(args.prefect_file, limit=args.limit)
+    return serve(args.prefect_file, limit=args.limit)
