@@ -12,10 +12,12 @@ their databases dropped, whatever the tests do.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -41,6 +43,30 @@ BENCH = "aime24"
 def free_port() -> int:
     from trainer.rollout.remote import free_port as port
     return port()
+
+
+def gone(pid: int) -> bool:
+    """No such process, or a zombie (it has exited; nobody has reaped it yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def stop_session(pid: int, timeout: float = 60) -> None:
+    """Stop a session leader that is not this test's child (what up.sh started), and its group."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGINT)
+    deadline = time.monotonic() + timeout
+    while not gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    return dict(e.split("=", 1) for e in entries if "=" in e)
 
 
 def psql(command: str) -> None:
@@ -126,12 +152,14 @@ def services(tmp_path_factory):
             f"\n--- {p.name}\n{p.read_text()[-3000:]}" for p in (s.dir / "logs").glob("*.log"))
         yield s
     finally:
+        running = [int(p.read_text()) for p in (s.dir / "pids").glob("*") if "." not in p.name]  # not records
         down = subprocess.run(["bash", str(SERVICES / "down.sh"), str(s.dir)], capture_output=True, text=True,
                               timeout=300)
         for db in s.dbs:
             subprocess.run(["psql", "-h", "127.0.0.1", "-U", "postgres", "-c",
                             f"drop database if exists {db} with (force)"], capture_output=True, timeout=60)
         assert down.returncode == 0, down.stderr
+        assert all(gone(pid) for pid in running), (running, down.stderr)
 
 
 def overrides(tiny_base: dict, eval_out: Path | None = None) -> list[str]:
@@ -142,9 +170,11 @@ def overrides(tiny_base: dict, eval_out: Path | None = None) -> list[str]:
     return found + ([f"eval.out={eval_out}"] if eval_out else [])
 
 
-def grpoflow(services: Services, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO_ROOT, env=services.client_env(),
-                          capture_output=True, text=True, timeout=timeout)
+def grpoflow(services: Services, *args: str, timeout: float = 600, env: dict | None = None
+             ) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO_ROOT,
+                          env={**services.client_env(), **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def prefect(services: Services, *args: str, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
@@ -176,6 +206,137 @@ def test_an_unauthenticated_client_is_refused_by_the_prefect_api(services):
     proc = subprocess.run([PREFECT_BIN, "deployment", "ls"], cwd=REPO_ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode != 0
+
+
+def test_the_worker_gets_no_server_secret_only_the_client_auth_string(services):
+    """The worker's environment (which every flow run it starts inherits) holds neither the database's admin
+    URL nor the Prefect server's own auth setting; it holds the client's PREFECT_API_AUTH_STRING, without
+    which the worker and its runs could not talk to an API that has auth on."""
+    env = environ_of(int((services.dir / "pids" / "worker").read_text()))
+    assert "GRPOFLOW_PG_URL" not in env and "PREFECT_SERVER_API_AUTH_STRING" not in env, sorted(env)
+    assert not [k for k, v in env.items() if services.pg_password in v], "the database password is there"
+    assert not [k for k in env if k.startswith(("PREFECT_SERVER_", "PREFECT_API_DATABASE_"))], sorted(env)
+    assert env["PREFECT_API_AUTH_STRING"] == services.auth and env["PREFECT_API_URL"] == services.api
+    assert env["MLFLOW_TRACKING_URI"] == services.mlflow
+
+
+def test_down_leaves_alone_the_process_a_stale_pid_file_names(tmp_path):
+    """Pid files whose PIDs are now other processes (after a reboot, or long after the service exited): one
+    with no record of the service's start, one whose PID started when recorded but runs another command.
+    down.sh signals neither them nor their groups and drops the stale files; a process the record does prove
+    its own (start time and command line) it stops."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    strangers = [subprocess.Popen(["sleep", "600"], start_new_session=True) for _ in range(3)]
+    try:
+        reused, other_command, own = strangers
+        (pids / "worker").write_text(f"{reused.pid}\n")
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+
+        def started(pid: int) -> str:  # field 22 of /proc/PID/stat, after the name in parentheses
+            return f"{Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[19]} {boot}\n"
+
+        for name, proc, command in (("mlflow-server", other_command, f"{sys.executable} -m mlflow server"),
+                                    ("prefect-server", own, "sleep 600")):
+            (pids / f"{name}.start").write_text(started(proc.pid))
+            (pids / f"{name}.cmd").write_text(command + "\n")
+            (pids / name).write_text(f"{proc.pid}\n")
+        down = subprocess.run(["bash", str(SERVICES / "down.sh"), str(tmp_path)], capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "GRPOFLOW_STOP_TIMEOUT": "10"})
+        assert down.returncode == 0, down.stderr
+        assert reused.poll() is None and other_command.poll() is None, down.stderr  # not signalled
+        assert "worker stopped" not in down.stderr and "mlflow-server stopped" not in down.stderr
+        assert f"pid {reused.pid} is another process now" in down.stderr
+        assert own.wait(timeout=30) == -signal.SIGINT and "prefect-server stopped" in down.stderr
+        assert not any(pids.iterdir())  # stale or done with, every record is gone
+    finally:
+        for proc in strangers:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def up_again(services):
+    """up.sh run again over the running services, with the worker's pid file naming an unrelated process (a
+    `sleep` in a session of its own, like a reused PID after a reboot). The worker it starts polls a spare
+    pool (no run of this module goes there); it is stopped, and the module worker's record put back, at
+    once."""
+    pids = services.dir / "pids"
+    kept = {p: p.read_bytes() for p in [*pids.glob("worker*"), services.dir / "services.env"]}
+    stranger = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        for p in pids.glob("worker*"):
+            p.unlink()
+        (pids / "worker").write_text(f"{stranger.pid}\n")
+        up = subprocess.run(["bash", str(SERVICES / "up.sh"), str(services.dir)], cwd=REPO_ROOT,
+                            env=services.up_env(GRPOFLOW_WORK_POOL=f"ops-spare-{services.tag}"),
+                            capture_output=True, text=True, timeout=300)
+        worker = int((pids / "worker").read_text()) if (pids / "worker").exists() else None
+        stranger_alive = stranger.poll() is None
+        if worker and worker != stranger.pid:
+            stop_session(worker)
+        return {"up": up, "stranger": stranger.pid, "stranger_alive": stranger_alive, "worker": worker}
+    finally:
+        stranger.kill()
+        stranger.wait()
+        for p in pids.glob("worker*"):
+            p.unlink()
+        for p, data in kept.items():
+            p.write_bytes(data)
+
+
+def test_up_starts_a_worker_when_its_pid_file_names_another_process_and_keeps_its_own_servers(services,
+                                                                                              up_again):
+    up = up_again["up"]
+    assert up.returncode == 0, up.stderr
+    assert "prefect-server already running" in up.stderr and "mlflow-server already running" in up.stderr
+    assert "worker started" in up.stderr and up_again["worker"] != up_again["stranger"], up.stderr
+    assert up_again["stranger_alive"], "up.sh signalled the process a stale pid file named"
+
+
+def test_up_run_again_leaves_one_heartbeat_automation(services, up_again):
+    assert up_again["up"].returncode == 0, up_again["up"].stderr
+    name = "grpoflow: a run whose heartbeat stopped is Crashed"
+    found = services.request("POST", "/automations/filter", {"automations": {"name": {"any_": [name]}}})
+    assert len(found) == 1, [a["id"] for a in found]
+
+
+def test_up_with_the_prefect_port_taken_fails_and_stops_what_it_started(tmp_path):
+    """Another service already answers 200 at the Prefect port's /api/health (a plain HTTP server): up.sh must
+    not take it for its Prefect server, whose own start fails on the port in use. It exits non-zero naming the
+    port, stops the MLflow server it started, leaves no pid file, and leaves the other service alone."""
+    s = Services(tmp_path, pg_password="unused", auth="ops:x")
+    (tmp_path / "www" / "api").mkdir(parents=True)
+    (tmp_path / "www" / "api" / "health").write_text("true")
+    other = subprocess.Popen([sys.executable, "-m", "http.server", str(s.prefect_port), "--bind", "127.0.0.1",
+                              "--directory", str(tmp_path / "www")], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{s.api}/health", timeout=5).close()
+                break
+            except OSError:
+                assert other.poll() is None and time.monotonic() < deadline, "the other service did not start"
+                time.sleep(0.2)
+        up = subprocess.run(["bash", str(SERVICES / "up.sh"), str(s.dir)], cwd=REPO_ROOT, capture_output=True,
+                            env=s.up_env(GRPOFLOW_SERVICES_TIMEOUT="240"), text=True, timeout=600)
+        assert up.returncode == 1, up.stderr
+        assert "prefect-server up" not in up.stderr
+        assert f"port {s.prefect_port} is another service's" in up.stderr and "already in use" in up.stderr
+        [mlflow_pid] = [int(line.split("(pid ")[1].split(",")[0]) for line in up.stderr.splitlines()
+                        if "mlflow-server started" in line]
+        assert gone(mlflow_pid) and "mlflow-server stopped" in up.stderr, \
+            up.stderr + (s.dir / "logs" / "mlflow-server.log").read_text()[-3000:]
+        assert not any((s.dir / "pids").iterdir()) and not (s.dir / "services.env").exists()
+        assert other.poll() is None
+    finally:
+        subprocess.run(["bash", str(SERVICES / "down.sh"), str(s.dir)], capture_output=True, timeout=300)
+        stop_group(other)
+        for db in s.dbs:
+            subprocess.run(["psql", "-h", "127.0.0.1", "-U", "postgres", "-c",
+                            f"drop database if exists {db} with (force)"], capture_output=True, timeout=60)
 
 
 # ---- deployments, a schedule, the pipeline through the worker ---------------------------------------------------
@@ -222,6 +383,86 @@ def test_deploy_creates_both_deployments_with_the_shipped_schedule_and_pool(serv
     assert gate["schedules"] == [] and gate["parameters"]["fail_on_regression"] is True
     pool = services.request("GET", "/work_pools/grpoflow-process")
     assert pool["type"] == "process"
+
+
+def renamed_copy(path: Path, suffix: str, pool: str | None = None) -> Path:
+    """infra/prefect.yaml with each deployment renamed (`nightly<suffix>`), on `pool` when given."""
+    spec = yaml.safe_load((REPO_ROOT / "infra" / "prefect.yaml").read_text())
+    for d in spec["deployments"]:
+        d["name"] += suffix
+        if pool:
+            d["work_pool"]["name"] = pool
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_deploy_puts_the_process_pool_deployments_on_the_configured_work_pool(services, tmp_path):
+    """GRPOFLOW_WORK_POOL (services.env sets it to the pool up.sh's worker polls) is the pool of the file's
+    process-pool deployments: else their runs would wait on a pool no worker polls."""
+    pool = f"ops-pool-{services.tag}"
+    copy = renamed_copy(tmp_path / "prefect.yaml", "-pooled")
+    proc = grpoflow(services, "deploy", "--prefect-file", str(copy), "--json",
+                    env={"GRPOFLOW_WORK_POOL": pool})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = ["grpo-pipeline/nightly-pooled", "regression-eval/gate-pooled"]
+    assert [services.deployment(name)["work_pool_name"] for name in names] == [pool, pool]
+    assert services.request("GET", f"/work_pools/{pool}")["type"] == "process"
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["work_pools"] == dict.fromkeys(names, pool) and pool in result["work_pools_created"]
+
+
+def serve_until_polling(services: Services, copy: Path, names: list[str], log_dir: Path,
+                        *flags: str) -> subprocess.Popen:
+    """`grpoflow serve` on `copy`, returned once its runner polls for their runs (each deployment READY: on a
+    pool no worker polls, only the serving process marks them so), its SIGTERM handler in place by then."""
+    with (log_dir / "serve.out").open("w") as out, (log_dir / "serve.log").open("w") as log:
+        serving = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--prefect-file", str(copy),
+                                    *flags], cwd=REPO_ROOT, env=services.client_env(), stdout=out, stderr=log,
+                                   start_new_session=True)
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            if all(services.deployment(name)["status"] == "READY" for name in names):
+                return serving
+        except urllib.error.HTTPError:  # not created yet
+            pass
+        if serving.poll() is not None or time.monotonic() > deadline:
+            stop_group(serving)
+            log = (log_dir / "serve.log").read_text()
+            raise AssertionError(f"serve ended ({serving.returncode}) or no poll in 300 s\n{log[-3000:]}")
+        time.sleep(1)
+
+
+def test_stopping_serve_leaves_the_deployments_that_were_active_active(services, tmp_path):
+    """Deployed for a worker, then served and stopped with SIGTERM (as a service manager stops it): the
+    deployments stay active on their pool, as they were (Prefect's serve alone pauses them all on its way
+    out)."""
+    idle = f"ops-idle-{services.tag}"  # a pool no worker polls
+    copy = renamed_copy(tmp_path / "prefect.yaml", "-kept", pool=idle)
+    names = ["grpo-pipeline/nightly-kept", "regression-eval/gate-kept"]
+    proc = grpoflow(services, "deploy", "--prefect-file", str(copy))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [services.deployment(n)["paused"] for n in names] == [False, False]
+    serving = serve_until_polling(services, copy, names, tmp_path)
+    assert stop_group(serving, signal.SIGTERM) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    for name in names:
+        after = services.deployment(name)
+        assert after["paused"] is False, (name, (tmp_path / "serve.log").read_text()[-3000:])
+        assert after["work_pool_name"] == idle, name
+    assert "left active" in (tmp_path / "serve.log").read_text()
+
+
+def test_serve_with_json_prints_what_it_paused_once_stopped(services, tmp_path):
+    """`grpoflow serve --json` on deployments it creates: stopped by SIGTERM, it exits 0, pauses them (nobody
+    runs them once it is gone) and its last stdout line is the JSON summary."""
+    copy = renamed_copy(tmp_path / "prefect.yaml", "-json")
+    names = ["grpo-pipeline/nightly-json", "regression-eval/gate-json"]
+    serving = serve_until_polling(services, copy, names, tmp_path, "--json")
+    assert stop_group(serving, signal.SIGTERM) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    summary = json.loads((tmp_path / "serve.out").read_text().strip().splitlines()[-1])
+    assert summary["deployments"] == names and summary["paused"] == names and summary["left_active"] == []
+    assert summary["prefect_api_url"] == services.api
+    assert [services.deployment(n)["paused"] for n in names] == [True, True]
 
 
 @pytest.fixture(scope="module")
@@ -439,6 +680,9 @@ def test_a_run_killed_with_its_worker_is_crashed_and_a_rerun_on_a_new_worker_res
         time.sleep(0.25)
     [out] = new
     flow_pid = int(str(services.request("GET", f"/flow_runs/{run['id']}")["infrastructure_pid"]).rsplit(":", 1)[-1])
+    run_env = environ_of(flow_pid)  # a flow run's code sees no server secret either
+    assert "GRPOFLOW_PG_URL" not in run_env and "PREFECT_SERVER_API_AUTH_STRING" not in run_env
+    assert not [k for k, v in run_env.items() if services.pg_password in v]
     os.kill(int((services.dir / "pids" / "worker").read_text()), signal.SIGKILL)
     os.killpg(flow_pid, signal.SIGKILL)  # the run's own session: the engine and anything it started
     kept = {p.name: p.stat().st_mtime_ns for p in out.glob("checkpoint-*")}
