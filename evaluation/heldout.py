@@ -45,27 +45,11 @@ def made_with_heldout(report: dict, wanted: dict) -> bool:
     return all(recorded.get(k) == wanted[k] for k in SETTING_KEYS if not (k == "data_sha256" and wanted[k] is None))
 
 
-def evaluate_heldout(model_path: str | os.PathLike, model_cfg, settings: dict, work_dir: str | os.PathLike) -> dict:
-    """Score the checkpoint at `model_path` (loaded with the recipe's `model` section, `model_cfg`) on the held-out
-    rows `settings` name (`heldout_settings`) into `work_dir`; returns the report written there."""
-    from data.prepare import load_prepared
-    from trainer.heldout import evaluate_greedy
-    from trainer.model_loading import load_model
-    from trainer.rewards import accuracy_reward, format_reward
-    from trainer.rollout.hf_engine import HFEngine
-
+def write_heldout_evaluation(work_dir: str | os.PathLike, model_path: str | os.PathLike, settings: dict,
+                             result: dict) -> dict:
+    """Write the held-out evaluation of `model_path` (`result`: `trainer.heldout.evaluate_greedy`'s, with its
+    samples, over the rows `settings` name) into `work_dir`; returns the report written there."""
     data_dir = Path(settings["data_dir"])
-    if not (data_dir / MANIFEST).is_file():
-        raise FileNotFoundError(f"no prepared data at {data_dir} (data.out): the held-out evaluation "
-                                "(eval.benchmarks: []) scores its held-out split; prepare it with `grpoflow prep`")
-    rows = load_prepared(data_dir, "heldout")[: settings["limit"]]
-    if not rows:
-        raise ValueError(f"{data_dir}: no held-out rows to evaluate (data.heldout 0, or train.eval_heldout 0); "
-                         "eval.benchmarks: [] needs a held-out split")
-    model, tokenizer = load_model(str(model_path), model_cfg)
-    result = evaluate_greedy(HFEngine(model.eval(), tokenizer), tokenizer, rows, accuracy_reward, format_reward,
-                             max_tokens=settings["max_tokens"], max_prompt_length=settings["max_prompt_length"],
-                             return_samples=True)
     # an ungradable gold answer counts as wrong, as in the accuracy training reports
     samples = [{"id": s["id"], "answer": s["answer"], "completion": s["completion"], "correct": float(s["correct"] or 0)}
                for s in result["samples"]]

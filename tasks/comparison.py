@@ -40,10 +40,17 @@ from evaluation.compare import (
     only_one_side,
     read_report_json,
 )
-from evaluation.heldout import HELDOUT, SETTING_KEYS, evaluate_heldout, heldout_settings, made_with_heldout
+from evaluation.heldout import HELDOUT, SETTING_KEYS, heldout_settings, made_with_heldout
 from evaluation.plots import plot_comparison
 from tasks import tracking
-from tasks.evaluation import ModelRef, is_registered_ref, lookup_version, record_evaluation, resolve_model
+from tasks.evaluation import (
+    ModelRef,
+    evaluate_heldout,
+    is_registered_ref,
+    lookup_version,
+    record_evaluation,
+    resolve_model,
+)
 from tasks.recipe_sections import typed_recipe
 from trainer.recipe import EvalConfig, Recipe
 

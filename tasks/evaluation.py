@@ -151,23 +151,50 @@ def thinking_scores(work_dir: Path, tokenizer: str) -> dict[str, float]:
     return {k: float(v) for k, v in flat.items() if isinstance(v, (int, float))}
 
 
-def heldout_accuracy(model_path: str, data_dir: str | Path, recipe) -> float | None:
-    """In-domain greedy accuracy of a local checkpoint on the recipe's prepared held-out rows."""
-    from data.prepare import load_prepared
+def _score_heldout(model_path, model_cfg, rows: list[dict], *, max_tokens: int, max_prompt_length: int,
+                   samples: bool = False) -> dict:
+    """`trainer.heldout.evaluate_greedy` on a checkpoint: the one way held-out rows are scored after training."""
     from trainer.heldout import evaluate_greedy
     from trainer.model_loading import load_model
     from trainer.rewards import accuracy_reward, format_reward
     from trainer.rollout.hf_engine import HFEngine
+
+    model, tokenizer = load_model(str(model_path), model_cfg)
+    return evaluate_greedy(HFEngine(model.eval(), tokenizer), tokenizer, rows, accuracy_reward, format_reward,
+                           max_tokens=max_tokens, max_prompt_length=max_prompt_length, return_samples=samples)
+
+
+def heldout_accuracy(model_path: str, data_dir: str | Path, recipe) -> float | None:
+    """In-domain greedy accuracy of a local checkpoint on the recipe's prepared held-out rows."""
+    from data.prepare import load_prepared
 
     if not (Path(data_dir) / MANIFEST).is_file():
         return None
     rows = load_prepared(data_dir, "heldout")[: recipe.train.eval_heldout]
     if not rows:
         return None
-    model, tokenizer = load_model(model_path, recipe.model)
-    return evaluate_greedy(HFEngine(model, tokenizer), tokenizer, rows, accuracy_reward, format_reward,
-                           max_tokens=recipe.train.max_completion_length,
-                           max_prompt_length=recipe.train.max_prompt_length)["accuracy"]
+    return _score_heldout(model_path, recipe.model, rows, max_tokens=recipe.train.max_completion_length,
+                          max_prompt_length=recipe.train.max_prompt_length)["accuracy"]
+
+
+def evaluate_heldout(model_path: str | Path, model_cfg, settings: dict, work_dir: str | Path) -> dict:
+    """Score the checkpoint at `model_path` (loaded with the recipe's `model` section, `model_cfg`) on the
+    held-out rows `settings` name (`evaluation.heldout.heldout_settings`) into `work_dir`, problem by problem;
+    returns the report written there."""
+    from data.prepare import load_prepared
+    from evaluation.heldout import write_heldout_evaluation
+
+    data_dir = Path(settings["data_dir"])
+    if not (data_dir / MANIFEST).is_file():
+        raise FileNotFoundError(f"no prepared data at {data_dir} (data.out): the held-out evaluation "
+                                "(eval.benchmarks: []) scores its held-out split; prepare it with `grpoflow prep`")
+    rows = load_prepared(data_dir, "heldout")[: settings["limit"]]
+    if not rows:
+        raise ValueError(f"{data_dir}: no held-out rows to evaluate (data.heldout 0, or train.eval_heldout 0); "
+                         "eval.benchmarks: [] needs a held-out split")
+    result = _score_heldout(model_path, model_cfg, rows, max_tokens=settings["max_tokens"],
+                            max_prompt_length=settings["max_prompt_length"], samples=True)
+    return write_heldout_evaluation(work_dir, model_path, settings, result)
 
 
 def evaluate_reference(model: str, recipe: Recipe, services: Services, *, source: str, serve: bool = False,

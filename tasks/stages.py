@@ -179,7 +179,8 @@ def evaluate_model(registered: dict, trained: dict, eval_cfg: dict, ctx: dict) -
     work_dir = Path(settings.out).resolve() / f"{registered['model_name']}-v{registered['model_version']}"
     if not settings.benchmarks and trained["heldout_accuracy_after"] is not None:
         # the held-out split is the evaluation: scored again problem by problem, so that compare and gate can pair
-        from evaluation.heldout import HELDOUT, evaluate_heldout, heldout_settings
+        from evaluation.heldout import HELDOUT, heldout_settings
+        from tasks.evaluation import evaluate_heldout
 
         trained_with = typed_recipe(read_manifest(trained["checkpoint"])["recipe"])
         report = evaluate_heldout(trained["checkpoint"], trained_with.model, heldout_settings(trained_with), work_dir)

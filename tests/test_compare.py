@@ -370,9 +370,9 @@ def heldout_overrides(tmp_path: Path, data: Path) -> list[str]:
 def test_heldout_only_versions_are_compared_and_gated_problem_by_problem(memorising_model, tiny_base, tmp_path):
     from mlflow import MlflowClient
 
-    from evaluation.heldout import evaluate_heldout, heldout_settings
+    from evaluation.heldout import heldout_settings
     from tasks import tracking
-    from tasks.evaluation import ModelRef, record_evaluation
+    from tasks.evaluation import ModelRef, evaluate_heldout, record_evaluation
     from trainer.recipe import load_recipe
 
     state, name = tmp_path / "state", "heldout-tiny"
@@ -434,7 +434,8 @@ def test_heldout_only_versions_are_compared_and_gated_problem_by_problem(memoris
 
 def test_compare_takes_the_benchmarks_both_sides_have_and_names_the_rest(memorised_eval, memorising_model, tiny_base,
                                                                          tmp_path):
-    from evaluation.heldout import evaluate_heldout, heldout_settings
+    from evaluation.heldout import heldout_settings
+    from tasks.evaluation import evaluate_heldout
     from trainer.recipe import load_recipe
 
     data = heldout_data(tmp_path / "data")
@@ -467,7 +468,8 @@ def test_compare_takes_the_benchmarks_both_sides_have_and_names_the_rest(memoris
 
 
 def test_held_out_results_of_different_data_are_not_paired(tiny_base, tmp_path):
-    from evaluation.heldout import evaluate_heldout, heldout_settings
+    from evaluation.heldout import heldout_settings
+    from tasks.evaluation import evaluate_heldout
     from trainer.recipe import load_recipe
 
     dirs = []
