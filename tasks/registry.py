@@ -28,7 +28,6 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
 
 from mlflow import MlflowClient
 from mlflow.entities import LoggedModel, LoggedModelStatus
@@ -36,6 +35,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
 
 from data.dir_lock import exclusive
+from tasks.tracking import local_store
 
 CHECKPOINT_TAG = "checkpoint_sha256"
 MODEL_ID_TAG = "mlflow_model_id"  # on each version: the logged model it is
@@ -150,17 +150,6 @@ def registration_lock(client: MlflowClient):
         return contextlib.nullcontext()
     return exclusive(store.parent, "the MLflow registry's folder", name=f".{store.name}.register.lock",
                      wait_s=REGISTRATION_WAIT_S)
-
-
-def local_store(uri: str) -> Path | None:
-    """The file (sqlite) or folder (file store) of a store on this machine; None for a server or a database."""
-    parts = urlsplit(uri)
-    if parts.scheme == "sqlite":
-        path = unquote(uri.removeprefix("sqlite:///"))
-        return None if not path or path.startswith(":memory:") else Path(path).resolve()
-    if parts.scheme == "file" or (not parts.scheme and uri):
-        return Path(unquote(parts.path) if parts.scheme else uri).resolve()
-    return None
 
 
 def _register(client: MlflowClient, name: str, experiment_id: str, run_id: str, checkpoint: str | Path,

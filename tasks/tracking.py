@@ -7,15 +7,18 @@ parameters); `client_for` connects with the credentials of the environment varia
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import time
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 from mlflow import MlflowClient
 from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param
 
+from data.dir_lock import exclusive
 from data.reachability import require_reachable
 from data.redact import has_credentials, mask_uri, redact
 
@@ -36,6 +39,10 @@ HTTP_BOUNDS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACK
                "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
 PROBE_TIMEOUT_S = 10.0  # the reachability check before the first call (never longer than the request timeout)
 _reachable: set[str] = set()
+# MLflow makes an sqlite store's schema on its first use; two processes making it at once crash in its
+# migration. The first opening in a process waits up to this long for another process making it.
+STORE_CREATION_WAIT_S = 300.0
+_opened: set[str] = set()  # store URIs this process opened
 
 
 def client_for(tracking_uri: str, registry_uri: str | None = None) -> MlflowClient:
@@ -49,7 +56,35 @@ def client_for(tracking_uri: str, registry_uri: str | None = None) -> MlflowClie
     bound_http_waits()
     check_reachable(tracking_uri, "MLflow tracking store", "MLFLOW_TRACKING_URI")
     check_reachable(registry_uri, "MLflow model registry", "MLFLOW_REGISTRY_URI")
-    return MlflowClient(tracking_uri=tracking_uri, registry_uri=registry_uri)
+    return _open_client(tracking_uri, registry_uri)
+
+
+def _open_client(tracking_uri: str, registry_uri: str) -> MlflowClient:
+    """The client, its sqlite stores opened one process at a time (a lock file beside each database) the
+    first time this process opens them: the first opening makes the schema (MlflowClient makes the tracking
+    store, the first registry call the registry's), and concurrent ones would race in its migration."""
+    fresh = sorted({path for uri in (tracking_uri, registry_uri) if uri not in _opened
+                    and urlsplit(uri).scheme == "sqlite" and (path := local_store(uri)) is not None})
+    with contextlib.ExitStack() as held:
+        for path in fresh:
+            held.enter_context(exclusive(path.parent, "the MLflow store's folder", name=f".{path.name}.open.lock",
+                                         wait_s=STORE_CREATION_WAIT_S))
+        client = MlflowClient(tracking_uri=tracking_uri, registry_uri=registry_uri)
+        if fresh:
+            client.search_registered_models(max_results=1)
+    _opened.update((tracking_uri, registry_uri))
+    return client
+
+
+def local_store(uri: str) -> Path | None:
+    """The file (sqlite) or folder (file store) of a store on this machine; None for a server or a database."""
+    parts = urlsplit(uri)
+    if parts.scheme == "sqlite":
+        path = unquote(uri.removeprefix("sqlite:///"))
+        return None if not path or path.startswith(":memory:") else Path(path).resolve()
+    if parts.scheme == "file" or (not parts.scheme and uri):
+        return Path(unquote(parts.path) if parts.scheme else uri).resolve()
+    return None
 
 
 def bound_http_waits() -> None:

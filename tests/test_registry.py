@@ -316,3 +316,32 @@ def test_two_pipelines_started_at_once_on_an_empty_state_dir_one_is_refused_nami
     assert f"--state-dir {state} is in use by another grpoflow process: pid {first.pid} " in line, line
     assert "flows.cli run --state-dir" in line, line
     assert first_status in (None, 0), logs[1 - refused].read_text()[-3000:]  # still running (or done)
+
+
+def test_processes_opening_a_new_sqlite_store_at_once_each_get_a_working_store(tmp_path):
+    """MLflow makes an sqlite store's schema on its first use. Four processes open one new store at the
+    same moment (each imports, waits for a start file, then calls `client_for` and writes an experiment):
+    every one exits 0 with its experiment in the store, none dies in the schema's migration."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    go = tmp_path / "go"
+    script = ("import sys, time, pathlib\n"
+              "from tasks import tracking\n"
+              "go = pathlib.Path(sys.argv[2])\n"
+              "(go.parent / ('ready-' + sys.argv[3])).touch()\n"
+              "while not go.exists(): time.sleep(0.01)\n"
+              "client = tracking.client_for(sys.argv[1])\n"
+              "print(tracking.ensure_experiment(client, 'opened-by-' + sys.argv[3], None))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "GRPOFLOW_"))}
+    procs = [subprocess.Popen([sys.executable, "-c", script, uri, str(go), str(i)], cwd=REPO_ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(4)]
+    deadline = time.monotonic() + GUARD_S
+    while not all((tmp_path / f"ready-{i}").exists() for i in range(4)):  # each imported MLflow: open together
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "a process did not start"
+        time.sleep(0.05)
+    go.touch()
+    outs = [p.communicate(timeout=GUARD_S) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    from mlflow import MlflowClient
+    names = {e.name for e in MlflowClient(tracking_uri=uri).search_experiments()}
+    assert {f"opened-by-{i}" for i in range(4)} <= names
