@@ -72,7 +72,7 @@ def exclusive(directory: str | os.PathLike, setting: str, *, name: str = LOCK_FI
         finally:
             _held_here[key] -= 1
         return
-    directory.mkdir(parents=True, exist_ok=True)
+    made = _make_dirs(directory)
     fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         holder = _acquire(fd, lock_file, setting, wait_s)
@@ -87,8 +87,30 @@ def exclusive(directory: str | os.PathLike, setting: str, *, name: str = LOCK_FI
         finally:
             del _held_here[key]
             os.ftruncate(fd, 0)  # a reader that finds the lock busy in between reads no stale holder
+            _remove_if_unused(made, lock_file)
     finally:
         os.close(fd)  # releases the lock
+
+
+def _make_dirs(directory: Path) -> list[Path]:
+    """Make `directory` and its missing parents; returns those it made, deepest first."""
+    missing = [d for d in (directory, *directory.parents) if not d.exists()]
+    directory.mkdir(parents=True, exist_ok=True)
+    return missing
+
+
+def _remove_if_unused(made: list[Path], lock_file: Path) -> None:
+    """Remove the directories this lock made when nothing but the lock file was written in them (a run
+    refused before it wrote anything leaves no trace). Done while still holding the lock: a process that
+    opened the file meanwhile is refused as busy, one that comes later makes a new one."""
+    if not made or any(p != lock_file for p in made[0].iterdir()):
+        return
+    lock_file.unlink(missing_ok=True)
+    for d in made:
+        try:
+            d.rmdir()
+        except OSError:  # something else was written there meanwhile
+            return
 
 
 def holder_of(lock_file: str | os.PathLike) -> dict:

@@ -14,6 +14,7 @@ what was expected, what it got). `data.prepare` adds the location (`train.jsonl:
 
 from __future__ import annotations
 
+import os
 import reprlib
 
 SHOWN_CHARACTERS = 80  # the most of a bad value an error message shows
@@ -29,6 +30,9 @@ def _bounded_repr() -> reprlib.Repr:
 _REPR = _bounded_repr()
 
 
+PATH_CHARACTERS = 4096  # the most of a path an error message shows (Linux's PATH_MAX)
+
+
 def short_repr(value: object, limit: int = SHOWN_CHARACTERS) -> str:
     """`repr(value)` cut to `limit` characters, in time and memory bounded by the cut, not by the value: an
     error message shows what was given without printing (or building) a huge value whole."""
@@ -37,6 +41,14 @@ def short_repr(value: object, limit: int = SHOWN_CHARACTERS) -> str:
     except ValueError:  # an int past Python's digit limit for str()
         shown = f"<{type(value).__name__} too long to show>"
     return shown if len(shown) <= limit else shown[:limit] + "..."
+
+
+def shown_path(value: object) -> str:
+    """A path or URI as given, whole up to `PATH_CHARACTERS` (an OS path's own limit): an error names a file
+    the user can find; anything longer, or not a path, is cut as `short_repr` cuts it."""
+    if isinstance(value, (str, os.PathLike)) and len(text := os.fspath(value)) <= PATH_CHARACTERS:
+        return repr(text)
+    return short_repr(value)
 
 
 class GrpoflowUserError(Exception):

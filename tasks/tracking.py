@@ -65,14 +65,19 @@ def _open_client(tracking_uri: str, registry_uri: str) -> MlflowClient:
     store, the first registry call the registry's), and concurrent ones would race in its migration."""
     fresh = sorted({path for uri in (tracking_uri, registry_uri) if uri not in _opened
                     and urlsplit(uri).scheme == "sqlite" and (path := local_store(uri)) is not None})
+    locked = set()
     with contextlib.ExitStack() as held:
         for path in fresh:
-            held.enter_context(exclusive(path.parent, "the MLflow store's folder", name=f".{path.name}.open.lock",
-                                         wait_s=STORE_CREATION_WAIT_S))
+            try:
+                held.enter_context(exclusive(path.parent, "the MLflow store's folder",
+                                             name=f".{path.name}.open.lock", wait_s=STORE_CREATION_WAIT_S))
+            except OSError:  # a folder that cannot be made: MLflow's own error names the store when it is used
+                continue
+            locked.add(path)
         client = MlflowClient(tracking_uri=tracking_uri, registry_uri=registry_uri)
-        if fresh:
+        if local_store(registry_uri) in locked:
             client.search_registered_models(max_results=1)
-    _opened.update((tracking_uri, registry_uri))
+    _opened.update(u for u in (tracking_uri, registry_uri) if local_store(u) not in set(fresh) - locked)
     return client
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from data.errors import short_repr
+from data.errors import short_repr, shown_path
 from data.synthetic import MAX_ROWS
 from trainer.typed_config import ConfigError, apply_overrides, build, load_yaml, to_dict
 
@@ -88,7 +88,7 @@ class DataConfig:
         if self.task is None:  # a guessed adapter would store a gsm8k worked solution as the "answer"
             if self.source != "synthetic" and not self.source.startswith("synthetic:"):
                 from data.adapters import ADAPTERS
-                raise ValueError(f"task: required for source {short_repr(self.source)} (prep --task, or "
+                raise ValueError(f"task: required for source {shown_path(self.source)} (prep --task, or "
                                  f"data.task); one of {', '.join(ADAPTERS)}")
             self.task = "synthetic"
         if self.heldout >= 1 and not float(self.heldout).is_integer():
