@@ -381,11 +381,11 @@ def prepare_inputs(recipe: Recipe) -> str:
     check_supported(recipe)
     from data.manifest import MANIFEST
     from data.prepare import prepare
-    from trainer.model_loading import resolve_model_path
+    from trainer.bootstrap import resolve_base_model
 
     if not (Path(recipe.data.out) / MANIFEST).is_file():
         prepare(**recipe.data.prepare_kwargs())
-    return resolve_model_path(recipe)
+    return resolve_base_model(recipe.model, recipe.bootstrap, recipe.data.system_prompt)["path"]
 
 
 def train_recipe(recipe: Recipe, callbacks: list[TrainerCallback] = (), progress: bool | None = None) -> dict:
