@@ -40,10 +40,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def trainer_ranks(recipe: Recipe) -> int:
-    return len(plan(recipe.rollout, node_gpus()).trainers)
-
-
 def needs_launch(recipe: Recipe, environ: Mapping[str, str] | None = None, count: int | None = None) -> bool:
     """True unless this process already is the (only) trainer rank the plan asks for, with the GPUs it wants.
     `count`: the GPUs torch sees (default: asks torch)."""
