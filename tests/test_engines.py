@@ -223,7 +223,7 @@ def test_one_model_loader_decides_pad_token_and_padding_side(tiny_base, tmp_path
 
     # The other call sites run in child processes (rollout workers, the model server): they must load through
     # the same function and never call from_pretrained themselves.
-    for module in ("trainer/grpo.py", "trainer/rollout/engines.py", "trainer/rollout/remote.py",
+    for module in ("trainer/grpo.py", "trainer/rollout/engines.py", "trainer/rollout/worker_processes.py",
                    "evaluation/serving/server.py", "tasks/evaluation.py"):
         tree = ast.parse((REPO_ROOT / module).read_text())
         called = {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", None)

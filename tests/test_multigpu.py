@@ -154,7 +154,7 @@ def test_a_lone_trainer_is_relaunched_when_its_engines_gpu_is_not_at_ordinal_zer
 
 
 def test_each_spawned_rollout_worker_starts_with_its_engines_gpus_and_no_trainer_rank(tiny_base, monkeypatch):
-    from trainer.rollout.remote import RemoteRollout
+    from trainer.rollout.worker_processes import RolloutWorkers
 
     workers = plan(RolloutConfig(engine="transformers", async_=True, rollout_devices=[6, 7], num_engines=2), 8).workers
     torchrun = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "6", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555",
@@ -162,12 +162,12 @@ def test_each_spawned_rollout_worker_starts_with_its_engines_gpus_and_no_trainer
     for name, value in torchrun.items():  # what trainer rank 0 has when it spawns its workers
         monkeypatch.setenv(name, value)
     # on this CPU machine the workers compute on the CPU; the variables are what a GPU node gives them
-    remote = RemoteRollout(tiny_base["path"], devices=["cpu", "cpu"], timeout_s=300,
-                           cuda_visible_devices=[w.cuda_visible_devices for w in workers])
+    started = RolloutWorkers(tiny_base["path"], devices=["cpu", "cpu"], timeout_s=300,
+                             cuda_visible_devices=[w.cuda_visible_devices for w in workers])
     try:
-        seen = [psutil.Process(p.pid).environ() for p in remote.procs]  # as each process was started
+        seen = [psutil.Process(p.pid).environ() for p in started.procs]  # as each process was started
     finally:
-        remote.close()
+        started.close()
     assert [env.get("CUDA_VISIBLE_DEVICES") for env in seen] == ["6", "7"]
     assert all(name not in env for env in seen for name in LAUNCHER_VARS)
     assert {name: os.environ.get(name) for name in torchrun} == torchrun  # the trainer's own is as it was

@@ -59,7 +59,7 @@ def logp_gap(model, tokenizer, prompts: list[list[int]], groups, temperature: fl
     """Max |engine log-prob - trainer log-prob| over every completion token, the trainer's side computed by the
     trainer's own function (`trainer.logprobs.completion_logps`) on the batch as the loss sees it."""
     from trainer.logprobs import completion_logps
-    from trainer.rollout_batch import RolloutBatch
+    from trainer.rollout.batch import RolloutBatch
 
     completions = [c for g in groups for c in g]
     per_row = [p for p, g in zip(prompts, groups, strict=True) for _ in g]
@@ -298,7 +298,7 @@ def test_async_vllm_worker_killed_fails_the_run_naming_it_and_a_rerun_resumes(tm
 def rollout_server(tiny_base, tmp_path_factory):
     """vLLM's OpenAI server as a rollout server: dev mode (for /collective_rpc), processed log-probs, and on CPU
     whole-prompt prefill (seeded requests)."""
-    from trainer.rollout.remote import free_port
+    from trainer.launch import free_port
 
     port, log = free_port(), tmp_path_factory.mktemp("vllm-server") / "server.log"
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_base["path"],

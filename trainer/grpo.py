@@ -23,7 +23,7 @@ Features:
 
 One "step" is one generated batch (`prompts_per_step` x `num_generations` completions) and mu optimizer
 updates on it. This file holds the setup, the loop and the update; the pieces it calls each have one home:
-where batches come from (`rollout_source`), scoring them (`scoring`), the loss (`loss`), the log-prob forward
+where batches come from (`rollout.source`), scoring them (`scoring`), the loss (`loss`), the log-prob forward
 (`logprobs`), the non-finite checks (`divergence`), checkpoints and what may resume (`checkpoint`).
 
 Raises: FileNotFoundError / DataError for missing, malformed or edited prepared data, ConfigError for bad
@@ -67,10 +67,10 @@ from trainer.placement import trainer_device
 from trainer.plugins import load_plugin
 from trainer.recipe import Recipe
 from trainer.rewards import RewardRunner, accuracy_reward, format_reward, resolve_reward
+from trainer.rollout.batch import MicroBatch, RolloutBatch
 from trainer.rollout.engines import make_engine
-from trainer.rollout.remote import cpu_threads_per_side
-from trainer.rollout_batch import MicroBatch, RolloutBatch
-from trainer.rollout_source import AsyncRollout, LocalEngine, RolloutSource, SyncRollout, step_prompts
+from trainer.rollout.source import AsyncRollout, LocalEngine, RolloutSource, SyncRollout, step_prompts
+from trainer.rollout.worker_processes import cpu_threads_per_side
 from trainer.scoring import score_groups
 from trainer.typed_config import ConfigError
 

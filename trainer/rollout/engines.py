@@ -47,7 +47,7 @@ def policy_tensors(model):
 
 class ServedByRankZero:
     """What trainer ranks other than 0 hold in server mode. Rank 0 alone talks to the server: it sends the
-    weights, generates each batch and hands it to the other ranks (`rollout_source.SyncRollout`), so this rank
+    weights, generates each batch and hands it to the other ranks (`rollout.source.SyncRollout`), so this rank
     opens no connection and no weight-transfer communicator of its own. Asking it to generate or to send weights
     is a bug, and raises."""
 

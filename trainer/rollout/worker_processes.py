@@ -151,7 +151,7 @@ def _worker_main(spec: WorkerSpec, commands, results) -> None:
         results.put(("error", spec.rank, traceback.format_exc()))
 
 
-class RemoteRollout:
+class RolloutWorkers:
     """Trainer-side handle on N rollout worker processes (ranks 1..N of the sync group)."""
 
     def __init__(self, model_path: str, dtype: str = "float32", devices: list[str] | None = None,
