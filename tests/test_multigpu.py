@@ -261,12 +261,12 @@ ENGINE_SCRIPT = """
 import json, os, sys
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 from trainer.launch import init_distributed
-from trainer.recipe import RolloutConfig
+from trainer.recipe import ModelConfig, RolloutConfig
 from trainer.rollout.base import SamplingParams
 from trainer.rollout.engines import make_engine
 cfg = RolloutConfig(engine="vllm", colocate=True, enforce_eager=True, train_devices=[0, 1], num_engines=2)
 rank, world = init_distributed(600, cfg)
-engine = make_engine(cfg, sys.argv[1], dtype="float32", seed=0, max_model_len=88)
+engine = make_engine(cfg, sys.argv[1], model_cfg=ModelConfig(dtype="float32"), seed=0, max_model_len=88)
 [(vllm_rank, vllm_local_rank)] = engine.llm.collective_rpc(lambda worker: (worker.rank, worker.local_rank))
 groups = engine.generate([[5, 6, 7], [8, 9, 10, 11]], 3, SamplingParams(max_tokens=8, temperature=1.0, seed=3))
 json.dump({"executor": engine.settings.get("distributed_executor_backend"), "vllm_rank": vllm_rank,

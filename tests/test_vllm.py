@@ -30,7 +30,7 @@ from conftest import REPO_ROOT, require_vllm, shared, stop_group
 
 require_vllm("`make test-vllm` runs these tests in .venv-vllm")
 
-from trainer.recipe import RolloutConfig  # noqa: E402
+from trainer.recipe import ModelConfig, RolloutConfig  # noqa: E402
 from trainer.rollout.base import SamplingParams  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default asks for 90% of all RAM
@@ -110,7 +110,6 @@ def wait_for_health(url: str, proc: subprocess.Popen, log: Path, timeout_s: floa
 @pytest.fixture(scope="module")
 def policy(tiny_base):
     from trainer.model_loading import load_model
-    from trainer.recipe import ModelConfig
 
     model, tokenizer = load_model(tiny_base["path"], ModelConfig(dtype="float32"), "cpu")
     return model.eval(), tokenizer
@@ -134,7 +133,8 @@ def built(tiny_base) -> dict:
     before = (torch.get_rng_state(), random.getstate())
     # a budget under one sequence, so that a batch of prompts spans many engine steps of prefill
     engine = make_engine(RolloutConfig(engine="vllm", enforce_eager=True, max_num_batched_tokens=MAX_LEN // 2),
-                         tiny_base["path"], dtype="float32", seed=0, max_model_len=MAX_LEN)
+                         tiny_base["path"], model_cfg=ModelConfig(dtype="float32"), seed=0,
+                         max_model_len=MAX_LEN)
     return {"engine": engine, "rng_before": before, "rng_after": (torch.get_rng_state(), random.getstate())}
 
 
@@ -160,10 +160,10 @@ def test_the_recipes_engine_settings_reach_vllm_and_the_callers_rng_is_kept(buil
 
 SILENT_BUDGET = """
 import json, sys
-from trainer.recipe import RolloutConfig
+from trainer.recipe import ModelConfig, RolloutConfig
 from trainer.rollout.engines import make_engine
-engine = make_engine(RolloutConfig(engine="vllm", enforce_eager=True), sys.argv[1], dtype="float32", seed=0,
-                     max_model_len=int(sys.argv[2]))
+engine = make_engine(RolloutConfig(engine="vllm", enforce_eager=True), sys.argv[1],
+                     model_cfg=ModelConfig(dtype="float32"), seed=0, max_model_len=int(sys.argv[2]))
 s = engine.llm.llm_engine.vllm_config.scheduler_config
 print(json.dumps({"settings": sorted(engine.settings), "budget": s.max_num_batched_tokens,
                   "max_num_seqs": s.max_num_seqs, "chunked": s.enable_chunked_prefill}))
@@ -339,7 +339,6 @@ def test_server_engine_with_the_checkpoint_reload_sync_matches_the_trainer(rollo
 @ROLLOUT_SERVER
 def test_train_through_a_vllm_server_syncs_the_final_weights(rollout_server, tmp_path, tiny_base, tiny_data, prompts):
     from trainer.model_loading import load_model
-    from trainer.recipe import ModelConfig
     from trainer.rollout.vllm_server import VLLMServerEngine
 
     proc = grpoflow("train", *small_run(tmp_path, tiny_base, tiny_data, f"rollout.server_url={rollout_server}",

@@ -123,7 +123,7 @@ class GRPOTrainer:
             self.ref_model.eval().requires_grad_(False)
         # synchronous rollout and held-out evaluation; it holds the current policy whenever it is used
         engine = make_engine(self.recipe.rollout, str(self.checkpoint or self.model_path), model=self.model,
-                             tokenizer=self.tokenizer, dtype=self.recipe.model.dtype, seed=cfg.seed,
+                             tokenizer=self.tokenizer, model_cfg=self.recipe.model, seed=cfg.seed,
                              max_model_len=cfg.max_prompt_length + cfg.max_completion_length)
         self.local_engine = LocalEngine(engine, self.recipe.rollout, version=self.start_step)
         self.callbacks += [load_plugin(spec, what="training callback")() for spec in cfg.callbacks]

@@ -185,13 +185,14 @@ class AsyncRollout(RolloutSource):
             return
         from trainer.placement import this_trainer
 
-        workers = this_trainer(rollout)[0].workers  # each on its engine's GPUs, or the CPU
-        self.workers = RolloutWorkers(model_path, model.dtype, [w.device for w in workers], len(workers),
-                                      rollout.sync_timeout_s, cpu_threads_per_side(len(workers)),
+        placed = this_trainer(rollout)[0].workers  # each on its engine's GPUs, or the CPU
+        self.workers = RolloutWorkers(model_path, model_cfg=model, devices=[w.device for w in placed],
+                                      num_engines=len(placed), timeout_s=rollout.sync_timeout_s,
+                                      threads_per_worker=cpu_threads_per_side(len(placed)),
                                       version=self.synced_version, rollout=rollout,
                                       max_model_len=cfg.max_prompt_length + cfg.max_completion_length,
-                                      seed=cfg.seed, cuda_visible_devices=[w.cuda_visible_devices for w in workers],
-                                      modality=model.modality)
+                                      seed=cfg.seed,
+                                      cuda_visible_devices=[w.cuda_visible_devices for w in placed])
 
     def start(self, step: int) -> None:
         if self.workers is not None:
