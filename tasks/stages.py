@@ -60,13 +60,10 @@ def prepare_data(data_cfg: dict, ctx: dict) -> dict:
 @task(name="make-base-model", cache_policy=CACHE, persist_result=True, **RETRY)
 def make_base_model(model_cfg: dict, bootstrap_cfg: dict, system_prompt: str) -> dict:
     """The base model: a hub id / path as given, or the embedded default's tiny model (made once)."""
-    model = typed_section("model", model_cfg)
-    if model.name_or_path != "bootstrap":
-        return {"path": model.name_or_path, "heldout_accuracy": None, "bootstrapped": False}
-    from trainer.bootstrap import bootstrap
+    from trainer.bootstrap import resolve_base_model
 
-    result = bootstrap(typed_section("bootstrap", bootstrap_cfg), system_prompt=system_prompt, progress=False)
-    return {**result, "bootstrapped": True}
+    return resolve_base_model(typed_section("model", model_cfg), typed_section("bootstrap", bootstrap_cfg),
+                              system_prompt, progress=False)
 
 
 @task(name="train-policy", cache_policy=CACHE, persist_result=True, retries=2, retry_delay_seconds=[5, 20])

@@ -29,25 +29,25 @@ def small(tmp_path: Path, tiny_base: dict, data: Path, *overrides: str) -> list[
 def test_weight_sync_delivers_bit_identical_weights(tiny_base):
     from transformers import AutoModelForCausalLM
 
-    from trainer.rollout.remote import RemoteRollout
     from trainer.rollout.weight_sync import sync_order
+    from trainer.rollout.worker_processes import RolloutWorkers
 
     model = AutoModelForCausalLM.from_pretrained(tiny_base["path"])
-    remote = RemoteRollout(tiny_base["path"], timeout_s=120)
+    workers = RolloutWorkers(tiny_base["path"], timeout_s=120)
     try:
         with torch.no_grad():
             for _, p in model.named_parameters():
                 p.add_(torch.randn_like(p) * 0.01)  # the trainer's weights move away from the worker's
-        before = remote.worker_weights(1)
+        before = workers.worker_weights(1)
         ours = dict(sync_order(model))
         assert not all(torch.equal(before[n], ours[n]) for n in ours)
-        seconds = remote.sync_weights(model, version=7)
-        after = remote.worker_weights(1)
+        seconds = workers.sync_weights(model, version=7)
+        after = workers.worker_weights(1)
         assert after.keys() == ours.keys() and seconds > 0
         for name, tensor in ours.items():
             assert torch.equal(after[name], tensor), name
     finally:
-        remote.close()
+        workers.close()
 
 
 def test_async_batches_are_one_step_stale_and_importance_corrected(tmp_path, tiny_base, tiny_data):

@@ -45,8 +45,8 @@ def test_two_workers_shard_the_prompts_and_return_each_group_to_its_prompt(tmp_p
     from trainer.model_loading import load_model
     from trainer.prompts import encode_prompts
     from trainer.rollout.hf_engine import HFEngine
-    from trainer.rollout.remote import cpu_threads_per_side
-    from trainer.rollout_source import AsyncRollout, prompt_indices, step_prompts
+    from trainer.rollout.source import AsyncRollout, prompt_indices, step_prompts
+    from trainer.rollout.worker_processes import cpu_threads_per_side
 
     recipe = load_recipe(TINY, small(tmp_path, tiny_base, tiny_data, "rollout.async=true", "rollout.num_engines=2",
                                      "train.prompts_per_step=5", "train.max_steps=2"))
@@ -63,7 +63,7 @@ def test_two_workers_shard_the_prompts_and_return_each_group_to_its_prompt(tmp_p
                           prompts=functools.partial(step_prompts, rows=rows, tokenizer=tokenizer, cfg=cfg),
                           score=keep, policy=lambda: (model, 0))
     with source:
-        pids = {p.pid for p in source.remote.procs}
+        pids = {p.pid for p in source.workers.procs}
         assert len(pids) == 2 and pids == worker_pids()  # two engines, each a process of its own
         source.start(0)
         source.next(0)

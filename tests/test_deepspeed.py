@@ -45,7 +45,7 @@ from trainer.logprobs import completion_logps
 from trainer.recipe import load_recipe
 from trainer.rollout.base import SamplingParams
 from trainer.rollout.hf_engine import HFEngine
-from trainer.rollout_batch import RolloutBatch
+from trainer.rollout.batch import RolloutBatch
 from trainer.model_loading import load_model
 recipe = load_recipe(sys.argv[1], sys.argv[4:])
 trainer = GRPOTrainer(recipe, sys.argv[2], recipe.data.out, progress=False)

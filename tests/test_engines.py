@@ -17,7 +17,7 @@ import torch
 
 from conftest import REPO_ROOT
 from trainer.extras import MissingExtraError
-from trainer.recipe import RolloutConfig
+from trainer.recipe import ModelConfig, RolloutConfig
 from trainer.rollout.base import SamplingParams
 from trainer.rollout.engines import make_engine
 from trainer.rollout.hf_engine import HFEngine
@@ -82,7 +82,7 @@ def test_transformers_engine_loads_from_a_checkpoint(tiny_lm, tmp_path):
     model, tokenizer = tiny_lm
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    engine = make_engine(RolloutConfig(), str(tmp_path), dtype="float32")
+    engine = make_engine(RolloutConfig(), str(tmp_path), model_cfg=ModelConfig(dtype="float32"))
     assert isinstance(engine, HFEngine) and engine.model is not model
     prompt = tokenizer("12 + 7 =", add_special_tokens=False)["input_ids"]
     greedy = SamplingParams(max_tokens=6, temperature=0.0)
@@ -90,6 +90,17 @@ def test_transformers_engine_loads_from_a_checkpoint(tiny_lm, tmp_path):
     original = HFEngine(model, tokenizer).generate([prompt], 1, greedy)[0][0]
     assert loaded.token_ids == original.token_ids
     assert loaded.logprobs == pytest.approx(original.logprobs, abs=1e-5)
+
+
+def test_transformers_engine_loads_its_copy_with_the_whole_model_config(tiny_lm, tmp_path):
+    """Every setting of the recipe's model section reaches the engine's own copy, not only its dtype."""
+    model, tokenizer = tiny_lm
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    cfg = ModelConfig(dtype="bfloat16", attn_implementation="eager")  # transformers would choose sdpa here
+    engine = make_engine(RolloutConfig(), str(tmp_path), model_cfg=cfg)
+    assert engine.model.dtype == torch.bfloat16
+    assert engine.model.config._attn_implementation == "eager"
 
 
 @pytest.mark.parametrize("engine", ["vllm", "lmdeploy"])
@@ -205,7 +216,6 @@ def test_one_model_loader_decides_pad_token_and_padding_side(tiny_base, tmp_path
     import shutil
 
     from trainer.model_loading import load_model
-    from trainer.recipe import ModelConfig
 
     copy = tmp_path / "no-pad"
     shutil.copytree(tiny_base["path"], copy)
@@ -218,12 +228,12 @@ def test_one_model_loader_decides_pad_token_and_padding_side(tiny_base, tmp_path
     model, tokenizer = load_model(str(copy), ModelConfig(dtype="float32"))
     assert tokenizer.pad_token == tokenizer.eos_token == "<|im_end|>" and tokenizer.padding_side == "left"
     assert model.dtype == torch.float32
-    engine = make_engine(RolloutConfig(), str(copy), dtype="float32")  # the transformers rollout engine
+    engine = make_engine(RolloutConfig(), str(copy), model_cfg=ModelConfig(dtype="float32"))  # transformers
     assert (engine.tokenizer.pad_token, engine.tokenizer.padding_side) == (tokenizer.pad_token, "left")
 
     # The other call sites run in child processes (rollout workers, the model server): they must load through
     # the same function and never call from_pretrained themselves.
-    for module in ("trainer/grpo.py", "trainer/rollout/engines.py", "trainer/rollout/remote.py",
+    for module in ("trainer/grpo.py", "trainer/rollout/engines.py", "trainer/rollout/worker_processes.py",
                    "evaluation/serving/server.py", "tasks/evaluation.py"):
         tree = ast.parse((REPO_ROOT / module).read_text())
         called = {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", None)

@@ -154,7 +154,7 @@ def test_a_lone_trainer_is_relaunched_when_its_engines_gpu_is_not_at_ordinal_zer
 
 
 def test_each_spawned_rollout_worker_starts_with_its_engines_gpus_and_no_trainer_rank(tiny_base, monkeypatch):
-    from trainer.rollout.remote import RemoteRollout
+    from trainer.rollout.worker_processes import RolloutWorkers
 
     workers = plan(RolloutConfig(engine="transformers", async_=True, rollout_devices=[6, 7], num_engines=2), 8).workers
     torchrun = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "6", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555",
@@ -162,12 +162,12 @@ def test_each_spawned_rollout_worker_starts_with_its_engines_gpus_and_no_trainer
     for name, value in torchrun.items():  # what trainer rank 0 has when it spawns its workers
         monkeypatch.setenv(name, value)
     # on this CPU machine the workers compute on the CPU; the variables are what a GPU node gives them
-    remote = RemoteRollout(tiny_base["path"], devices=["cpu", "cpu"], timeout_s=300,
-                           cuda_visible_devices=[w.cuda_visible_devices for w in workers])
+    started = RolloutWorkers(tiny_base["path"], devices=["cpu", "cpu"], timeout_s=300,
+                             cuda_visible_devices=[w.cuda_visible_devices for w in workers])
     try:
-        seen = [psutil.Process(p.pid).environ() for p in remote.procs]  # as each process was started
+        seen = [psutil.Process(p.pid).environ() for p in started.procs]  # as each process was started
     finally:
-        remote.close()
+        started.close()
     assert [env.get("CUDA_VISIBLE_DEVICES") for env in seen] == ["6", "7"]
     assert all(name not in env for env in seen for name in LAUNCHER_VARS)
     assert {name: os.environ.get(name) for name in torchrun} == torchrun  # the trainer's own is as it was
@@ -261,12 +261,12 @@ ENGINE_SCRIPT = """
 import json, os, sys
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 from trainer.launch import init_distributed
-from trainer.recipe import RolloutConfig
+from trainer.recipe import ModelConfig, RolloutConfig
 from trainer.rollout.base import SamplingParams
 from trainer.rollout.engines import make_engine
 cfg = RolloutConfig(engine="vllm", colocate=True, enforce_eager=True, train_devices=[0, 1], num_engines=2)
 rank, world = init_distributed(600, cfg)
-engine = make_engine(cfg, sys.argv[1], dtype="float32", seed=0, max_model_len=88)
+engine = make_engine(cfg, sys.argv[1], model_cfg=ModelConfig(dtype="float32"), seed=0, max_model_len=88)
 [(vllm_rank, vllm_local_rank)] = engine.llm.collective_rpc(lambda worker: (worker.rank, worker.local_rank))
 groups = engine.generate([[5, 6, 7], [8, 9, 10, 11]], 3, SamplingParams(max_tokens=8, temperature=1.0, seed=3))
 json.dump({"executor": engine.settings.get("distributed_executor_backend"), "vllm_rank": vllm_rank,

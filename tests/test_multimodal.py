@@ -24,8 +24,8 @@ from trainer.prompts import encode_prompts
 from trainer.recipe import ModelConfig, load_recipe
 from trainer.rewards import counting_reward
 from trainer.rollout.base import SamplingParams
+from trainer.rollout.batch import RolloutBatch
 from trainer.rollout.hf_engine import HFEngine
-from trainer.rollout_batch import RolloutBatch
 from trainer.typed_config import ConfigError
 
 VISION = ModelConfig(dtype="float32", modality="vision")

@@ -41,7 +41,7 @@ BENCH = "aime24"
 
 
 def free_port() -> int:
-    from trainer.rollout.remote import free_port as port
+    from trainer.launch import free_port as port
     return port()
 
 

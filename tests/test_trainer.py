@@ -18,7 +18,7 @@ from trainer import loss as L
 from trainer.grpo import GRPOTrainer
 from trainer.logprobs import completion_logps
 from trainer.recipe import load_recipe
-from trainer.rollout_source import prompt_indices
+from trainer.rollout.source import prompt_indices
 
 TINY = REPO_ROOT / "configs" / "tiny-cpu.yaml"
 

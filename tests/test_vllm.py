@@ -30,7 +30,7 @@ from conftest import REPO_ROOT, require_vllm, shared, stop_group
 
 require_vllm("`make test-vllm` runs these tests in .venv-vllm")
 
-from trainer.recipe import RolloutConfig  # noqa: E402
+from trainer.recipe import ModelConfig, RolloutConfig  # noqa: E402
 from trainer.rollout.base import SamplingParams  # noqa: E402
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default asks for 90% of all RAM
@@ -59,7 +59,7 @@ def logp_gap(model, tokenizer, prompts: list[list[int]], groups, temperature: fl
     """Max |engine log-prob - trainer log-prob| over every completion token, the trainer's side computed by the
     trainer's own function (`trainer.logprobs.completion_logps`) on the batch as the loss sees it."""
     from trainer.logprobs import completion_logps
-    from trainer.rollout_batch import RolloutBatch
+    from trainer.rollout.batch import RolloutBatch
 
     completions = [c for g in groups for c in g]
     per_row = [p for p, g in zip(prompts, groups, strict=True) for _ in g]
@@ -110,7 +110,6 @@ def wait_for_health(url: str, proc: subprocess.Popen, log: Path, timeout_s: floa
 @pytest.fixture(scope="module")
 def policy(tiny_base):
     from trainer.model_loading import load_model
-    from trainer.recipe import ModelConfig
 
     model, tokenizer = load_model(tiny_base["path"], ModelConfig(dtype="float32"), "cpu")
     return model.eval(), tokenizer
@@ -134,7 +133,8 @@ def built(tiny_base) -> dict:
     before = (torch.get_rng_state(), random.getstate())
     # a budget under one sequence, so that a batch of prompts spans many engine steps of prefill
     engine = make_engine(RolloutConfig(engine="vllm", enforce_eager=True, max_num_batched_tokens=MAX_LEN // 2),
-                         tiny_base["path"], dtype="float32", seed=0, max_model_len=MAX_LEN)
+                         tiny_base["path"], model_cfg=ModelConfig(dtype="float32"), seed=0,
+                         max_model_len=MAX_LEN)
     return {"engine": engine, "rng_before": before, "rng_after": (torch.get_rng_state(), random.getstate())}
 
 
@@ -160,10 +160,10 @@ def test_the_recipes_engine_settings_reach_vllm_and_the_callers_rng_is_kept(buil
 
 SILENT_BUDGET = """
 import json, sys
-from trainer.recipe import RolloutConfig
+from trainer.recipe import ModelConfig, RolloutConfig
 from trainer.rollout.engines import make_engine
-engine = make_engine(RolloutConfig(engine="vllm", enforce_eager=True), sys.argv[1], dtype="float32", seed=0,
-                     max_model_len=int(sys.argv[2]))
+engine = make_engine(RolloutConfig(engine="vllm", enforce_eager=True), sys.argv[1],
+                     model_cfg=ModelConfig(dtype="float32"), seed=0, max_model_len=int(sys.argv[2]))
 s = engine.llm.llm_engine.vllm_config.scheduler_config
 print(json.dumps({"settings": sorted(engine.settings), "budget": s.max_num_batched_tokens,
                   "max_num_seqs": s.max_num_seqs, "chunked": s.enable_chunked_prefill}))
@@ -298,7 +298,7 @@ def test_async_vllm_worker_killed_fails_the_run_naming_it_and_a_rerun_resumes(tm
 def rollout_server(tiny_base, tmp_path_factory):
     """vLLM's OpenAI server as a rollout server: dev mode (for /collective_rpc), processed log-probs, and on CPU
     whole-prompt prefill (seeded requests)."""
-    from trainer.rollout.remote import free_port
+    from trainer.launch import free_port
 
     port, log = free_port(), tmp_path_factory.mktemp("vllm-server") / "server.log"
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_base["path"],
@@ -339,7 +339,6 @@ def test_server_engine_with_the_checkpoint_reload_sync_matches_the_trainer(rollo
 @ROLLOUT_SERVER
 def test_train_through_a_vllm_server_syncs_the_final_weights(rollout_server, tmp_path, tiny_base, tiny_data, prompts):
     from trainer.model_loading import load_model
-    from trainer.recipe import ModelConfig
     from trainer.rollout.vllm_server import VLLMServerEngine
 
     proc = grpoflow("train", *small_run(tmp_path, tiny_base, tiny_data, f"rollout.server_url={rollout_server}",

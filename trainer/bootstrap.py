@@ -1,4 +1,8 @@
-"""The embedded default's tiny base model, made here because no model hub is reachable.
+"""The base model a recipe trains, and the embedded default's tiny one (made here: no model hub is reachable).
+
+`resolve_base_model` is the one place a recipe's `model.name_or_path` becomes a model to load: a hub id or
+path as given, 'bootstrap' the tiny model below (the pipeline's base-model stage and `grpoflow train` both
+call it).
 
 Features, in the order `bootstrap()` builds them:
 - a byte-level BPE tokenizer trained locally with `tokenizers` (digits split one per token, the think /
@@ -43,7 +47,7 @@ from data.manifest import (
 from data.progress import Progress, quiet_transformers_progress
 from data.schema import make_row, resolve_system_prompt
 from trainer.heldout import evaluate_greedy
-from trainer.recipe import BootstrapConfig
+from trainer.recipe import BootstrapConfig, ModelConfig
 from trainer.rewards import accuracy_reward, format_reward
 from trainer.rollout.hf_engine import HFEngine
 from trainer.vision import save_tokenizer
@@ -77,6 +81,16 @@ def _rows(task: str, n: int, seed: int, pool: str, system_prompt: str) -> list[d
     raw = synthetic.generate(n, seed, task, pool=pool)
     return [make_row(f"boot-{pool}-{i}", r["question"], r["answer"], "synthetic", system_prompt,
                      **{k: v for k, v in r.items() if k in ("nums", "target")}) for i, r in enumerate(raw)]
+
+
+def resolve_base_model(model: ModelConfig, cfg: BootstrapConfig, system_prompt: str | None = None,
+                       progress: bool | None = None) -> dict:
+    """The base model of a recipe: {"path", "heldout_accuracy", "bootstrapped", ...}. A hub id or path is
+    taken as given (nothing known of its accuracy); 'bootstrap' is `bootstrap(cfg)`, made on first use and
+    cached by its config hash, with `system_prompt` the data's (a preset name or text)."""
+    if model.name_or_path != "bootstrap":
+        return {"path": model.name_or_path, "heldout_accuracy": None, "bootstrapped": False}
+    return {**bootstrap(cfg, system_prompt=system_prompt, progress=progress), "bootstrapped": True}
 
 
 def bootstrap(cfg: BootstrapConfig, out: str | Path | None = None, system_prompt: str | None = None,

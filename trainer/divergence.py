@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.rollout_batch import MicroBatch
+from trainer.rollout.batch import MicroBatch
 
 
 class NonFiniteError(RuntimeError):

@@ -23,7 +23,7 @@ Features:
 
 One "step" is one generated batch (`prompts_per_step` x `num_generations` completions) and mu optimizer
 updates on it. This file holds the setup, the loop and the update; the pieces it calls each have one home:
-where batches come from (`rollout_source`), scoring them (`scoring`), the loss (`loss`), the log-prob forward
+where batches come from (`rollout.source`), scoring them (`scoring`), the loss (`loss`), the log-prob forward
 (`logprobs`), the non-finite checks (`divergence`), checkpoints and what may resume (`checkpoint`).
 
 Raises: FileNotFoundError / DataError for missing, malformed or edited prepared data, ConfigError for bad
@@ -67,10 +67,10 @@ from trainer.placement import trainer_device
 from trainer.plugins import load_plugin
 from trainer.recipe import Recipe
 from trainer.rewards import RewardRunner, accuracy_reward, format_reward, resolve_reward
+from trainer.rollout.batch import MicroBatch, RolloutBatch
 from trainer.rollout.engines import make_engine
-from trainer.rollout.remote import cpu_threads_per_side
-from trainer.rollout_batch import MicroBatch, RolloutBatch
-from trainer.rollout_source import AsyncRollout, LocalEngine, RolloutSource, SyncRollout, step_prompts
+from trainer.rollout.source import AsyncRollout, LocalEngine, RolloutSource, SyncRollout, step_prompts
+from trainer.rollout.worker_processes import cpu_threads_per_side
 from trainer.scoring import score_groups
 from trainer.typed_config import ConfigError
 
@@ -123,7 +123,7 @@ class GRPOTrainer:
             self.ref_model.eval().requires_grad_(False)
         # synchronous rollout and held-out evaluation; it holds the current policy whenever it is used
         engine = make_engine(self.recipe.rollout, str(self.checkpoint or self.model_path), model=self.model,
-                             tokenizer=self.tokenizer, dtype=self.recipe.model.dtype, seed=cfg.seed,
+                             tokenizer=self.tokenizer, model_cfg=self.recipe.model, seed=cfg.seed,
                              max_model_len=cfg.max_prompt_length + cfg.max_completion_length)
         self.local_engine = LocalEngine(engine, self.recipe.rollout, version=self.start_step)
         self.callbacks += [load_plugin(spec, what="training callback")() for spec in cfg.callbacks]
@@ -381,11 +381,11 @@ def prepare_inputs(recipe: Recipe) -> str:
     check_supported(recipe)
     from data.manifest import MANIFEST
     from data.prepare import prepare
-    from trainer.model_loading import resolve_model_path
+    from trainer.bootstrap import resolve_base_model
 
     if not (Path(recipe.data.out) / MANIFEST).is_file():
         prepare(**recipe.data.prepare_kwargs())
-    return resolve_model_path(recipe)
+    return resolve_base_model(recipe.model, recipe.bootstrap, recipe.data.system_prompt)["path"]
 
 
 def train_recipe(recipe: Recipe, callbacks: list[TrainerCallback] = (), progress: bool | None = None) -> dict:

@@ -10,8 +10,8 @@
   NCCL never puts two ranks on one device.
 - The launching process holds the run directory (`trainer.checkpoint.claim_run_dir`) and hands it down to
   the ranks it starts.
-- `rollout.async`: rank 0 spawns the rollout workers itself (trainer/rollout/remote.py), each with its
-  engine's CUDA_VISIBLE_DEVICES.
+- `rollout.async`: rank 0 spawns the rollout workers itself (trainer/rollout/worker_processes.py), each
+  with its engine's CUDA_VISIBLE_DEVICES.
 Multi-node: run the same `grpoflow train` command under your own launcher, e.g.
 `torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 -m flows.cli train ...`;
 the trainer picks its rank from the environment (`init_distributed`) and does not relaunch.
@@ -38,10 +38,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def trainer_ranks(recipe: Recipe) -> int:
-    return len(plan(recipe.rollout, node_gpus()).trainers)
 
 
 def needs_launch(recipe: Recipe, environ: Mapping[str, str] | None = None, count: int | None = None) -> bool:

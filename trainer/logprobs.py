@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from trainer.loss import sequence_logps
+from trainer.rollout.batch import MicroBatch
 from trainer.rollout.hf_engine import cache_kwarg
-from trainer.rollout_batch import MicroBatch
 from trainer.vision import vision_forward_kwargs
 
 

@@ -1,4 +1,5 @@
-"""Loading a model by hub id, local path, or 'bootstrap' (the embedded default's tiny model).
+"""Loading a model by hub id or local path (a recipe's 'bootstrap' is resolved to a path by
+`trainer.bootstrap.resolve_base_model` first).
 
 `load_model` is the one loader: the trainer's policy and reference, the transformers rollout engine, the
 asynchronous rollout workers, held-out evaluation and the model server all call it, so dtype, remote code,
@@ -14,21 +15,9 @@ import torch
 
 from data.manifest import MANIFEST, verify_output
 from data.progress import quiet_transformers_progress
-from trainer.recipe import ModelConfig, Recipe
+from trainer.recipe import ModelConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
-
-
-def resolve_model_path(recipe: Recipe, make_bootstrap: bool = True) -> str:
-    """The path or hub id to load; 'bootstrap' is made on first use (cached by its config hash)."""
-    name = recipe.model.name_or_path
-    if name != "bootstrap":
-        return name
-    from trainer.bootstrap import bootstrap
-
-    if not make_bootstrap:
-        return str(Path(recipe.bootstrap.out).resolve())
-    return bootstrap(recipe.bootstrap, system_prompt=recipe.data.system_prompt)["path"]
 
 
 def load_model(name_or_path: str, cfg: ModelConfig | None = None, device: str | torch.device = "cpu", *,

@@ -18,7 +18,7 @@ from trainer import loss as L
 from trainer.prompts import columns_of
 from trainer.recipe import TrainConfig
 from trainer.rewards import RewardRunner
-from trainer.rollout_batch import RolloutBatch
+from trainer.rollout.batch import RolloutBatch
 
 
 def score_groups(rewards: RewardRunner, cfg: TrainConfig, rows: list[dict], prompt_ids: list[list[int]],

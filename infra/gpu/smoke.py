@@ -111,7 +111,7 @@ def build(args):
 
 def rollout_batch(prompts, groups):
     """The trainer's batch layout for `groups` (zero advantages: only the log-prob checks use it)."""
-    from trainer.rollout_batch import RolloutBatch
+    from trainer.rollout.batch import RolloutBatch
 
     flat = [c for g in groups for c in g]
     n = len(groups[0])

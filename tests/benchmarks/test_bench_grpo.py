@@ -420,7 +420,7 @@ def run_limit(recipe, model_path: str, data_dir: Path, repeats: int) -> dict:
 
     from data.prepare import load_prepared
     from trainer.prompts import encode_prompts
-    from trainer.rollout_source import prompt_indices
+    from trainer.rollout.source import prompt_indices
 
     cfg = recipe.train
     tokenizer = AutoTokenizer.from_pretrained(model_path)

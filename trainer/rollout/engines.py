@@ -6,7 +6,7 @@ without them. Asking for one that is not installed raises `trainer.extras.Missin
 
 from __future__ import annotations
 
-from trainer.recipe import RolloutConfig
+from trainer.recipe import ModelConfig, RolloutConfig
 from trainer.rollout.base import RolloutEngine
 
 
@@ -47,7 +47,7 @@ def policy_tensors(model):
 
 class ServedByRankZero:
     """What trainer ranks other than 0 hold in server mode. Rank 0 alone talks to the server: it sends the
-    weights, generates each batch and hands it to the other ranks (`rollout_source.SyncRollout`), so this rank
+    weights, generates each batch and hands it to the other ranks (`rollout.source.SyncRollout`), so this rank
     opens no connection and no weight-transfer communicator of its own. Asking it to generate or to send weights
     is a bug, and raises."""
 
@@ -72,9 +72,10 @@ def _trainer_rank() -> int:
 
 
 def make_engine(cfg: RolloutConfig, model_path: str, *, model=None, tokenizer=None, device: str | None = None,
-                dtype: str = "auto", seed: int = 0, lmdeploy_backend: str = "pytorch",
+                model_cfg: ModelConfig | None = None, seed: int = 0, lmdeploy_backend: str = "pytorch",
                 max_model_len: int | None = None) -> RolloutEngine:
-    """The engine `cfg.engine` names, built for `model_path`.
+    """The engine `cfg.engine` names, built for `model_path` with the recipe's `model_cfg` (its dtype, remote
+    code and attention implementation; when None, the defaults with the checkpoint's own dtype, "auto").
 
     `device` None asks for this trainer rank's own engine, placed by `trainer.placement`: the recipe's engine
     on the rank's GPU (colocated, or synchronous without rollout devices; with several ranks vLLM runs under
@@ -90,6 +91,7 @@ def make_engine(cfg: RolloutConfig, model_path: str, *, model=None, tokenizer=No
     `cfg.server_url`. lmdeploy: an in-process pipeline; `lmdeploy_backend` "pytorch" is the one whose
     weights can be updated in place.
     """
+    model_cfg = model_cfg or ModelConfig(dtype="auto")
     kind, executor = cfg.engine, None
     if device is None:
         from trainer.placement import this_trainer
@@ -103,9 +105,8 @@ def make_engine(cfg: RolloutConfig, model_path: str, *, model=None, tokenizer=No
 
         if model is None or tokenizer is None:
             from trainer.model_loading import load_model
-            from trainer.recipe import ModelConfig
 
-            model, tokenizer = load_model(model_path, ModelConfig(dtype=dtype), device)
+            model, tokenizer = load_model(model_path, model_cfg, device)
             model.eval()
         return HFEngine(model, tokenizer)
     if kind == "vllm":
@@ -120,12 +121,16 @@ def make_engine(cfg: RolloutConfig, model_path: str, *, model=None, tokenizer=No
         from trainer.rollout.vllm_engine import VLLMEngine
 
         extra = {"distributed_executor_backend": executor} if executor else {}
-        return VLLMEngine(model_path, dtype=dtype, seed=seed, **vllm_settings(cfg, max_model_len), **extra)
+        if model_cfg.trust_remote_code:  # False is vLLM's default: left out, its settings stay as they were
+            extra["trust_remote_code"] = True
+        return VLLMEngine(model_path, dtype=model_cfg.dtype, seed=seed, **vllm_settings(cfg, max_model_len),
+                          **extra)
     if kind == "lmdeploy":
         if cfg.server_url:
             raise ValueError("rollout.server_url is supported for engine: vllm only; LMDeploy runs in-process here")
         from trainer.rollout.lmdeploy_engine import LMDeployEngine
 
         return LMDeployEngine(model_path, backend=lmdeploy_backend, tensor_parallel_size=cfg.tensor_parallel_size,
-                              gpu_memory_utilization=cfg.gpu_memory_utilization, dtype=dtype, seed=seed)
+                              gpu_memory_utilization=cfg.gpu_memory_utilization, dtype=model_cfg.dtype,
+                              seed=seed)
     raise ValueError(f"rollout.engine must be transformers, vllm or lmdeploy, got {cfg.engine!r}")

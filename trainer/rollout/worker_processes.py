@@ -31,7 +31,7 @@ import torch
 import torch.multiprocessing as mp
 
 from trainer.launch import free_port
-from trainer.recipe import RolloutConfig
+from trainer.recipe import ModelConfig, RolloutConfig
 from trainer.rollout.base import SamplingParams
 
 
@@ -39,13 +39,14 @@ class RolloutWorkerError(RuntimeError):
     """A rollout worker died, timed out or failed; the message names it."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class WorkerSpec:
+    """What one rollout worker process is started with (pickled to the spawned process)."""
     rank: int
     world_size: int
     port: int
     model_path: str
-    dtype: str
+    model_cfg: ModelConfig  # the recipe's, whole: dtype, modality, remote code, attention implementation
     device: str
     threads: int
     timeout_s: float
@@ -55,7 +56,6 @@ class WorkerSpec:
     seed: int = 0
     cuda_visible_devices: str | None = None  # what the worker is started with (None: the trainer's)
     backend: str = "gloo"  # of the sync group, the same for all its members (`sync_backend`)
-    modality: str = "text"  # "vision": an image-text model, whose prompts carry their images
 
 
 # torchrun's variables for its own ranks: a rollout worker is not one (vLLM would read them as its own)
@@ -109,7 +109,6 @@ def _worker_main(spec: WorkerSpec, commands, results) -> None:
     The transformers engine generates with the very module the weights are received into. vLLM and LMDeploy
     hold their own copy: the received weights are handed to the engine's own update path."""
     from trainer.model_loading import load_model
-    from trainer.recipe import ModelConfig
     from trainer.rollout.engines import load_policy, make_engine
     from trainer.rollout.weight_sync import SyncGroup, receive_weights, sync_order
 
@@ -117,12 +116,12 @@ def _worker_main(spec: WorkerSpec, commands, results) -> None:
     try:
         group = SyncGroup("127.0.0.1", spec.port, spec.rank, spec.world_size, spec.timeout_s, spec.backend)
         # the trainer verified this checkpoint before it started the workers
-        model, tokenizer = load_model(spec.model_path, ModelConfig(dtype=spec.dtype, modality=spec.modality),
+        model, tokenizer = load_model(spec.model_path, spec.model_cfg,
                                       receive_device(spec.rollout, spec.device), verify=False)
         model.eval()
         rollout = spec.rollout or RolloutConfig()
         engine = make_engine(rollout, spec.model_path, model=model, tokenizer=tokenizer, device=spec.device,
-                             dtype=spec.dtype, seed=spec.seed, max_model_len=spec.max_model_len)
+                             model_cfg=spec.model_cfg, seed=spec.seed, max_model_len=spec.max_model_len)
         engine.version = spec.version
         results.put(("ready", spec.rank, None))
         parent = os.getppid()
@@ -151,15 +150,17 @@ def _worker_main(spec: WorkerSpec, commands, results) -> None:
         results.put(("error", spec.rank, traceback.format_exc()))
 
 
-class RemoteRollout:
+class RolloutWorkers:
     """Trainer-side handle on N rollout worker processes (ranks 1..N of the sync group)."""
 
-    def __init__(self, model_path: str, dtype: str = "float32", devices: list[str] | None = None,
-                 num_engines: int = 1, timeout_s: float = 600.0, threads_per_worker: int = 1, version: int = 0,
+    def __init__(self, model_path: str, *, model_cfg: ModelConfig | None = None,
+                 devices: list[str] | None = None, num_engines: int = 1, timeout_s: float = 600.0,
+                 threads_per_worker: int = 1, version: int = 0,
                  rollout: RolloutConfig | None = None, max_model_len: int | None = None, seed: int = 0,
-                 cuda_visible_devices: list[str | None] | None = None, modality: str = "text"):
-        """`devices[k]` is worker k+1's device as it sees it, started with `cuda_visible_devices[k]`
-        (None: the trainer's own; see `trainer.placement`)."""
+                 cuda_visible_devices: list[str | None] | None = None):
+        """`model_cfg`: the recipe's model settings (`ModelConfig()`'s defaults when None). `devices[k]` is
+        worker k+1's device as it sees it, started with `cuda_visible_devices[k]` (None: the trainer's own;
+        see `trainer.placement`)."""
         from trainer.rollout.weight_sync import SyncGroup
 
         self.timeout_s = timeout_s
@@ -175,8 +176,11 @@ class RemoteRollout:
         self.commands, self.procs = [], []
         for rank, (device, mask) in enumerate(zip(devices, masks, strict=True), start=1):
             q = ctx.Queue()
-            spec = WorkerSpec(rank, world, port, model_path, dtype, device, threads_per_worker, timeout_s, version,
-                              rollout, max_model_len, seed, mask, self.backend, modality)
+            spec = WorkerSpec(rank=rank, world_size=world, port=port, model_path=model_path,
+                              model_cfg=model_cfg or ModelConfig(), device=device, threads=threads_per_worker,
+                              timeout_s=timeout_s, version=version, rollout=rollout,
+                              max_model_len=max_model_len, seed=seed, cuda_visible_devices=mask,
+                              backend=self.backend)
             p = ctx.Process(target=_worker_main, args=(spec, q, self.results), name=f"rollout-worker-{rank}",
                             daemon=True)
             with worker_environment(mask):  # a spawned child starts with the environment of this moment

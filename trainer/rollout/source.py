@@ -28,10 +28,10 @@ from trainer.deepspeed_setup import whole_parameters
 from trainer.prompts import encode_prompts
 from trainer.recipe import ModelConfig, RolloutConfig, TrainConfig
 from trainer.rollout.base import SamplingParams
+from trainer.rollout.batch import RolloutBatch
 from trainer.rollout.engines import load_policy, policy_tensors, served_by_rank_zero, shares_weights
-from trainer.rollout.remote import RemoteRollout, cpu_threads_per_side
 from trainer.rollout.weight_sync import sync_tensors
-from trainer.rollout_batch import RolloutBatch
+from trainer.rollout.worker_processes import RolloutWorkers, cpu_threads_per_side
 
 StepPrompts = tuple[list[dict], list[list[int]], SamplingParams]
 Score = Callable[[list[dict], list[list[int]], list, dict], tuple[RolloutBatch, dict]]
@@ -179,26 +179,27 @@ class AsyncRollout(RolloutSource):
     def __init__(self, rollout: RolloutConfig, cfg: TrainConfig, model_path: str, model: ModelConfig, *,
                  prompts: Callable[[int], StepPrompts], score: Score, policy: Callable, rank: int, world: int):
         self.prompts, self.score, self.policy, self.cfg = prompts, score, policy, cfg
-        self.overlap, self.world, self.remote, self.inflight = rollout.max_staleness >= 1, world, None, None
+        self.overlap, self.world, self.workers, self.inflight = rollout.max_staleness >= 1, world, None, None
         self.synced_version = policy()[1]  # on every rank: the others follow rank 0's syncs (ZeRO-3 gathers)
         if rank != 0:
             return
         from trainer.placement import this_trainer
 
-        workers = this_trainer(rollout)[0].workers  # each on its engine's GPUs, or the CPU
-        self.remote = RemoteRollout(model_path, model.dtype, [w.device for w in workers], len(workers),
-                                    rollout.sync_timeout_s, cpu_threads_per_side(len(workers)),
-                                    version=self.synced_version, rollout=rollout,
-                                    max_model_len=cfg.max_prompt_length + cfg.max_completion_length, seed=cfg.seed,
-                                    cuda_visible_devices=[w.cuda_visible_devices for w in workers],
-                                    modality=model.modality)
+        placed = this_trainer(rollout)[0].workers  # each on its engine's GPUs, or the CPU
+        self.workers = RolloutWorkers(model_path, model_cfg=model, devices=[w.device for w in placed],
+                                      num_engines=len(placed), timeout_s=rollout.sync_timeout_s,
+                                      threads_per_worker=cpu_threads_per_side(len(placed)),
+                                      version=self.synced_version, rollout=rollout,
+                                      max_model_len=cfg.max_prompt_length + cfg.max_completion_length,
+                                      seed=cfg.seed,
+                                      cuda_visible_devices=[w.cuda_visible_devices for w in placed])
 
     def start(self, step: int) -> None:
-        if self.remote is not None:
+        if self.workers is not None:
             self._submit(step)
 
     def next(self, step: int) -> tuple[RolloutBatch, dict]:
-        if self.remote is not None:
+        if self.workers is not None:
             scored = self._collect(step)
         else:  # another trainer rank: rank 0 syncs the workers inside _collect when overlapping
             scored = (None, None)
@@ -214,7 +215,7 @@ class AsyncRollout(RolloutSource):
         """Without overlap, the next batch starts only now, from the updated weights."""
         if self.overlap:
             return
-        if self.remote is not None:
+        if self.workers is not None:
             metrics["timing/weight_sync_s"] = self._sync_and_submit(step + 1)
         else:
             self._follow()
@@ -225,22 +226,22 @@ class AsyncRollout(RolloutSource):
                 "rollout_idle_fraction": max(0.0, 1 - metrics["timing/rollout_s"] / step_s)}
 
     def close(self) -> None:
-        if self.remote is not None:
-            self.remote.close()
+        if self.workers is not None:
+            self.workers.close()
 
     def _submit(self, step: int) -> None:
         if step >= self.cfg.max_steps:
             return
         rows, prompt_ids, sampling = self.prompts(step)
         self.inflight = (rows, prompt_ids)
-        self.remote.submit(step, prompt_ids, self.cfg.num_generations, sampling)
+        self.workers.submit(step, prompt_ids, self.cfg.num_generations, sampling)
 
     def _sync_and_submit(self, next_step: int) -> float:
         """Send the current weights (unless the workers hold them already), then request `next_step`."""
         seconds = 0.0
         model, version = self.policy()
         if version != self.synced_version:
-            seconds = self.remote.sync_weights(model, version)
+            seconds = self.workers.sync_weights(model, version)
             self.synced_version = version
         self._submit(next_step)
         return seconds
@@ -258,10 +259,10 @@ class AsyncRollout(RolloutSource):
     def _collect(self, step: int) -> tuple[RolloutBatch, dict]:
         """Batch `step`, scored, with timing metrics; starts the next batch when overlapping."""
         rows, prompt_ids = self.inflight
-        t0, busy_before = time.perf_counter(), self.remote.busy_s
-        groups = self.remote.collect(step)
+        t0, busy_before = time.perf_counter(), self.workers.busy_s
+        groups = self.workers.collect(step)
         # workers generate their shards in parallel: the batch kept each of them busy this long on average
-        busy = (self.remote.busy_s - busy_before) / len(self.remote.procs)
+        busy = (self.workers.busy_s - busy_before) / len(self.workers.procs)
         metrics = {"timing/wait_s": time.perf_counter() - t0, "timing/rollout_s": busy, "timing/weight_sync_s": 0.0}
         if self.overlap:
             metrics["timing/weight_sync_s"] = self._sync_and_submit(step + 1)
