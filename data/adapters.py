@@ -5,15 +5,18 @@ An adapter is a function `(raw, base_dir) -> Example`. It checks the fields it n
 the location and turns the `Example` into a prepared row with `data.schema.make_row`.
 
 - gsm8k: `question`; answer = the number after the last `####` of `answer`, commas dropped ("1,000" -> "1000").
-- math (MATH, MATH-500, AIME): `problem`; answer = `answer`, else the last \\boxed{} of `solution`;
-  columns `subject`, `level`, `unique_id` when present.
-- numina (NuminaMath-TIR): `problem`; answer = the last \\boxed{} of `solution`; `messages` is ignored.
+- math (MATH, MATH-500, AIME): `problem`; answer = `answer` (read like a model answer when it carries
+  `<answer>` tags or a \\boxed{}), else the final answer of `solution`; columns `subject`, `level`,
+  `unique_id` when present.
+- numina (NuminaMath-TIR): `problem`; answer = the final answer of `solution`; `messages` is ignored.
 - countdown: `nums` + `target`, or `input` ("30,100,93") + `output` ("23"); answer = str(target);
   columns `nums`, `target`.
 - counting (CLEVR-style, R1-V / CLEVR-70k-Counting layout): `images`/`image`/`image_path` (one image or a list:
   paths relative to the source file, file:// or http(s):// URLs, bytes or base64; each must decode, see
   `data.images`), `problem`/`question` (default COUNTING_QUESTION), `count`/`answer`/`solution` (3, "3" or
-  "<answer> 3 </answer>"); column `images` (one reference per image), and `videos` / `audios` as given.
+  "<answer> 3 </answer>", read like a model answer: the last block counts); column `images` (one reference per image), and `videos` / `audios` as given.
+- A gold answer in `<answer>` tags or a \\boxed{} is read by `data.answers.extract_answer`, the reader the
+  rewards use for the model's answer, so both sides read `\\boxed {12}` and repeated tags alike.
 - synthetic: `question`, `answer`, columns `nums`, `target`, `solution` when present; `split` is honoured.
 """
 
@@ -24,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from data.answers import last_boxed
+from data.answers import extract_answer
 from data.errors import DataError, FieldError
 from data.images import image_refs
 
@@ -41,7 +44,6 @@ class Example:
 Adapter = Callable[[Mapping, "Path | None"], Example]
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 COUNTDOWN_PROMPT = (
     "Using the numbers {nums}, create an equation that equals {target}. You can use basic arithmetic operations "
     "(+, -, *, /) and each number exactly once. Show your work in <think> </think> tags and return the final "
@@ -85,6 +87,7 @@ def gsm8k(raw: Mapping, base_dir: Path | None = None) -> Example:
 def math(raw: Mapping, base_dir: Path | None = None) -> Example:
     question = _text(raw, "problem", "question")
     answer = str(raw["answer"]).strip() if raw.get("answer") is not None else ""
+    answer = _read(answer)
     if not answer:
         if raw.get("solution") is None:
             empty = "empty" if "answer" in raw else "missing"
@@ -102,7 +105,7 @@ def numina(raw: Mapping, base_dir: Path | None = None) -> Example:
 
 def _boxed_answer(raw: Mapping) -> str:
     solution = _text(raw, "solution", expected="a solution with a \\boxed{...} answer")
-    answer = last_boxed(solution)
+    answer = extract_answer(solution)
     if answer is None:
         raise FieldError("solution", "a solution with a \\boxed{...} answer", solution[-80:],
                          reason="no \\boxed{} answer in 'solution'")
@@ -110,6 +113,12 @@ def _boxed_answer(raw: Mapping) -> str:
         raise FieldError("solution", "a non-empty \\boxed{...} answer", solution[-80:],
                          reason="empty field 'answer'")
     return answer
+
+
+def _read(text: str) -> str:
+    """A gold answer's text as the rewards read a model's: the answer inside tags or a box, else as given."""
+    answer = extract_answer(text)
+    return text if answer is None else answer
 
 
 def countdown(raw: Mapping, base_dir: Path | None = None) -> Example:
@@ -160,8 +169,8 @@ def counting(raw: Mapping, base_dir: Path | None = None) -> Example:
     if name is None:
         raise FieldError("count", expected, reason="missing field 'count'")
     value = raw[name]
-    if isinstance(value, str) and (tag := _ANSWER_TAG.search(value)):
-        value = tag.group(1)
+    if isinstance(value, str):
+        value = _read(value)
     count = _int(value, name, expected)
     if count < 0:
         raise FieldError(name, expected, count)

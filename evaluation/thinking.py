@@ -60,7 +60,7 @@ from data.errors import MissingPathError
 from data.manifest import write_jsonl_atomic
 from data.progress import progress_enabled
 from evaluation.thinking_inputs import Sample, default_out, read_samples
-from trainer.rewards import final_answer, grade_math_answer
+from trainer.rewards import extract_answer, grade_math_answer
 
 SWITCH_PHRASES = ("alternatively", "but wait", "let me reconsider", "another way", "another approach",
                   "another method", "another angle")  # ThinkBench's list
@@ -151,7 +151,7 @@ def first_correct_paragraph(prefixes: Sequence[str], golds: Sequence[str], judge
         if judge is not None:
             correct = any(judge(prefix, gold) for gold in golds)
         else:
-            answer = final_answer(prefix)
+            answer = extract_answer(prefix)
             if answer is None:
                 continue
             if answer not in verdicts:

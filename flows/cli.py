@@ -217,6 +217,17 @@ def _comparison(args, baseline: str, candidate: str, **gate) -> dict:
     return run_comparison_for_command(baseline, candidate, recipe, services.flow_parameters(), **gate)
 
 
+def cmd_recipe_explain(args) -> dict | None:
+    from trainer.recipe_help import explain, render_markdown, render_text
+
+    sections = explain(args.key)
+    if args.markdown:  # printed as is: docs/recipe.md is this output
+        print(render_markdown(sections), end="")
+        return None
+    _say(args, render_text(sections))
+    return {"key": args.key, "fields": [doc.as_dict() for section in sections for doc in section.fields]}
+
+
 def _say(args, text: str) -> None:
     from data.redact import redact
     print(redact(text), file=sys.stderr if args.json else sys.stdout, flush=True)
@@ -312,6 +323,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dir", help="where the embedded stores live (default .state, or $GRPOFLOW_STATE)")
     _add_recipe_args(p, DEFAULT_CONFIG)
     p.set_defaults(func=cmd_gate)
+
+    p = sub.add_parser("recipe", help="what a recipe's fields mean")
+    actions = p.add_subparsers(dest="recipe_command", metavar="explain", required=True)
+    p = actions.add_parser("explain", help="each field's type, default, bounds and help")
+    p.add_argument("key", nargs="?", help="a field (train.learning_rate) or a section (rollout); default: all")
+    output = p.add_mutually_exclusive_group()
+    output.add_argument("--markdown", action="store_true", help="the reference table of docs/recipe.md")
+    output.add_argument("--json", action="store_true", help="print the fields as JSON as the last line of stdout")
+    p.set_defaults(func=cmd_recipe_explain)
 
     from flows.deployments import add_commands  # deploy, serve
     add_commands(sub, number)

@@ -127,9 +127,9 @@ def heldout_answers_plot(recipe, base: str, checkpoint: str, data_dir: str, out:
 
 
 def _answer(sample: dict) -> str:
-    from data.answers import final_answer
+    from data.answers import extract_answer
 
-    return (final_answer(sample["completion"]) or "-")[:8]
+    return (extract_answer(sample["completion"]) or "-")[:8]
 
 
 def _stage_run(client, ctx: dict, stage: str, output_dir: str) -> str:

@@ -225,14 +225,24 @@ class RegistryConfig:
 class Recipe:
     name: str = _f("unnamed", "recipe name")
     description: str = _f("", "what this recipe is for")
-    model: ModelConfig = field(default_factory=ModelConfig)
-    bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    rewards: list[RewardSpec] = field(default_factory=lambda: [RewardSpec("format", 0.5), RewardSpec("accuracy", 1.0)])
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    registry: RegistryConfig = field(default_factory=RegistryConfig)
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={
+        "help": "the base model trained: where it comes from and how it is loaded"})
+    bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig, metadata={
+        "help": "the built-in tiny base model (model.name_or_path: bootstrap), made and cached locally"})
+    data: DataConfig = field(default_factory=DataConfig, metadata={
+        "help": "the dataset: its source, task adapter, held-out split and system prompt (grpoflow prep)"})
+    train: TrainConfig = field(default_factory=TrainConfig, metadata={
+        "help": "GRPO training: batch, loss, optimiser, checkpoints (TRL's GRPOConfig names)"})
+    rollout: RolloutConfig = field(default_factory=RolloutConfig, metadata={
+        "help": "generation of the completions: engine, devices, async mode, weight sync"})
+    rewards: list[RewardSpec] = field(
+        default_factory=lambda: [RewardSpec("format", 0.5), RewardSpec("accuracy", 1.0)],
+        metadata={"help": "the reward functions, summed with their weights; each entry is a name, a weight "
+                          "and args; at least one"})
+    eval: EvalConfig = field(default_factory=EvalConfig, metadata={
+        "help": "the EvalScope benchmarks run on a trained model (grpoflow eval, grpoflow run)"})
+    registry: RegistryConfig = field(default_factory=RegistryConfig, metadata={
+        "help": "where a trained model is registered in MLflow"})
 
     def __post_init__(self):
         if not self.rewards:

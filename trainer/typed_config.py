@@ -45,7 +45,22 @@ def yaml_key(f: dataclasses.Field) -> str:
 
 
 def field_help(f: dataclasses.Field) -> str:
+    """The help text a field declares (`metadata={"help": ...}`), or ""."""
     return f.metadata.get("help", "")
+
+
+BOUND_KEYS = ("gt", "ge", "lt", "le", "min_len")  # the metadata keys `build` checks a value against
+
+
+def field_bounds(f: dataclasses.Field) -> dict[str, float]:
+    """The bounds a field declares, by metadata key (`{"ge": 1, "le": 65536}`); empty when it has none."""
+    return {name: f.metadata[name] for name in BOUND_KEYS if name in f.metadata}
+
+
+def did_you_mean(key: str, valid: typing.Iterable[str]) -> str:
+    """` (did you mean 'X'?)` naming the valid key closest to a misspelled one, or "" when none is close."""
+    close = difflib.get_close_matches(key, list(valid), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def _where(source: str, key: str) -> str:
@@ -62,8 +77,7 @@ def build(cls: type, data: Any, source: str = "<config>", prefix: str = ""):
     unknown = [k for k in data if k not in fields]
     if unknown:
         key = _key_text(unknown[0])
-        close = difflib.get_close_matches(key, list(fields), n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        hint = did_you_mean(key, fields)
         raise ConfigError(f"{source}: unknown key '{prefix}{key}'{hint}; valid keys"
                           f"{' in ' + repr(prefix[:-1]) if prefix else ''}: {', '.join(sorted(fields))}")
     hints = get_type_hints(cls)
@@ -188,6 +202,22 @@ def _type_name(tp: Any) -> str:
     if isinstance(tp, type):
         return tp.__name__
     return str(tp).replace("typing.", "")
+
+
+def type_text(tp: Any) -> str:
+    """A field's type as a recipe's reader writes it: `float | None`, `list[int]`, `"grpo" | "dapo"`."""
+    origin, args = get_origin(tp), get_args(tp)
+    if origin in (Union, types.UnionType):
+        named = [type_text(a) for a in args if a is not type(None)]
+        return " | ".join(named + (["None"] if type(None) in args else []))
+    if origin is Literal:  # strings double-quoted, as the defaults are shown
+        return " | ".join(f'"{a}"' if isinstance(a, str) else repr(a) for a in args)
+    if origin in (list, tuple) or origin is dict:
+        inner = ", ".join(type_text(a) for a in args)
+        return f"{origin.__name__}[{inner}]" if args else origin.__name__
+    if tp is Any:
+        return "any"
+    return tp.__name__ if isinstance(tp, type) else _type_name(tp)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -5,7 +5,7 @@ Built-ins by name (`resolve_reward`): format, accuracy, countdown, counting, cos
 This package is also the one answer checker `evaluation/` uses for scoring.
 """
 
-from data.answers import extract_answer, final_answer, last_boxed
+from data.answers import extract_answer
 from trainer.rewards.countdown import countdown_reward, evaluate_expression
 from trainer.rewards.math_grader import grade_answer, parse_math
 from trainer.rewards.math_rewards import accuracy_reward, counting_reward, format_reward, grade_math_answer
@@ -27,11 +27,9 @@ __all__ = [
     "counting_reward",
     "evaluate_expression",
     "extract_answer",
-    "final_answer",
     "format_reward",
     "grade_answer",
     "grade_math_answer",
-    "last_boxed",
     "parse_math",
     "repetition",
     "resolve_reward",

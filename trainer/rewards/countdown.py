@@ -4,7 +4,8 @@ Model text is never executed: a small recursive-descent parser reads the express
 `fractions.Fraction`, so `4/3*3` is exactly 4 and nothing the model writes can run.
 
 Accepted (anything else is 0.0):
-- the content of the final `<answer>` block (no `\\boxed{}` fallback: the countdown prompt asks for the tag);
+- the final answer as `data.answers.extract_answer` reads it for every reward (the last `<answer>` block,
+  else the last `\\boxed{}`);
 - ASCII digits, `+ - * / ( )` and spaces only, at most `MAX_EXPRESSION_CHARS` characters and `MAX_LITERALS`
   numbers; no `**`, no unicode digits, no decimals;
 - binary operators only: no unary minus or plus, since a countdown expression combines the given numbers and
@@ -43,7 +44,8 @@ class CountdownRejected(ValueError):
 def countdown_reward(
     prompts: Sequence, completions: Sequence, nums: Sequence, target: Sequence, **_columns
 ) -> list[float | None]:
-    """1.0 if the `<answer>` expression uses each of `nums` exactly once and equals `target`; else 0.0."""
+    """1.0 if the final answer is an expression using each of `nums` exactly once and equal to `target`;
+    else 0.0."""
     rewards: list[float | None] = []
     for text, row_nums, row_target in zip(completion_texts(completions), nums, target, strict=True):
         gold = _gold(row_nums, row_target)

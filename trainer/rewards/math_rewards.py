@@ -1,7 +1,8 @@
 """The format reward and the math-verify based correctness rewards (`format`, `accuracy`, `counting`).
 
 All three follow TRL's reward signature, `f(prompts, completions, **columns) -> list[float | None]`, read the gold
-answer from the `answer` column, and ignore every other column.
+answer from the `answer` column, and ignore every other column. The model's answer, and a gold answer written
+in tags or a box, are read by `data.answers.extract_answer` (last `<answer>` block, else last `\\boxed{}`).
 
 `accuracy` and `counting` return None only when the gold answer is missing or unparseable (the row's fault, not the
 model's); a missing, empty, unparseable or too costly model answer is 0.0. The math-verify comparison itself runs
@@ -13,7 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from data.answers import final_answer
+from data.answers import extract_answer
 from trainer.rewards.math_grader import grade_answer
 from trainer.rewards.parsing import completion_texts, with_column
 
@@ -49,11 +50,11 @@ def counting_reward(prompts: Sequence, completions: Sequence, answer: Sequence, 
     string (so a gold answer math-verify cannot read is still gradable); None only if the gold is empty."""
     rewards: list[float | None] = []
     for text, gold in with_column("counting", completions, answer=answer):
-        gold_text = "" if gold is None else str(gold).strip()
+        gold_text = _gold_text(gold)
         if not gold_text:
             rewards.append(None)
             continue
-        predicted = final_answer(text)
+        predicted = extract_answer(text)
         if not predicted or len(predicted) > MAX_ANSWER_CHARS:
             rewards.append(0.0)
         elif predicted == gold_text:
@@ -65,11 +66,18 @@ def counting_reward(prompts: Sequence, completions: Sequence, answer: Sequence, 
 
 def grade_math_answer(text: str, gold: object) -> float | None:
     """Correctness of one completion's final answer against one gold answer: 1.0, 0.0, or None (bad gold)."""
-    gold_text = "" if gold is None else str(gold).strip()
+    gold_text = _gold_text(gold)
     if not gold_text:
         return None
-    predicted = final_answer(text) or ""
+    predicted = extract_answer(text) or ""
     if len(predicted) > MAX_ANSWER_CHARS:
         predicted = ""
     # Even with no answer the grader is asked: it alone tells 0.0 (no answer) from None (unreadable gold).
     return grade_answer(gold_text, predicted)
+
+
+def _gold_text(gold: object) -> str:
+    """The gold answer as text; one written in `<answer>` tags or a `\\boxed{}` is read like a model's."""
+    text = "" if gold is None else str(gold).strip()
+    answer = extract_answer(text)
+    return text if answer is None else answer
