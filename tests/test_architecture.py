@@ -22,7 +22,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 LAYERS = ("data", "trainer", "evaluation", "tasks", "flows", "infra")  # bottom to top
-LOWEST_LAYER_FOR = {"prefect": "tasks", "mlflow": "tasks"}  # third-party packages kept out of the lower layers
+# third-party packages kept out of the lower layers: each with the lowest layer that may import it
+LOWEST_LAYER_FOR = {"prefect": "tasks", "mlflow": "tasks"}
 
 
 def _modules(root: Path) -> dict[str, Path]:
@@ -65,7 +66,8 @@ def _project_module(name: str, modules: dict[str, Path]) -> str | None:
 def _graph(modules: dict[str, Path]) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
     """(every dotted name each module imports, the project modules each module depends on)."""
     imports = {m: _imported_names(m, p) for m, p in modules.items()}
-    graph = {m: {d for n in names if (d := _project_module(n, modules)) and d != m} for m, names in imports.items()}
+    graph = {m: {d for n in names if (d := _project_module(n, modules)) and d != m}
+             for m, names in imports.items()}
     return imports, graph
 
 
