@@ -1,4 +1,5 @@
-"""Shared fixtures: the real reference data in ../shared/data and one tiny base model per test session."""
+"""Shared fixtures and helpers: the real reference data in ../shared/data, one tiny base model per test
+session, the `grpoflow` command in a subprocess, and loopback servers and ports."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -145,3 +147,70 @@ def stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     return proc.returncode
+
+
+# ---- the `grpoflow` command in a subprocess, ports that refuse or never answer, and tree digests --------
+
+CLI_GUARD_S = 240  # a command that hangs fails its test here instead of hanging the suite
+URL_SECRET = "s3cr3t-Pa55"  # a password in a URL: checked never to be printed
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """Every path under `root` (hidden ones too) with its sha256 ('dir' for directories)."""
+    from data.manifest import sha256_file
+    return {p.relative_to(root).as_posix(): "dir" if p.is_dir() else sha256_file(p) for p in root.rglob("*")}
+
+
+def clean_env(extra: dict | None = None) -> dict:
+    """This environment without the caller's Prefect, MLflow and grpoflow settings (each test states its own),
+    with this checkout on PYTHONPATH and loopback bypassing any proxy; `extra` on top."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "GRPOFLOW_"))}
+    env.update(PYTHONPATH=str(REPO_ROOT), NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")
+    env.update(extra or {})
+    return env
+
+
+def grpoflow_run(*args: str, env: dict | None = None, prefix: list[str] = (), cwd: Path = REPO_ROOT,
+                 timeout: float = CLI_GUARD_S) -> subprocess.CompletedProcess:
+    """`grpoflow ARGS` to its end in a subprocess (after the command prefix `prefix`), in `clean_env(env)`."""
+    return subprocess.run([*prefix, sys.executable, "-m", "flows.cli", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env=clean_env(env), stdin=subprocess.DEVNULL)
+
+
+def last_json(proc: subprocess.CompletedProcess) -> dict:
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def one_line_error(proc: subprocess.CompletedProcess, command: str, code: int = 2) -> str:
+    """The command's one error line, after checking the exit code and that no traceback was printed."""
+    assert proc.returncode == code, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith(f"grpoflow {command}: error:")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    return lines[0]
+
+
+def eval_cli_args(tmp_path: Path, model: str, *extra: str) -> list[str]:
+    """`grpoflow eval MODEL` on one AIME problem, 8 tokens, with its state under `tmp_path`."""
+    return ["eval", model, "eval.benchmarks=[aime24]", f"eval.local_paths={{aime24: {shared('aime24')}}}",
+            "eval.limit=1", "eval.max_tokens=8", "--state-dir", str(tmp_path / "state"), *extra]
+
+
+@pytest.fixture
+def silent_port():
+    """A real TCP server on 127.0.0.1 that accepts connections (the kernel's backlog) and never answers."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def closed_port() -> int:
+    """A port on 127.0.0.1 nothing listens on (connections are refused)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port

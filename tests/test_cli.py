@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import select
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
-from conftest import REPO_ROOT, shared
+from conftest import CLI_GUARD_S, REPO_ROOT, clean_env, eval_cli_args, grpoflow_run, shared
 
 
 def grpoflow(*args: str, cwd=REPO_ROOT) -> subprocess.CompletedProcess:
@@ -91,3 +94,53 @@ def test_bootstrap_model_json_reports_cached_model(tiny_base):
     model = AutoModelForCausalLM.from_pretrained(summary["path"], dtype=torch.float32).eval()
     again = evaluate_greedy(HFEngine(model, tokenizer), tokenizer, rows, accuracy_reward, format_reward, max_tokens=24)
     assert abs(again["accuracy"] - summary["heldout_accuracy"]) <= 1 / len(rows) + 1e-9
+
+
+# ==========================================================================================================
+# `--json` on every exit (argparse errors, SIGINT); user errors are one class, exit 2
+# ==========================================================================================================
+
+@pytest.mark.parametrize("args", [["prep", "--bogus", "--json"], ["gate", "--json"], ["prep", "--limit", "0",
+                                                                                      "--json"]])
+def test_json_is_printed_on_argparse_errors(args):
+    proc = grpoflow_run(*args)
+    assert proc.returncode == 2 and "usage:" in proc.stderr
+    result = last_json(proc)
+    assert result["exit_code"] == 2 and result["error"]
+
+
+def test_json_is_printed_on_sigint_with_exit_130(silent_port, tmp_path):
+    port = silent_port.getsockname()[1]
+    # A test run started in the background (`make test &`) has SIGINT ignored, and a child inherits that:
+    # Python then installs no KeyboardInterrupt handler. The child gets the default back, as in a terminal.
+    args = eval_cli_args(tmp_path, f"http://127.0.0.1:{port}/v1", "--json")
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=REPO_ROOT, env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        readable, _, _ = select.select([silent_port], [], [], CLI_GUARD_S)  # the command is now waiting on us
+        assert readable, "the command never connected"
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=CLI_GUARD_S)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr[-3000:]
+    assert json.loads(stdout.strip().splitlines()[-1]) == {"error": "interrupted", "exit_code": 130}
+    assert "grpoflow eval: error: interrupted" in stderr
+
+
+def test_every_user_error_derives_from_one_class_the_cli_maps_to_exit_2():
+    from data.errors import DataError, GrpoflowUserError, ServiceUnavailable
+    from data.manifest import IntegrityError, OutputDirError
+    from evaluation.evalscope_runner import EvalInputError
+    from flows.cli import UsageError
+    from trainer.extras import MissingExtraError
+    from trainer.plugins import PluginError
+    from trainer.rewards import RewardSpecError
+    from trainer.typed_config import ConfigError
+
+    for cls in (ConfigError, DataError, RewardSpecError, PluginError, MissingExtraError, UsageError,
+                ServiceUnavailable, EvalInputError, IntegrityError, OutputDirError):
+        assert issubclass(cls, GrpoflowUserError), cls
+    # still what callers caught before
+    assert issubclass(ConfigError, ValueError) and issubclass(MissingExtraError, ImportError)

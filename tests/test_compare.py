@@ -4,6 +4,7 @@ real EvalScope work dirs and on versions registered in a real sqlite MLflow stor
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 from memorised_model import evaluated_problems, reasoning
 
-from conftest import REPO_ROOT, shared
+from conftest import REPO_ROOT, URL_SECRET, grpoflow_run, one_line_error, shared
 from evaluation.compare import Row, compare, gate, load_samples, markdown_table, paired_bootstrap
 
 BENCH = "aime24"
@@ -536,3 +537,56 @@ def test_a_malformed_report_json_is_named_with_what_was_expected(tmp_path, conte
     with pytest.raises(ValueError, match="expected|must") as e:
         load_samples(tmp_path)
     assert str(e.value).startswith(f"{tmp_path / 'report.json'}: ") and says in str(e.value)
+
+
+# ==========================================================================================================
+# A gate that cannot be talked into passing; an MLflow server that does not answer
+# ==========================================================================================================
+# Every command runs as a real `grpoflow` subprocess; its timeout is a guard, never the assertion.
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-0.1"])
+def test_gate_refuses_a_non_finite_or_negative_max_drop_with_exit_2(value, tmp_path):
+    proc = grpoflow_run("gate", "--candidate", str(tmp_path / "b"), "--baseline", str(tmp_path / "a"),
+                        "--max-drop", value, "--state-dir", str(tmp_path / "state"), "--json")
+    line = one_line_error(proc, "gate")
+    assert "--max-drop" in line and repr(value) in line
+    assert last_json(proc) == {"error": line.split(": error: ", 1)[1], "exit_code": 2}
+
+
+def test_the_gate_itself_refuses_nan_instead_of_passing_a_total_drop(tmp_path):
+    from evaluation.compare import compare, gate
+    from tasks.comparison import run_comparison
+    from trainer.recipe import load_recipe
+
+    # every problem solved before, none after: a drop of 1.0
+    rows = compare({"aime24": {"accuracy": {f"p{i}": 1.0 for i in range(8)}}},
+                   {"aime24": {"accuracy": {f"p{i}": 0.0 for i in range(8)}}})
+    assert not gate(rows, max_drop=0.02).passed
+    for bad in (math.nan, math.inf):
+        with pytest.raises(ValueError, match="max_drop must be a finite number >= 0"):
+            gate(rows, max_drop=bad)
+    # refused before any store is opened or any evaluation runs
+    with pytest.raises(ValueError, match="max_drop must be a finite number >= 0, got nan"):
+        run_comparison("a", "b", load_recipe(None).to_dict(), {"tracking_uri": "sqlite:////proc/no/db"},
+                       max_drop=math.nan)
+
+
+@pytest.mark.parametrize("server", ["closed", "silent"])
+def test_gate_with_an_unreachable_mlflow_server_is_one_line_exit_2(server, silent_port, closed_port,
+                                                                   tmp_path):
+    port = closed_port if server == "closed" else silent_port.getsockname()[1]
+    proc = grpoflow_run("gate", "--candidate", "models:/grpoflow-tiny/2", "--baseline",
+                        "models:/grpoflow-tiny@champion", "--state-dir", str(tmp_path / "state"), "--json",
+                        env={"MLFLOW_TRACKING_URI": f"http://ci:{URL_SECRET}@127.0.0.1:{port}"})
+    line = one_line_error(proc, "gate")
+    reason = "connection refused" if server == "closed" else "no answer within 10 s"
+    assert f"MLflow tracking store at http://ci:***@127.0.0.1:{port} is unreachable: {reason} " \
+           "(MLFLOW_TRACKING_URI)" in line
+    assert URL_SECRET not in proc.stdout + proc.stderr and last_json(proc)["exit_code"] == 2
+
+
+def test_compare_with_an_unreachable_mlflow_server_is_one_line_exit_2(closed_port, tmp_path):
+    proc = grpoflow_run("compare", "models:/grpoflow-tiny/1", "models:/grpoflow-tiny/2", "--state-dir",
+                        str(tmp_path / "state"),
+                        env={"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{closed_port}"})
+    assert "is unreachable: connection refused" in one_line_error(proc, "compare")

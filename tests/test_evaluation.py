@@ -19,7 +19,17 @@ from pathlib import Path
 import pytest
 from memorised_model import MAX_TOKENS
 
-from conftest import REPO_ROOT, loopback_http, shared
+from conftest import (
+    CLI_GUARD_S,
+    REPO_ROOT,
+    URL_SECRET,
+    eval_cli_args,
+    grpoflow_run,
+    last_json,
+    loopback_http,
+    one_line_error,
+    shared,
+)
 from data.errors import ServiceUnavailable
 from evaluation import load_result, run_evalscope
 from evaluation.compare import load_samples
@@ -449,3 +459,133 @@ def test_evalscope_failure_is_one_line_naming_the_benchmark_the_error_and_the_lo
     assert "Traceback" in log.read_text()  # the traceback stays in the log
     assert not (tmp_path / "eval" / "report.json").exists()
 
+
+# ==========================================================================================================
+# Endpoints that do not answer, settings checked first, outputs under the state directory
+# ==========================================================================================================
+
+# Every command runs as a real `grpoflow` subprocess; its timeout is a guard, never the assertion.
+
+@pytest.fixture
+def hanging_endpoint():
+    """A real HTTP server that answers GET /v1/models like an OpenAI endpoint and never answers a
+    completion."""
+    release = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = json.dumps({"object": "list", "data": [{"id": "tiny", "object": "model"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):  # noqa: N802
+            release.wait(CLI_GUARD_S)
+
+        def log_message(self, *args):
+            pass
+
+    with loopback_http(Handler) as server:
+        try:
+            yield server.server_address[1]
+        finally:
+            release.set()  # a handler still waiting is let go before the server shuts down
+
+
+def test_eval_against_a_server_that_never_answers_is_exit_2_naming_it(silent_port, tmp_path):
+    port = silent_port.getsockname()[1]
+    proc = grpoflow_run(*eval_cli_args(tmp_path, f"http://127.0.0.1:{port}/v1", "eval.request_timeout_s=5",
+                                       "--json"))
+    line = one_line_error(proc, "eval")
+    assert (f"the evaluation endpoint at http://127.0.0.1:{port}/v1/models is unreachable: "
+            "no answer within 5 s") in line
+    assert last_json(proc)["exit_code"] == 2
+
+
+def test_eval_against_a_closed_port_is_exit_2_with_credentials_masked(closed_port, tmp_path):
+    endpoint = f"http://user:{URL_SECRET}@127.0.0.1:{closed_port}/v1"
+    proc = grpoflow_run(*eval_cli_args(tmp_path, endpoint, "--json"))
+    line = one_line_error(proc, "eval")
+    assert f"http://user:***@127.0.0.1:{closed_port}/v1/models is unreachable: connection refused" in line
+    assert URL_SECRET not in proc.stdout + proc.stderr
+    assert last_json(proc)["exit_code"] == 2
+
+
+def test_an_endpoint_that_hangs_on_requests_is_bounded_by_eval_request_timeout_s(hanging_endpoint, tmp_path):
+    """/v1/models answers, so the check passes; every completion hangs: EvalScope gives up after its bounded
+    attempts of eval.request_timeout_s each, and that is one line naming the endpoint."""
+    proc = grpoflow_run(*eval_cli_args(tmp_path, f"http://127.0.0.1:{hanging_endpoint}/v1",
+                                       "eval.request_timeout_s=2"))
+    line = one_line_error(proc, "eval")
+    assert f"the evaluation endpoint at http://127.0.0.1:{hanging_endpoint}/v1 stopped answering" in line
+    assert "APITimeoutError after 3 attempts of up to 2 s (eval.request_timeout_s)" in line
+
+
+def test_grpoflow_eval_without_benchmarks_is_exit_2_before_any_model(tmp_path):
+    """`eval.benchmarks: []` is a valid recipe (its held-out split is its evaluation, in `grpoflow run`), but
+    `grpoflow eval` has nothing to run with it."""
+    proc = grpoflow_run("eval", str(tmp_path / "no-such-checkpoint"), "eval.benchmarks=[]",
+                        "--state-dir", str(tmp_path / "s"))
+    line = one_line_error(proc, "eval")
+    assert ("configs/tiny-cpu.yaml: eval.benchmarks: needs at least 1 entry to evaluate a model, "
+            "got []") in line
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["eval.benchmarks=[aime_24]", "eval.local_paths={}"],
+     "eval: unknown benchmark 'aime_24': EvalScope"),
+    (["eval.benchmarks=[aime24]"],  # the config's local_paths still names math_500
+     "eval: local_paths names benchmark 'math_500', which is not among ['aime24']"),
+])
+def test_eval_settings_are_checked_before_the_model_is_even_looked_up(overrides, message, tmp_path):
+    # the checkpoint does not exist: had the model been resolved first, that would be the error
+    proc = grpoflow_run("eval", str(tmp_path / "no-such-checkpoint"), *overrides, "--state-dir",
+                        str(tmp_path / "s"))
+    line = one_line_error(proc, "eval")
+    assert message in line and "configs/tiny-cpu.yaml" in line
+    if "aime_24" in message:
+        assert "did you mean 'aime24'" in line
+
+
+def test_eval_with_an_unset_api_key_variable_is_exit_2(closed_port, tmp_path):
+    proc = grpoflow_run("eval", f"http://127.0.0.1:{closed_port}/v1", "--api-key-env",
+                        "GRPOFLOW_TEST_NO_SUCH_KEY", "--state-dir", str(tmp_path / "s"))
+    assert ("--api-key-env GRPOFLOW_TEST_NO_SUCH_KEY: the environment variable GRPOFLOW_TEST_NO_SUCH_KEY "
+            "is not set") in one_line_error(proc, "eval")
+
+
+@pytest.mark.slow
+def test_eval_and_compare_write_under_the_state_dir_never_the_working_directory(tiny_base, tmp_path):
+    """`eval` and `compare` started in an empty directory, with --state-dir elsewhere and MLFLOW_TRACKING_URI
+    naming a database: the recipe's relative eval.out lands under the state dir, MLflow's artifacts in
+    <state>/mlartifacts, and the working directory stays empty."""
+    cwd, state = tmp_path / "cwd", tmp_path / "state"
+    cwd.mkdir()
+    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"}
+    (tmp_path / "store").mkdir()
+    evals = ["eval.benchmarks=[aime24]", f"eval.local_paths={{aime24: {shared('aime24')}}}", "eval.limit=1",
+             "eval.max_tokens=8", "eval.out=evaluations"]  # relative: under the state dir
+
+    ev = grpoflow_run("eval", tiny_base["path"], "--state-dir", str(state), "--json", *evals, cwd=cwd,
+                      env=env, timeout=900)
+    assert ev.returncode == 0, ev.stderr[-4000:]
+    result = json.loads(ev.stdout.strip().splitlines()[-1])
+    assert Path(result["work_dir"]) == state / "evaluations" / Path(tiny_base["path"]).name
+    assert (Path(result["work_dir"]) / "report.json").is_file()
+
+    cmp = grpoflow_run("compare", result["work_dir"], result["report"], "--state-dir", str(state), "--json",
+                       *evals, cwd=cwd, env=env, timeout=900)
+    assert cmp.returncode == 0, cmp.stderr[-4000:]
+    compared = json.loads(cmp.stdout.strip().splitlines()[-1])
+    assert Path(compared["plot"]).is_relative_to(state / "evaluations" / "comparisons")
+
+    from mlflow import MlflowClient
+    client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
+    runs = client.search_runs([client.get_experiment_by_name("grpoflow").experiment_id])
+    assert {r.info.run_name for r in runs} == {"evaluate", "compare"}
+    for r in runs:
+        assert r.info.artifact_uri.startswith((state / "mlartifacts").as_uri()), r.info.artifact_uri
+    assert (state / "mlartifacts").is_dir()
+    assert list(cwd.iterdir()) == []

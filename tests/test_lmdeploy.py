@@ -173,7 +173,7 @@ def fake_lmdeploy_module(loop_thread: LoopThread, built: list):
 def test_engine_on_fake_lmdeploy_uses_ray_and_wakes_up_on_its_loop(loop_thread, monkeypatch):
     """Fake LMDeploy module: the engine is built with the Ray executor, and the trainer's sequence around a
     weight sync (sleep(1), wake_up(["weights"]), wake_up(["kv_cache"])) runs `wakeup` on LMDeploy's loop, so
-    the waiting engine loop resumes. Called from the trainer's thread instead (before the fix), setting the
+    the waiting engine loop resumes. Called from the trainer's thread instead, setting the
     Event fails with asyncio's "Non-thread-safe operation" error."""
     built = []
     monkeypatch.setattr(lmdeploy_engine, "import_extra", lambda module, what: fake_lmdeploy_module(loop_thread, built))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT, shared
+from conftest import REPO_ROOT, URL_SECRET, grpoflow_run, last_json, one_line_error, shared
 from data.manifest import read_manifest, sha256_dir
 
 pytestmark = pytest.mark.slow
@@ -148,3 +148,30 @@ def test_a_cached_result_whose_files_are_gone_is_named_by_missing_outputs(tmp_pa
     assert missing_outputs({"path": "Qwen/Qwen2.5-7B", "bootstrapped": False}) == []  # a hub id is no path
     assert missing_outputs({"path": gone, "bootstrapped": True}) == [gone]
     assert missing_outputs({"model_name": "m", "model_version": "1"}) == []
+
+
+# ==========================================================================================================
+# Refused before the pipeline starts: a dead Prefect API, an unknown benchmark
+# ==========================================================================================================
+# Every command runs as a real `grpoflow` subprocess; its timeout is a guard, never the assertion.
+
+@pytest.mark.parametrize("server", ["closed", "silent"])
+def test_run_with_a_dead_prefect_api_is_exit_2_before_the_pipeline_starts(server, silent_port, closed_port,
+                                                                           tmp_path):
+    port = closed_port if server == "closed" else silent_port.getsockname()[1]
+    state = tmp_path / "state"
+    proc = grpoflow_run("run", "--state-dir", str(state), "--json",
+                        env={"PREFECT_API_URL": f"http://user:{URL_SECRET}@127.0.0.1:{port}/api"})
+    line = one_line_error(proc, "run")
+    reason = "connection refused" if server == "closed" else "no answer within 10 s"
+    assert f"the Prefect API at http://user:***@127.0.0.1:{port}/api/health is unreachable: {reason} " \
+           "(PREFECT_API_URL)" in line
+    assert URL_SECRET not in proc.stdout + proc.stderr and last_json(proc)["exit_code"] == 2
+    assert not (state / "data").exists() and not (state / "runs").exists()  # nothing was prepared or trained
+
+
+def test_the_pipeline_is_not_started_with_an_unknown_benchmark(tmp_path):
+    state = tmp_path / "state"
+    proc = grpoflow_run("run", "--state-dir", str(state), "eval.benchmarks=[math500]", "eval.local_paths={}")
+    assert "unknown benchmark 'math500'" in one_line_error(proc, "run")
+    assert not (state / "data").exists()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import loopback_http
+from conftest import grpoflow_run, last_json, loopback_http, one_line_error
 from data import images
 from data.adapters import COUNTDOWN_PROMPT, numina
 from data.prepare import DataError, load_prepared, prepare
@@ -584,3 +585,106 @@ def test_load_prepared_checks_the_manifest(tmp_path):
     train.write_text("".join(train.read_text().splitlines(keepends=True)[1:]))
     with pytest.raises(DataError, match="changed after it was prepared"):
         load_prepared(tmp_path / "out")
+
+
+# ==========================================================================================================
+# User input to `grpoflow prep`: exit 2 naming file and value; a read-only or full disk
+# ==========================================================================================================
+# Every command runs as a real `grpoflow` subprocess; read-only and full file systems are real tmpfs
+# mounts in a private mount namespace.
+
+def in_tmpfs(mountpoint: Path, options: str) -> list[str]:
+    """A command prefix running the command in a private mount namespace with a real tmpfs at `mountpoint`
+    (`unshare -m` as root, `unshare -rm` otherwise); the mount disappears with the process. After the command,
+    what is left in the tmpfs is printed to stderr as `LEFT:<names>`."""
+    unshare = ["unshare", "-m"] if os.geteuid() == 0 else ["unshare", "-rm"]
+    script = ('mount -t tmpfs -o "$1" tmpfs "$0" || exit 97; shift; "$@"; rc=$?; '
+              'echo "LEFT:$(ls -A "$0" | tr "\\n" " ")" >&2; exit $rc')
+    return [*unshare, "sh", "-c", script, str(mountpoint), options]
+
+
+def _gsm8k_rows(n: int = 20) -> list[dict]:
+    return [{"question": f"Tom has {i} apples and buys {i} more. How many now?",
+             "answer": f"He has {i} + {i} = {2 * i}.\n#### {2 * i}"} for i in range(1, n + 1)]
+
+
+def test_prep_without_task_is_refused_for_a_file_and_inferred_for_the_generator(tmp_path):
+    source = tmp_path / "gsm8k.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in _gsm8k_rows()))
+    proc = grpoflow_run("prep", "--source", str(source), "--out", str(tmp_path / "out"))
+    line = one_line_error(proc, "prep")
+    assert f"data: task: required for source '{source}' (prep --task, or data.task)" in line
+    assert "gsm8k" in line
+    assert not (tmp_path / "out").exists()
+    proc = grpoflow_run("prep", "--source", "synthetic:addition", "--out", str(tmp_path / "syn"),
+                        "data.synthetic_rows=40")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((tmp_path / "syn" / "manifest.json").read_text())["task"] == "synthetic"
+
+
+def test_prep_heldout_that_is_neither_fraction_nor_count_is_refused(tmp_path):
+    proc = grpoflow_run("prep", "--task", "synthetic", "--source", "synthetic:addition", "--heldout", "1.5",
+                        "--out", str(tmp_path / "out"))
+    line = one_line_error(proc, "prep")
+    assert "heldout: 1.5 is neither a fraction in (0, 1) nor a whole number of rows" in line
+
+
+def test_prep_latin1_csv_and_corrupt_parquet_are_exit_2_naming_the_file(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    latin1 = tmp_path / "latin1.csv"
+    latin1.write_text("question,answer\n" + "".join(f"Café {i}: how much?,It costs {i} #### {i}\n"
+                                                     for i in range(1, 11)), encoding="latin-1")
+    line = one_line_error(grpoflow_run("prep", "--task", "gsm8k", "--source", str(latin1), "--out",
+                                       str(tmp_path / "a")), "prep")
+    assert f"{latin1}:2: not UTF-8 text (byte 0xe9" in line and "save the file as UTF-8" in line
+
+    rows = _gsm8k_rows(2000)
+    good = tmp_path / "good.parquet"
+    pq.write_table(pa.table({k: [r[k] + " " * 200 for r in rows] for k in ("question", "answer")}), good,
+                   data_page_size=4096, compression="NONE")
+    data = bytearray(good.read_bytes())
+    data[len(data) // 2: len(data) // 2 + 3000] = b"A" * 3000  # a damaged page in the middle, footer intact
+    corrupt = tmp_path / "corrupt.parquet"
+    corrupt.write_bytes(bytes(data))
+    line = one_line_error(grpoflow_run("prep", "--task", "gsm8k", "--source", str(corrupt), "--out",
+                                       str(tmp_path / "b")), "prep")
+    assert f"{corrupt}: unreadable Parquet data after row" in line and "damaged or truncated" in line
+
+
+def test_prep_reads_a_csv_with_a_byte_order_mark(tmp_path):
+    bom = tmp_path / "bom.csv"
+    bom.write_bytes(b"\xef\xbb\xbfquestion,answer\n" + b"".join(
+        f"What is {i} + {i}?,{i} + {i} = {2 * i} #### {2 * i}\n".encode() for i in range(1, 11)))
+    proc = grpoflow_run("prep", "--task", "gsm8k", "--source", str(bom), "--out", str(tmp_path / "out"),
+                        "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert last_json(proc)["rows"] == {"train": 9, "heldout": 1}
+    first = json.loads((tmp_path / "out" / "train.jsonl").read_text().splitlines()[0])
+    assert first["prompt"][-1]["content"].startswith("What is") and first["answer"].isdigit()
+
+
+def test_prep_out_on_a_read_only_file_system_is_exit_2_naming_it(tmp_path):
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    proc = grpoflow_run("prep", "--task", "synthetic", "--source", "synthetic:addition",
+                        "data.synthetic_rows=40", "--out", str(mnt / "sub" / "out"), "--json",
+                        prefix=in_tmpfs(mnt, "ro,size=64k"))
+    line = one_line_error(proc, "prep")
+    assert f"--out {mnt / 'sub' / 'out'}: cannot write in {mnt} (read-only file system)" in line
+    assert last_json(proc) == {"error": line.split(": error: ", 1)[1], "exit_code": 2}
+
+
+def test_a_full_disk_is_reported_as_disk_full_and_leaves_nothing_behind(tmp_path):
+    source = tmp_path / "big.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in _gsm8k_rows(400)))  # ~60 kB prepared
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    out = mnt / "out"
+    proc = grpoflow_run("prep", "--task", "gsm8k", "--source", str(source), "--out", str(out), "--json",
+                        prefix=in_tmpfs(mnt, "size=16k"))
+    line = one_line_error(proc, "prep", code=1)
+    assert f"disk full (no space left on device) writing: {out}" in line
+    assert last_json(proc)["exit_code"] == 1
+    assert re.search(r"^LEFT:$", proc.stderr, re.M), proc.stderr[-500:]  # no half-written directory left

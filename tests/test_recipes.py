@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, grpoflow_run, one_line_error
 from trainer.recipe import Recipe, load_recipe
 from trainer.rewards import resolve_reward
 from trainer.typed_config import ConfigError
@@ -236,3 +237,102 @@ def test_what_each_recipe_builds(name):
     texts = [right, wrong, answers[1]]
     result = runner(["q"] * 3, texts, **{k: v * 3 for k, v in columns.items()})
     assert result.total == pytest.approx(list(paid), abs=1e-12)
+
+
+# ==========================================================================================================
+# Finite, in-range numbers everywhere in a recipe; exit 2 naming file and field
+# ==========================================================================================================
+
+def _float_fields():
+    """(dotted key, field) of every float-typed field of the recipe, nested sections included."""
+    import dataclasses
+    import typing
+
+    from trainer.recipe import Recipe
+    from trainer.typed_config import yaml_key
+
+    out = []
+    for section in dataclasses.fields(Recipe):
+        cls = typing.get_type_hints(Recipe)[section.name]
+        if not dataclasses.is_dataclass(cls):
+            continue
+        for f in dataclasses.fields(cls):
+            tp = typing.get_type_hints(cls)[f.name]  # float, float | None, list[float]
+            if tp is float or float in typing.get_args(tp):
+                out.append(f"{section.name}.{yaml_key(f)}")
+    return out
+
+
+def test_every_float_of_the_recipe_refuses_nan_and_infinity():
+    from trainer.recipe import load_recipe
+    from trainer.typed_config import ConfigError
+
+    keys = _float_fields()
+    assert {"train.learning_rate", "train.temperature", "eval.temperature", "eval.request_timeout_s",
+            "bootstrap.target_accuracy", "rollout.sync_timeout_s"} <= set(keys)
+    for key in keys:
+        for value in (".nan", ".inf", "-.inf"):
+            override = f"{key}=[{value}, 0.5]" if key == "bootstrap.target_accuracy" else f"{key}={value}"
+            with pytest.raises(ConfigError, match="must be a finite number") as e:
+                load_recipe(REPO_ROOT / "configs" / "tiny-cpu.yaml", [override])
+            assert key in str(e.value) and "tiny-cpu.yaml" in str(e.value)
+    with pytest.raises(ConfigError, match=r"rewards\[0\].args.weight: must be a finite number"):
+        load_recipe(None, ["rewards=[{name: accuracy, args: {weight: .nan}}]"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.learning_rate=-1", "train.learning_rate: must be > 0, got -1.0"),
+    ("train.learning_rate=0", "train.learning_rate: must be > 0, got 0.0"),
+    ("train.temperature=0", "train.temperature: must be > 0, got 0.0"),
+    ("train.top_p=1.5", "train.top_p: must be <= 1, got 1.5"),
+    ("train.beta=-0.1", "train.beta: must be >= 0, got -0.1"),
+    ("train.max_grad_norm=-1", "train.max_grad_norm: must be >= 0, got -1.0"),
+    ("train.reward_timeout_s=0", "train.reward_timeout_s: must be > 0, got 0.0"),
+    ("train.max_steps=0", "train.max_steps: must be >= 1, got 0"),
+    ("eval.temperature=-0.5", "eval.temperature: must be >= 0, got -0.5"),
+    ("eval.limit=0", "eval.limit: must be >= 1, got 0"),
+    ("eval.repeats=0", "eval.repeats: must be >= 1, got 0"),
+    ("eval.request_timeout_s=0", "eval.request_timeout_s: must be > 0, got 0.0"),
+    ("eval.max_tokens=0", "eval.max_tokens: must be >= 1, got 0"),
+    ("rollout.gpu_memory_utilization=0", "rollout.gpu_memory_utilization: must be > 0, got 0.0"),
+    ("rollout.train_devices=[0, -1]", "rollout.train_devices[1]: must be >= 0, got -1"),
+    ("data.heldout=-0.1", "data.heldout: must be >= 0, got -0.1"),
+    ("data.heldout=1.5", "heldout: 1.5 is neither a fraction in (0, 1) nor a whole number of rows"),
+    ("bootstrap.target_accuracy=[0.3, 1.2]", "bootstrap.target_accuracy[1]: must be <= 1, got 1.2"),
+])
+def test_recipe_values_out_of_their_range_are_refused_naming_the_key(override, message):
+    from trainer.recipe import load_recipe
+    from trainer.typed_config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        load_recipe(None, [override])
+    assert message in str(e.value) and str(e.value).startswith("<defaults> + overrides")
+
+
+def test_meaningful_edge_values_and_explicitly_non_finite_fields_are_accepted():
+    from dataclasses import dataclass, field
+
+    from trainer.recipe import load_recipe
+    from trainer.typed_config import build
+
+    r = load_recipe(None, ["eval.temperature=0", "train.max_grad_norm=0", "train.save_total_limit=0",
+                           "train.eval_heldout=0", "data.heldout=0", "data.heldout=3", "train.beta=0"])
+    assert (r.eval.temperature, r.train.max_grad_norm, r.data.heldout) == (0.0, 0.0, 3.0)
+
+    @dataclass
+    class Bounds:
+        ceiling: float = field(default=math.inf, metadata={"finite": False})
+
+    assert math.isinf(build(Bounds, {"ceiling": float("inf")}).ceiling)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("eval.limit=0", "eval.limit: must be >= 1, got 0"),
+    ("train.learning_rate=-1", "train.learning_rate: must be > 0, got -1.0"),
+    ("train.temperature=.nan", "train.temperature: must be a finite number, got nan"),
+])
+def test_recipe_input_errors_are_exit_2_naming_file_and_field(override, message, tmp_path):
+    proc = grpoflow_run("eval", str(tmp_path / "no-such-checkpoint"), override, "--state-dir",
+                        str(tmp_path / "s"))
+    line = one_line_error(proc, "eval")
+    assert message in line and "configs/tiny-cpu.yaml + overrides" in line

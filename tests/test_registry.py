@@ -345,3 +345,20 @@ def test_processes_opening_a_new_sqlite_store_at_once_each_get_a_working_store(t
     from mlflow import MlflowClient
     names = {e.name for e in MlflowClient(tracking_uri=uri).search_experiments()}
     assert {f"opened-by-{i}" for i in range(4)} <= names
+
+
+# ==========================================================================================================
+# MLflow's HTTP client: bounded retries and timeouts
+# ==========================================================================================================
+
+def test_mlflow_http_retries_and_timeouts_are_bounded_unless_the_user_set_them(monkeypatch, tmp_path):
+    from tasks import tracking
+
+    for variable in tracking.HTTP_BOUNDS:  # set, then removed: monkeypatch restores the test's environment
+        monkeypatch.setenv(variable, "0")
+        monkeypatch.delenv(variable)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "77")  # the user's own setting wins
+    tracking.client_for(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "2"
+    assert os.environ["MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"] == "1"
+    assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "77"

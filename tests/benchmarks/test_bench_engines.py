@@ -24,7 +24,7 @@ vLLM's rollout_s includes the weight update into the engine; async's is the work
 run in rounds, alternated (A B C D E, then E D C B A, ...; tests/benchmarks/side_by_side.py), BENCH_REPEATS rounds
 per model; a side's figure is the median over its rounds. Ratios are computed within each round and then medianed
 over rounds: s/step vLLM/transformers (sync, async), async/sync per engine, grpoflow sync and async vLLM/TRL on
-vLLM (issue 10's aim: <= 0.5), and vLLM/transformers of sync rollout tokens/s. `other%` (the CPU other
+vLLM (the aim: <= 0.5), and vLLM/transformers of sync rollout tokens/s. `other%` (the CPU other
 processes used meanwhile) is kept per run.
 
 Every run starts with the thread count the process started with (side_by_side.run_rounds): building an in-process
@@ -111,7 +111,7 @@ RATIOS = {  # label: (numerator side, denominator side, per-run figure)
     "grpoflow sync vLLM/TRL vLLM": ("sync_vllm", TRL_SIDE, "median_s_per_step"),
     "grpoflow async vLLM/TRL vLLM": ("async_vllm", TRL_SIDE, "median_s_per_step"),
 }
-TRL_AIM = 0.5  # issue 10: with vLLM, our step time at most half of TRL's on the same work
+TRL_AIM = 0.5  # the aim: with vLLM, our step time at most half of TRL's on the same work
 
 
 def bench_models() -> list[str]:

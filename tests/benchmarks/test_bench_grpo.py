@@ -90,7 +90,7 @@ HELDOUT_ROWS = 128
 # The step benchmark's work is pinned (the recipe's shape may move); the rest (lr, temperature, loss, rewards) is the recipe's.
 PROMPTS_PER_STEP, NUM_GENERATIONS, MAX_COMPLETION_LENGTH = 4, 8, 24
 MU_HIGH = 4
-ASYNC_AIM = 0.7  # issue 10: async/sync on the tiny recipe
+ASYNC_AIM = 0.7  # the aim: async/sync on the tiny recipe
 
 
 # ------------------------------------------------------------------------------------------ shared setup

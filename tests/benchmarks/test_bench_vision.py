@@ -7,7 +7,7 @@ format + counting rewards. It prints held-out greedy counting accuracy before an
 and the sampled counting reward per 50 steps; it writes the reward curve and a before/after grid of held-out
 images with their answers to `.state/bench/vision/`.
 
-The issue's aim: held-out counting accuracy up by at least 10 points in at most 10 minutes of training on a
+The aim: held-out counting accuracy up by at least 10 points in at most 10 minutes of training on a
 2-core machine. This is a figure, not a timed test: it is asserted only that training ran its steps and that
 the accuracies are fractions; the README reports what was measured.
 
