@@ -303,6 +303,7 @@ def test_compare_two_registered_versions_evaluates_once_and_logs_the_plot(tiny_b
     assert again["baseline"]["reused"] and again["candidate"]["reused"]
     assert again["candidate"]["eval_run_id"] == first["candidate"]["eval_run_id"]
     assert again["promoted"] == f"models:/{name}/2"
+    assert client.get_run(again["mlflow_run_id"]).data.tags["promoted"] == f"champion -> models:/{name}/2"
     assert str(client.get_model_version_by_alias(name, "champion").version) == "2"
     evaluations = client.search_runs([experiment_id], "attributes.run_name = 'evaluate'")
     assert len(evaluations) == 2
@@ -314,23 +315,33 @@ def test_compare_two_registered_versions_evaluates_once_and_logs_the_plot(tiny_b
 
 
 def test_regression_eval_flow_returns_the_verdict_under_prefect(memorised_eval, plain_eval, tmp_path):
-    """The flow CI triggers run: real Prefect (ephemeral API under the state dir), real sqlite MLflow."""
+    """The flow CI triggers run: real Prefect (ephemeral API under the state dir), real sqlite MLflow. It runs
+    the steps `grpoflow gate` runs and returns what `gate --json` prints, but for the exit code."""
     script = (
-        "import json, sys\n"
+        "import json, math, sys\n"
         "from tasks.services import configure\n"
         "s = configure(sys.argv[1])\n"
         "from flows.regression_eval import regression_eval\n"
         "from trainer.recipe import load_recipe\n"
         "recipe = load_recipe(None, [f'eval.out={sys.argv[4]}']).to_dict()\n"
-        "services = {'tracking_uri': s.tracking_uri, 'artifact_root': s.artifact_root, 'state_dir': str(s.state_dir)}\n"
+        "services = {'tracking_uri': s.tracking_uri, 'artifact_root': s.artifact_root, "
+        "'state_dir': str(s.state_dir)}\n"
+        "try:\n"
+        "    regression_eval(sys.argv[2], sys.argv[3], math.nan, False, recipe, services)\n"
+        "except ValueError as e:\n"
+        "    print(json.dumps({'refused': str(e)}))\n"
         "print(json.dumps(regression_eval(sys.argv[2], sys.argv[3], 0.02, False, recipe, services), default=str))\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
     proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "state"), str(plain_eval.work_dir),
-                           str(memorised_eval.work_dir), str(tmp_path / "out")], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=env)
+                           str(memorised_eval.work_dir), str(tmp_path / "out")], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    refused, result = (json.loads(line) for line in proc.stdout.strip().splitlines()[-2:])
+    # a NaN allowed drop would pass any regression: refused before anything is evaluated or logged
+    assert refused == {"refused": "max_drop must be a finite number >= 0, got nan"}
     # the plain model as the candidate, the memorising one as the baseline: MATH-500 fails (see above)
-    assert result["passed"] is False and [r["benchmark"] for r in result["failing"]] == ["math_500"]
+    assert result["passed"] is False and [r["benchmark"] for r in result["gate"]["failing"]] == ["math_500"]
+    assert result["promoted"] is None and result["baseline"]["reused"] and result["candidate"]["reused"]
     diffs = {r["benchmark"]: r["diff"] for r in result["rows"] if r["metric"] == "accuracy"}
     assert diffs == {"math_500": pytest.approx(-0.4), "aime24": -0.5} and Path(result["plot"]).is_file()
 
@@ -419,9 +430,9 @@ def test_heldout_only_versions_are_compared_and_gated_problem_by_problem(memoris
     assert "| heldout | accuracy | 0.417 | 0.000 | -0.417 | [-0.667, -0.167] | 12 |" in result["table"]
     assert client.get_model_version(name, "1").tags["eval.heldout_accuracy"] == "0.0000"
 
-    # the other way round (in this process: `run_comparison` is what the command runs) both evaluations are
-    # reused, and the gate passes
-    from tasks.comparison import run_comparison
+    # the other way round (in this process: `run_comparison` is what the command and the flow run) both
+    # evaluations are reused, and the gate passes
+    from tasks.regression import run_comparison
 
     services = {"tracking_uri": uri, "registry_uri": uri, "artifact_root": str(state / "mlartifacts"),
                 "state_dir": str(state)}

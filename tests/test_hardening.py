@@ -466,7 +466,7 @@ def test_gate_refuses_a_non_finite_or_negative_max_drop_with_exit_2(value, tmp_p
 
 def test_the_gate_itself_refuses_nan_instead_of_passing_a_total_drop(tmp_path):
     from evaluation.compare import compare, gate
-    from tasks.comparison import run_comparison
+    from tasks.regression import run_comparison
     from trainer.recipe import load_recipe
 
     # every problem solved before, none after: a drop of 1.0
