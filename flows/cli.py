@@ -196,9 +196,8 @@ def cmd_compare(args) -> dict:
 
 
 def cmd_gate(args) -> dict:
-    """Exit 0 when the candidate passes, 1 when a benchmark dropped by more than --max-drop with confidence,
-    2 for anything else (usage, MLflow, a missing evaluation): CI can tell a regression from a broken check.
-    The steps are the `regression-eval` flow's (`tasks.regression.run_comparison`), run without Prefect."""
+    """The `regression-eval` flow's steps, without Prefect. Exit 0 when the candidate passes, 1 when a
+    benchmark dropped by more than --max-drop with confidence, 2 for a broken check (input, MLflow, ...)."""
     from evaluation.compare import DEFAULT_MAX_DROP
     from tasks.comparison import CHAMPION
 

@@ -372,6 +372,10 @@ def registrable_copy(model: str, base: str, dst: Path) -> Path:
     return dst
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
 def heldout_overrides(tmp_path: Path, data: Path) -> list[str]:
     # the memorising model's answers are 61 tokens at most; AIME prompts are long, and must not be cut
     return [f"eval.out={tmp_path / 'eval'}", "eval.benchmarks=[]", f"data.out={data}", "train.eval_heldout=12",
@@ -441,6 +445,43 @@ def test_heldout_only_versions_are_compared_and_gated_problem_by_problem(memoris
     assert [(r["diff"], r["ci_low"], r["ci_high"]) for r in result["rows"]] == [
         (pytest.approx(5 / 12), pytest.approx(2 / 12), pytest.approx(8 / 12))]
     assert len(client.search_runs([experiment_id], "attributes.run_name = 'evaluate'")) == 2
+
+
+def test_the_pipelines_heldout_evaluation_reuses_the_answers_training_kept(memorising_model, tiny_base,
+                                                                            tmp_path):
+    """`grpoflow run` with eval.benchmarks: [] evaluates the trained checkpoint on its held-out rows: from the
+    answers training scored after its last step (`trainer.heldout.write_samples`) when they are of the same
+    rows and settings and unchanged, else by scoring the checkpoint again."""
+    from data.manifest import read_manifest, write_json_atomic
+    from data.prepare import load_prepared
+    from tasks.stages import _heldout_evaluation
+    from trainer.heldout import write_samples
+    from trainer.recipe import load_recipe
+
+    data = heldout_data(tmp_path / "data")
+    recipe = load_recipe(REPO_ROOT / "configs" / "tiny-cpu.yaml", heldout_overrides(tmp_path, data))
+    # the memorising model as a checkpoint training wrote: its manifest names the recipe and the data
+    checkpoint = registrable_copy(memorising_model, tiny_base["path"], tmp_path / "checkpoint")
+    write_json_atomic(checkpoint / "manifest.json", {**read_manifest(checkpoint), "recipe": recipe.to_dict(),
+                                                     "data_sha256": read_manifest(data)["sha256"]})
+    problems = evaluated_problems(shared())
+    # answers no model gave: seeing them in the evaluation shows that nothing was generated again
+    kept = [{"id": r["id"], "completion": "kept", "answer": r["answer"], "correct": 1.0}
+            for r in load_prepared(data, "heldout")]
+    after = write_samples(tmp_path / "run", "after", {"accuracy": 1.0, "format_rate": 0.0, "mean_length": 1.0,
+                                                      "n": len(kept), "samples": kept})
+    trained = {"checkpoint": str(checkpoint), "heldout_after": after}
+    report = _heldout_evaluation(trained, tmp_path / "reused")
+    held = read_jsonl(tmp_path / "reused" / "heldout" / "samples.jsonl")
+    assert report["scores"] == {"heldout": 1.0} and {r["completion"] for r in held} == {"kept"}
+    assert [r["id"] for r in held] == [r["id"] for r in kept] and len(held) == len(problems) == 12
+
+    # the file changed since training named it: the checkpoint is scored again (right on the 5 memorised)
+    Path(after["samples_path"]).write_text("")
+    report = _heldout_evaluation(trained, tmp_path / "scored")
+    held = read_jsonl(tmp_path / "scored" / "heldout" / "samples.jsonl")
+    assert report["scores"] == {"heldout": 5 / 12} and [r["correct"] for r in held] == [float(p.memorised)
+                                                                                       for p in problems]
 
 
 def test_compare_takes_the_benchmarks_both_sides_have_and_names_the_rest(memorised_eval, memorising_model, tiny_base,
