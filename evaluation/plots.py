@@ -1,4 +1,5 @@
-"""PNG plots people would rather look at than read: training curves, and a comparison of two models as bars."""
+"""PNG plots people would rather look at than read: training curves, a comparison of two models as bars, and
+held-out images with a model's answers before and after training."""
 
 from __future__ import annotations
 
@@ -97,6 +98,24 @@ def plot_answers(images: list[str], titles: list[str], out_path: str | Path, col
         ax.set_title(title, fontsize=8)
     fig.tight_layout()
     return _save(fig, Path(out_path))
+
+
+def plot_before_after(images: list[str], before: list[dict], after: list[dict], out_path: str | Path) -> Path:
+    """`plot_answers` titled with each image's gold answer and the answers before and after training, marked
+    right or wrong; `before`, `after`: greedy samples (`id`, `answer`, `completion`, `correct`, as
+    `trainer.heldout.evaluate_greedy` returns them) of the images, in their order."""
+    if [s["id"] for s in before] != [s["id"] for s in after]:
+        raise ValueError("plot_before_after: the samples before and after training are not of the same rows")
+    titles = [f"gold {a['answer']}\nbefore {_answer(b)}  after {_answer(a)}"
+              for b, a in zip(before, after, strict=True)]
+    return plot_answers(images, titles, out_path)
+
+
+def _answer(sample: dict) -> str:
+    """The sample's final answer, shortened for a title, marked right or wrong."""
+    from data.answers import extract_answer
+
+    return f"{(extract_answer(sample['completion']) or '-')[:8]} {'✓' if sample['correct'] else '✗'}"
 
 
 def _save(fig, path: Path) -> Path:

@@ -196,23 +196,23 @@ def cmd_compare(args) -> dict:
 
 
 def cmd_gate(args) -> dict:
-    """Exit 0 when the candidate passes, 1 when a benchmark dropped by more than --max-drop with confidence,
-    2 for anything else (usage, MLflow, a missing evaluation): CI can tell a regression from a broken check."""
+    """The `regression-eval` flow's steps, without Prefect. Exit 0 when the candidate passes, 1 when a
+    benchmark dropped by more than --max-drop with confidence, 2 for a broken check (input, MLflow, ...)."""
     from evaluation.compare import DEFAULT_MAX_DROP
+    from tasks.comparison import CHAMPION
 
     max_drop = DEFAULT_MAX_DROP if args.max_drop is None else args.max_drop  # --max-drop's type checked it
     result = _comparison(args, args.baseline, args.candidate, max_drop=max_drop,
-                         promote_to="champion" if args.promote else None)
-    passed = result["gate"]["passed"]
-    promoted = f"; champion -> {result['promoted']}" if result["promoted"] else ""
+                         promote_to=CHAMPION if args.promote else None)
+    promoted = f"; {CHAMPION} -> {result['promoted']}" if result["promoted"] else ""
     _say(args, f"{result['table']}\n{result['gate']['report']}\nplot: {result['plot']} "
                f"(MLflow run {result['mlflow_run_id']}){promoted}")
-    return {**result, "passed": passed, "exit_code": 0 if passed else 1}
+    return {**result, "exit_code": 0 if result["passed"] else 1}
 
 
 def _comparison(args, baseline: str, candidate: str, **gate) -> dict:
     recipe, services = _recipe_and_services(args)
-    from tasks.comparison import run_comparison_for_command
+    from tasks.regression import run_comparison_for_command
 
     return run_comparison_for_command(baseline, candidate, recipe, services.flow_parameters(), **gate)
 

@@ -2,18 +2,19 @@
 
 A side is a registered version (`models:/name@alias`, `models:/name/3`), a checkpoint directory, or a finished
 evaluation (its work dir, or the `report.json` in it). Both sides are checked (the version exists, the path is
-there) before either is evaluated, and an error names the side. Evaluations are reused: a registered version's
-evaluation runs (the one its `eval_mlflow_run_id` tag names first, then any other run tagged with its name and
-version) are checked for one made with the recipe's `eval` settings (`evaluation.made_with`) whose work dir is
-on this machine. Only when
-there is none is EvalScope run, and the result recorded with `record_evaluation` (the run also gets an
-`eval_work_dir` tag, so the next comparison finds it directly). A recipe with `eval.benchmarks: []` evaluates on
-its held-out split instead (`evaluation.heldout`: per problem, compared as the benchmark `heldout`), reused when
-made on the same data with the same `train.eval_heldout` and token budgets.
+there) before either is evaluated, and an error names the side. Evaluations are reused: a registered
+version's evaluation runs (the one its `eval_mlflow_run_id` tag names first, then any other run tagged with
+its name and version) are checked for one made with the recipe's `eval` settings (`evaluation.made_with`)
+whose work dir is on this machine. Only when there is none is EvalScope run, and the result recorded with
+`record_evaluation` (the run also gets an `eval_work_dir` tag, so the next comparison finds it directly). A
+recipe with `eval.benchmarks: []` evaluates on its held-out split instead (`evaluation.heldout`: per problem,
+compared as the benchmark `heldout`), reused when made on the same data with the same `train.eval_heldout`
+and token budgets.
 
 The comparison is one MLflow run (`compare`) with per-benchmark metrics `<benchmark>.<metric>.{diff,ci_low,
-ci_high,baseline,candidate,n}`, the markdown table, the PNG and the rows as artifacts, and tags naming both sides.
-Differences are candidate minus baseline.
+ci_high,baseline,candidate,n}`, the markdown table, the PNG and the rows as artifacts, and tags naming both
+sides. Differences are candidate minus baseline. `tasks.regression` runs these steps in order, as Prefect
+tasks in the `regression-eval` flow and as plain calls in `grpoflow compare` and `gate`.
 """
 
 from __future__ import annotations
@@ -25,16 +26,14 @@ from pathlib import Path
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
-from data.errors import DataError, GrpoflowUserError, MissingPathError, ServiceUnavailable, UsageError
+from data.errors import DataError, MissingPathError, ServiceUnavailable
 from data.manifest import sha256_json, write_json_atomic
 from evaluation import made_with, settings_hash
 from evaluation.compare import (
     GateResult,
     Row,
-    check_max_drop,
     compare,
     evaluation_differences,
-    gate,
     load_samples,
     markdown_table,
     only_one_side,
@@ -51,7 +50,6 @@ from tasks.evaluation import (
     record_evaluation,
     resolve_model,
 )
-from tasks.recipe_sections import typed_recipe
 from trainer.recipe import EvalConfig, Recipe
 
 log = logging.getLogger("grpoflow.comparison")
@@ -253,57 +251,6 @@ def promote(client: MlflowClient, candidate: Side, alias: str = CHAMPION) -> str
     """Point `alias` at the candidate's registered version; returns its models:/ URI."""
     client.set_registered_model_alias(candidate.model_name, alias, candidate.model_version)
     return f"models:/{candidate.model_name}/{candidate.model_version}"
-
-
-def run_comparison(baseline: str, candidate: str, recipe: Recipe | dict, services: dict,
-                   max_drop: float | None = None, promote_to: str | None = None) -> dict:
-    """Compare (and with `max_drop`, gate) in one call: what `grpoflow compare` and `grpoflow gate` run.
-    `recipe`: the recipe, or its `to_dict()` form (as a flow passes it).
-
-    `promote_to`: an alias set on the candidate's version when the gate passes (needs `max_drop` and a
-    registered candidate).
-    """
-    if max_drop is not None:
-        check_max_drop(max_drop)  # before any evaluation runs
-    if promote_to and not is_registered(candidate):
-        raise ValueError(f"promoting needs a registered candidate (models:/name@alias or models:/name/<version>), "
-                         f"got {candidate!r}")
-    recipe = typed_recipe(recipe)
-    client, experiment_id = open_store(recipe, services)
-    check_sides(baseline, candidate, client)
-    base = evaluated_side(baseline, client, experiment_id, recipe, services)
-    cand = evaluated_side(candidate, client, experiment_id, recipe, services)
-    rows, left_out = compare_sides(base, cand)
-    verdict = gate(rows, max_drop) if max_drop is not None else None
-    logged = log_comparison(client, experiment_id, base, cand, rows, Path(recipe.eval.out) / "comparisons", verdict,
-                            left_out)
-    promoted = None
-    if verdict is not None and verdict.passed and promote_to:
-        promoted = promote(client, cand, promote_to)
-        client.set_tag(logged["mlflow_run_id"], "promoted", f"{promote_to} -> {promoted}")
-    return {"baseline": base.to_dict(), "candidate": cand.to_dict(), "rows": [r.to_dict() for r in rows], **logged,
-            "gate": None if verdict is None else {"passed": verdict.passed, "max_drop": verdict.max_drop,
-                                                  "failing": [r.to_dict() for r in verdict.failing],
-                                                  "report": verdict.markdown()},
-            "promoted": promoted, "tracking_uri": services["tracking_uri"]}
-
-
-def run_comparison_for_command(baseline: str, candidate: str, recipe: Recipe, services: dict,
-                               max_drop: float | None = None, promote_to: str | None = None) -> dict:
-    """`run_comparison` as `grpoflow compare` and `gate` run it: an error of the inputs or the services (MLflow,
-    a reference, a missing evaluation) becomes a `UsageError` (exit 2); for a gate (`max_drop`) every error
-    does, since its exit 1 means "regression"."""
-    try:
-        return run_comparison(baseline, candidate, recipe, services, max_drop, promote_to)
-    except GrpoflowUserError:
-        raise
-    except (tracking.TrackingError, MlflowException, ComparisonError, ValueError, OSError) as e:
-        raise UsageError(str(e)) from e
-    except Exception as e:
-        if max_drop is None:
-            raise
-        logging.getLogger("grpoflow").exception("%s failed", "gate")
-        raise UsageError(f"{type(e).__name__}: {e}") from e
 
 
 def is_registered(ref: str) -> bool:

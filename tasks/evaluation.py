@@ -153,7 +153,8 @@ def thinking_scores(work_dir: Path, tokenizer: str) -> dict[str, float]:
 
 def _score_heldout(model_path, model_cfg, rows: list[dict], *, max_tokens: int, max_prompt_length: int,
                    samples: bool = False) -> dict:
-    """`trainer.heldout.evaluate_greedy` on a checkpoint: the one way held-out rows are scored after training."""
+    """`trainer.heldout.evaluate_greedy` (the one held-out scorer) on a checkpoint loaded from disk: for a
+    model whose training's own held-out answers (`trainer.heldout.write_samples`) are not at hand."""
     from trainer.heldout import evaluate_greedy
     from trainer.model_loading import load_model
     from trainer.rewards import accuracy_reward, format_reward

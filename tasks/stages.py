@@ -11,6 +11,7 @@ parameters) and are read only once typed again (`tasks.recipe_sections`).
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from prefect import task
@@ -26,6 +27,7 @@ from tasks.registry import register_checkpoint
 # Run ids and URIs say where to log, not what to compute: they stay out of the cache key.
 CACHE = (TASK_SOURCE + INPUTS) - "ctx"
 RETRY = {"retries": 2, "retry_delay_seconds": [5, 20]}
+log = logging.getLogger("grpoflow.stages")
 
 
 def _ctx_client(ctx: dict):
@@ -87,8 +89,9 @@ def train_policy(recipe_dict: dict, base: dict, prepared: dict, ctx: dict) -> di
     from evaluation.plots import plot_training_curves
     plots = plot_training_curves(result["metrics"], checkpoint.parent / "plots")
     if recipe.model.modality == "vision":  # a few held-out images with the answers before and after training
-        plots.append(heldout_answers_plot(recipe, base["path"], str(checkpoint), prepared["out"],
-                                           checkpoint.parent / "plots" / "heldout_answers.png"))
+        answers = heldout_answers_plot(result, prepared["out"],
+                                       checkpoint.parent / "plots" / "heldout_answers.png")
+        plots += [answers] if answers else []
     for p in plots:
         client.log_artifact(run_id, str(p), "plots")
     client.log_artifact(run_id, result["metrics"])
@@ -104,32 +107,22 @@ def train_policy(recipe_dict: dict, base: dict, prepared: dict, ctx: dict) -> di
             "plots": [str(p) for p in plots]}
 
 
-def heldout_answers_plot(recipe, base: str, checkpoint: str, data_dir: str, out: Path, n: int = 8) -> Path:
-    """The first `n` held-out images, each titled with its gold answer and the base's and the checkpoint's."""
+def heldout_answers_plot(trained: dict, data_dir: str, out: Path, n: int = 8) -> Path | None:
+    """The first `n` held-out images, each titled with its gold answer and the answers training scored before
+    and after it (`trained`: the trainer's summary, whose held-out scores name their samples); nothing is
+    generated again. None, with a warning, when either side's samples are not there (a run resumed from a
+    checkpoint written before training kept them)."""
     from data.prepare import load_prepared
-    from evaluation.plots import plot_answers
-    from trainer.heldout import evaluate_greedy
-    from trainer.model_loading import load_model
-    from trainer.rewards import accuracy_reward
-    from trainer.rollout.hf_engine import HFEngine
+    from evaluation.plots import plot_before_after
+    from trainer.heldout import read_samples
 
-    rows = load_prepared(data_dir, "heldout")[:n]
-
-    def answers(path: str) -> list[dict]:
-        model, tokenizer = load_model(path, recipe.model)
-        return evaluate_greedy(HFEngine(model.eval(), tokenizer), tokenizer, rows, accuracy_reward,
-                               max_tokens=recipe.train.max_completion_length, return_samples=True)["samples"]
-
-    before, after = answers(base), answers(checkpoint)
-    titles = [f"gold {r['answer']}\nbefore {_answer(b)} {'✓' if b['correct'] else '✗'}  "
-              f"after {_answer(a)} {'✓' if a['correct'] else '✗'}" for r, b, a in zip(rows, before, after, strict=True)]
-    return plot_answers([r["images"][0] for r in rows], titles, out)
-
-
-def _answer(sample: dict) -> str:
-    from data.answers import extract_answer
-
-    return (extract_answer(sample["completion"]) or "-")[:8]
+    before, after = (read_samples(trained.get(k) or {}) for k in ("heldout_before", "heldout_after"))
+    if before is None or after is None:
+        log.warning("no held-out answers plot: the run kept no held-out samples %s training",
+                    "before" if before is None else "after")
+        return None
+    images = {r["id"]: r["images"][0] for r in load_prepared(data_dir, "heldout")}
+    return plot_before_after([images[s["id"]] for s in after[:n]], before[:n], after[:n], out)
 
 
 def _stage_run(client, ctx: dict, stage: str, output_dir: str) -> str:
@@ -175,12 +168,10 @@ def evaluate_model(registered: dict, trained: dict, eval_cfg: dict, ctx: dict) -
     ref = ModelRef(registered["uri"], trained["checkpoint"], None, registered["model_name"], registered["model_version"])
     work_dir = Path(settings.out).resolve() / f"{registered['model_name']}-v{registered['model_version']}"
     if not settings.benchmarks and trained["heldout_accuracy_after"] is not None:
-        # the held-out split is the evaluation: scored again problem by problem, so that compare and gate can pair
-        from evaluation.heldout import HELDOUT, heldout_settings
-        from tasks.evaluation import evaluate_heldout
+        # the held-out split is the evaluation, problem by problem, so that compare and gate can pair it
+        from evaluation.heldout import HELDOUT
 
-        trained_with = typed_recipe(read_manifest(trained["checkpoint"])["recipe"])
-        report = evaluate_heldout(trained["checkpoint"], trained_with.model, heldout_settings(trained_with), work_dir)
+        report = _heldout_evaluation(trained, work_dir)
         scores = {"heldout_accuracy": report["scores"][HELDOUT]}
         ref.local_path = None  # no EvalScope samples in it to measure thinking on
         run_id = record_evaluation(_ctx_client(ctx), ctx["experiment_id"], ref, scores, settings,
@@ -202,6 +193,27 @@ def evaluate_model(registered: dict, trained: dict, eval_cfg: dict, ctx: dict) -
                                  for b, v in scores.items()])
     return {"scores": scores, "num_samples": result.num_samples, "work_dir": str(result.work_dir),
             "report": str(report), "mlflow_run_id": run_id}
+
+
+def _heldout_evaluation(trained: dict, work_dir: Path) -> dict:
+    """The trained checkpoint's held-out evaluation written into `work_dir` (`evaluation.heldout`): the
+    answers training scored after its last step when they are of the rows and settings the evaluation asks
+    for (the same recipe, the same prepared data, the file unchanged), else the checkpoint scored again."""
+    from evaluation.heldout import heldout_settings, write_heldout_evaluation
+    from tasks.evaluation import evaluate_heldout
+    from trainer.heldout import read_samples
+
+    manifest = read_manifest(trained["checkpoint"])
+    trained_with = typed_recipe(manifest["recipe"])
+    settings = heldout_settings(trained_with)
+    after = trained.get("heldout_after") or {}
+    samples = read_samples(after)
+    if samples is not None and manifest.get("data_sha256") == settings["data_sha256"]:
+        return write_heldout_evaluation(work_dir, trained["checkpoint"], settings,
+                                        {**after, "samples": samples})
+    log.info("scoring %s on its held-out rows again: training kept no answers of them for these settings",
+             trained["checkpoint"])
+    return evaluate_heldout(trained["checkpoint"], trained_with.model, settings, work_dir)
 
 
 # The files a stage's result points to: a cache hit is worth returning only while they are there

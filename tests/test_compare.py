@@ -304,6 +304,7 @@ def test_compare_two_registered_versions_evaluates_once_and_logs_the_plot(tiny_b
     assert again["baseline"]["reused"] and again["candidate"]["reused"]
     assert again["candidate"]["eval_run_id"] == first["candidate"]["eval_run_id"]
     assert again["promoted"] == f"models:/{name}/2"
+    assert client.get_run(again["mlflow_run_id"]).data.tags["promoted"] == f"champion -> models:/{name}/2"
     assert str(client.get_model_version_by_alias(name, "champion").version) == "2"
     evaluations = client.search_runs([experiment_id], "attributes.run_name = 'evaluate'")
     assert len(evaluations) == 2
@@ -315,23 +316,33 @@ def test_compare_two_registered_versions_evaluates_once_and_logs_the_plot(tiny_b
 
 
 def test_regression_eval_flow_returns_the_verdict_under_prefect(memorised_eval, plain_eval, tmp_path):
-    """The flow CI triggers run: real Prefect (ephemeral API under the state dir), real sqlite MLflow."""
+    """The flow CI triggers run: real Prefect (ephemeral API under the state dir), real sqlite MLflow. It runs
+    the steps `grpoflow gate` runs and returns what `gate --json` prints, but for the exit code."""
     script = (
-        "import json, sys\n"
+        "import json, math, sys\n"
         "from tasks.services import configure\n"
         "s = configure(sys.argv[1])\n"
         "from flows.regression_eval import regression_eval\n"
         "from trainer.recipe import load_recipe\n"
         "recipe = load_recipe(None, [f'eval.out={sys.argv[4]}']).to_dict()\n"
-        "services = {'tracking_uri': s.tracking_uri, 'artifact_root': s.artifact_root, 'state_dir': str(s.state_dir)}\n"
+        "services = {'tracking_uri': s.tracking_uri, 'artifact_root': s.artifact_root, "
+        "'state_dir': str(s.state_dir)}\n"
+        "try:\n"
+        "    regression_eval(sys.argv[2], sys.argv[3], math.nan, False, recipe, services)\n"
+        "except ValueError as e:\n"
+        "    print(json.dumps({'refused': str(e)}))\n"
         "print(json.dumps(regression_eval(sys.argv[2], sys.argv[3], 0.02, False, recipe, services), default=str))\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
     proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "state"), str(plain_eval.work_dir),
-                           str(memorised_eval.work_dir), str(tmp_path / "out")], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=env)
+                           str(memorised_eval.work_dir), str(tmp_path / "out")], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    refused, result = (json.loads(line) for line in proc.stdout.strip().splitlines()[-2:])
+    # a NaN allowed drop would pass any regression: refused before anything is evaluated or logged
+    assert refused == {"refused": "max_drop must be a finite number >= 0, got nan"}
     # the plain model as the candidate, the memorising one as the baseline: MATH-500 fails (see above)
-    assert result["passed"] is False and [r["benchmark"] for r in result["failing"]] == ["math_500"]
+    assert result["passed"] is False and [r["benchmark"] for r in result["gate"]["failing"]] == ["math_500"]
+    assert result["promoted"] is None and result["baseline"]["reused"] and result["candidate"]["reused"]
     diffs = {r["benchmark"]: r["diff"] for r in result["rows"] if r["metric"] == "accuracy"}
     assert diffs == {"math_500": pytest.approx(-0.4), "aime24": -0.5} and Path(result["plot"]).is_file()
 
@@ -360,6 +371,10 @@ def registrable_copy(model: str, base: str, dst: Path) -> Path:
     files = file_hashes(dst)
     write_json_atomic(dst / "manifest.json", {**read_manifest(base), "files": files, "sha256": combined_sha256(files)})
     return dst
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def heldout_overrides(tmp_path: Path, data: Path) -> list[str]:
@@ -420,9 +435,9 @@ def test_heldout_only_versions_are_compared_and_gated_problem_by_problem(memoris
     assert "| heldout | accuracy | 0.417 | 0.000 | -0.417 | [-0.667, -0.167] | 12 |" in result["table"]
     assert client.get_model_version(name, "1").tags["eval.heldout_accuracy"] == "0.0000"
 
-    # the other way round (in this process: `run_comparison` is what the command runs) both evaluations are
-    # reused, and the gate passes
-    from tasks.comparison import run_comparison
+    # the other way round (in this process: `run_comparison` is what the command and the flow run) both
+    # evaluations are reused, and the gate passes
+    from tasks.regression import run_comparison
 
     services = {"tracking_uri": uri, "registry_uri": uri, "artifact_root": str(state / "mlartifacts"),
                 "state_dir": str(state)}
@@ -431,6 +446,43 @@ def test_heldout_only_versions_are_compared_and_gated_problem_by_problem(memoris
     assert [(r["diff"], r["ci_low"], r["ci_high"]) for r in result["rows"]] == [
         (pytest.approx(5 / 12), pytest.approx(2 / 12), pytest.approx(8 / 12))]
     assert len(client.search_runs([experiment_id], "attributes.run_name = 'evaluate'")) == 2
+
+
+def test_the_pipelines_heldout_evaluation_reuses_the_answers_training_kept(memorising_model, tiny_base,
+                                                                            tmp_path):
+    """`grpoflow run` with eval.benchmarks: [] evaluates the trained checkpoint on its held-out rows: from the
+    answers training scored after its last step (`trainer.heldout.write_samples`) when they are of the same
+    rows and settings and unchanged, else by scoring the checkpoint again."""
+    from data.manifest import read_manifest, write_json_atomic
+    from data.prepare import load_prepared
+    from tasks.stages import _heldout_evaluation
+    from trainer.heldout import write_samples
+    from trainer.recipe import load_recipe
+
+    data = heldout_data(tmp_path / "data")
+    recipe = load_recipe(REPO_ROOT / "configs" / "tiny-cpu.yaml", heldout_overrides(tmp_path, data))
+    # the memorising model as a checkpoint training wrote: its manifest names the recipe and the data
+    checkpoint = registrable_copy(memorising_model, tiny_base["path"], tmp_path / "checkpoint")
+    write_json_atomic(checkpoint / "manifest.json", {**read_manifest(checkpoint), "recipe": recipe.to_dict(),
+                                                     "data_sha256": read_manifest(data)["sha256"]})
+    problems = evaluated_problems(shared())
+    # answers no model gave: seeing them in the evaluation shows that nothing was generated again
+    kept = [{"id": r["id"], "completion": "kept", "answer": r["answer"], "correct": 1.0}
+            for r in load_prepared(data, "heldout")]
+    after = write_samples(tmp_path / "run", "after", {"accuracy": 1.0, "format_rate": 0.0, "mean_length": 1.0,
+                                                      "n": len(kept), "samples": kept})
+    trained = {"checkpoint": str(checkpoint), "heldout_after": after}
+    report = _heldout_evaluation(trained, tmp_path / "reused")
+    held = read_jsonl(tmp_path / "reused" / "heldout" / "samples.jsonl")
+    assert report["scores"] == {"heldout": 1.0} and {r["completion"] for r in held} == {"kept"}
+    assert [r["id"] for r in held] == [r["id"] for r in kept] and len(held) == len(problems) == 12
+
+    # the file changed since training named it: the checkpoint is scored again (right on the 5 memorised)
+    Path(after["samples_path"]).write_text("")
+    report = _heldout_evaluation(trained, tmp_path / "scored")
+    held = read_jsonl(tmp_path / "scored" / "heldout" / "samples.jsonl")
+    assert report["scores"] == {"heldout": 5 / 12} and [r["correct"] for r in held] == [float(p.memorised)
+                                                                                       for p in problems]
 
 
 def test_compare_takes_the_benchmarks_both_sides_have_and_names_the_rest(memorised_eval, memorising_model, tiny_base,
@@ -555,7 +607,7 @@ def test_gate_refuses_a_non_finite_or_negative_max_drop_with_exit_2(value, tmp_p
 
 def test_the_gate_itself_refuses_nan_instead_of_passing_a_total_drop(tmp_path):
     from evaluation.compare import compare, gate
-    from tasks.comparison import run_comparison
+    from tasks.regression import run_comparison
     from trainer.recipe import load_recipe
 
     # every problem solved before, none after: a drop of 1.0

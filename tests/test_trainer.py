@@ -134,6 +134,18 @@ def test_sigkill_then_rerun_resumes_exactly(tmp_path, tiny_base, tiny_data):
     assert resumed.returncode == 0, resumed.stderr
     summary = json.loads(resumed.stdout.strip().splitlines()[-1])
     assert summary["resumed_from_step"] == int(killed_at.split("-")[1])
+    # the held-out answers scored before and after training are kept in the run directory, named in the
+    # summary: before training's from the killed attempt (kept in its checkpoint's state), after's from the rerun
+    from trainer.heldout import read_samples
+    straight_summary = json.loads(done.stdout.strip().splitlines()[-1])
+    for moment in ("before", "after"):
+        scores = summary[f"heldout_{moment}"]
+        assert Path(scores["samples_path"]) == (crashed / "run" / "heldout" / f"{moment}.jsonl").resolve()
+        samples = read_samples(scores)
+        assert len(samples) == scores["n"] == 8
+        assert sum(s["correct"] or 0.0 for s in samples) / 8 == scores["accuracy"]
+    # the base model's greedy answers, the same whichever attempt scored them
+    assert read_samples(summary["heldout_before"]) == read_samples(straight_summary["heldout_before"])
 
     def steps(run):
         return [json.loads(line) for line in (run / "run" / "metrics.jsonl").read_text().splitlines()]

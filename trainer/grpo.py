@@ -58,7 +58,7 @@ from trainer.checkpoint import (
     set_rng_state,
 )
 from trainer.divergence import NonFiniteError, stop_unless_finite, updated_policy_extremes
-from trainer.heldout import evaluate_greedy
+from trainer.heldout import evaluate_greedy, write_samples
 from trainer.launch import distributed_exit, init_distributed
 from trainer.logprobs import completion_logps
 from trainer.metrics import MetricsFile, TrainerCallback, TrainResult
@@ -330,13 +330,19 @@ class GRPOTrainer:
                 hook(*args)
 
     # ------------------------------------------------------------------------------ eval and saving
-    def evaluate_heldout(self) -> dict:
+    def evaluate_heldout(self, name: str | None = None) -> dict:
+        """The current policy's greedy held-out scores (`evaluate_greedy`); its answers go to the run
+        directory as `heldout/<name>.jsonl` (`write_samples`), named in the scores, for the plot and the
+        evaluation that follow training. `name`: `before` until the before-training scores exist, then
+        `after`."""
         if not self.heldout_rows:
             return {}
+        name = name or ("before" if self.heldout_before is None else "after")
         with self.local_engine.holding(self.model, self.version) as engine:
-            return evaluate_greedy(engine, self.tokenizer, self.heldout_rows, accuracy_reward, format_reward,
-                                   max_tokens=self.cfg.max_completion_length,
-                                   max_prompt_length=self.cfg.max_prompt_length)
+            result = evaluate_greedy(engine, self.tokenizer, self.heldout_rows, accuracy_reward,
+                                     format_reward, max_tokens=self.cfg.max_completion_length,
+                                     max_prompt_length=self.cfg.max_prompt_length, return_samples=True)
+        return write_samples(self.output_dir, name, result)
 
     def _heldout_on_rank0(self) -> dict | None:
         """Rank 0 evaluates (None elsewhere); under ZeRO-3 every rank first gathers the whole policy with it."""

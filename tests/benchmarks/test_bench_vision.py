@@ -40,7 +40,7 @@ def run_vision_demo(out: Path) -> dict:
 
     shutil.rmtree(out / "run", ignore_errors=True)  # a fresh run, not a resumed one
     recipe = load_recipe(RECIPE, [f"train.output_dir={out / 'run'}", f"data.out={out / 'data'}"])
-    base = prepare_inputs(recipe)  # the data and the warmed-up base model (cached), outside the training time
+    prepare_inputs(recipe)  # the data and the warmed-up base model (cached), outside the training time
     started = time.perf_counter()
     result = train(recipe, progress=False)
     seconds = time.perf_counter() - started
@@ -48,7 +48,7 @@ def run_vision_demo(out: Path) -> dict:
     per_50 = [round(statistics.fmean(r["rewards/counting/mean"] for r in rows[i:i + 50]), 3)
               for i in range(0, len(rows), 50)]
     plots = plot_training_curves(result["metrics"], out / "plots")
-    grid = heldout_answers_plot(recipe, base, result["checkpoint"], str(out / "data"), out / "plots" / "answers.png")
+    grid = heldout_answers_plot(result, str(out / "data"), out / "plots" / "answers.png")
     summary = {"before": result["heldout_accuracy_before"], "after": result["heldout_accuracy_after"],
                "steps": result["steps"], "training_s": round(seconds, 1), "counting_reward_per_50_steps": per_50,
                "plots": [str(p) for p in [*plots, grid]]}
