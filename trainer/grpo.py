@@ -25,9 +25,9 @@ Features:
 
 One "step" is one generated batch (`prompts_per_step` x `num_generations` completions) and mu optimizer
 updates on it. This file holds the setup, the loop and the update; the pieces it calls each have one home:
-where batches come from (`rollout_source`), scoring them (`scoring`), the loss (`loss`), the distributed mode
-(`strategy`), the log-prob forward (`logprobs`), the non-finite checks (`divergence`), checkpoints and what may
-resume (`checkpoint`).
+where batches come from (`rollout_source`), scoring them (`scoring`), the loss (`loss`), the distributed
+mode (`strategy`), the log-prob forward (`logprobs`), the non-finite checks (`divergence`), checkpoints and
+what may resume (`checkpoint`).
 
 Raises: FileNotFoundError / DataError for missing, malformed or edited prepared data, ConfigError for bad
 recipes or a run directory trained with another configuration, RewardSpecError for unknown reward
@@ -269,7 +269,8 @@ class GRPOTrainer:
         self._stop_unless_finite(updated_policy_extremes(self.model, micro_batches[0] if micro_batches else None),
                                  "after its optimizer update")
         keys = sorted(sums)  # the ranks' shares of the batch metrics add up
-        packed = self.strategy.all_reduce_sum(torch.tensor([sums[k] for k in keys] + [entropy], dtype=torch.float64))
+        packed = torch.tensor([sums[k] for k in keys] + [entropy], dtype=torch.float64)
+        packed = self.strategy.all_reduce_sum(packed)
         sums, entropy = dict(zip(keys, packed[:-1].tolist(), strict=True)), packed[-1].item()
         staleness = self.version - batch.policy_version
         self.version += 1  # one policy version per generated batch trained on
@@ -313,7 +314,8 @@ class GRPOTrainer:
             self._notify("on_checkpoint", step, path)
             return path
 
-        return self.strategy.save(self.output_dir, {"step": step, "heldout_before": self.heldout_before}, write)
+        state = {"step": step, "heldout_before": self.heldout_before}
+        return self.strategy.save(self.output_dir, state, write)
 
 
 def _fmt(result: dict) -> str:
@@ -325,8 +327,8 @@ def check_supported(recipe: Recipe) -> None:
     if recipe.model.modality == "vision" and recipe.rollout.engine != "transformers":
         # Images reach the in-process transformers engine and the trainer's forward; the other engines would
         # generate from the questions without their images and the policy would learn the wrong task.
-        raise ConfigError("model.modality: vision trains with rollout.engine: transformers and without DeepSpeed "
-                          f"for now; images do not reach the {recipe.rollout.engine} engine yet")
+        raise ConfigError("model.modality: vision trains with rollout.engine: transformers and without "
+                          f"DeepSpeed for now; images do not reach the {recipe.rollout.engine} engine yet")
     check_recipe(recipe)  # and what the distributed mode cannot train
 
 

@@ -4,9 +4,9 @@
 - `ddp`: torchrun ranks with torch's DistributedDataParallel;
 - `zero`: DeepSpeed ZeRO 1/2/3 (`train.deepspeed`), one process or torchrun ranks.
 
-The interface (`base.TrainingStrategy`) covers wrapping the model and optimizer, the log-prob forward, backward,
-the update at its accumulation boundary, the checkpointed training state, whole weights and the rank facts;
-`precision` holds the fp32 master weights of the strategies that step torch's optimizer themselves.
+The interface (`base.TrainingStrategy`) covers wrapping the model and optimizer, the log-prob forward,
+backward, the update at its accumulation boundary, the checkpointed training state, whole weights and the rank
+facts; `precision` holds the fp32 master weights of the strategies that step torch's optimizer themselves.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def strategy_class(recipe: Recipe, world: int) -> type[TrainingStrategy]:
 
 
 def make_strategy(recipe: Recipe) -> TrainingStrategy:
-    """This process's strategy: joins the trainer ranks' process group first when launched as one of several."""
+    """This process's strategy; joins the trainer ranks' process group first when launched as one of them."""
     rank, world = init_distributed(recipe.rollout.sync_timeout_s, recipe.rollout)
     return strategy_class(recipe, world)(recipe, rank, world)
 

@@ -1,5 +1,5 @@
-"""The contract every training strategy keeps: how the policy is wrapped, run, differentiated, stepped, saved and
-handed out whole, for one distributed mode.
+"""The contract every training strategy keeps: how the policy is wrapped, run, differentiated, stepped, saved
+and handed out whole, for one distributed mode.
 
 The trainer (`trainer.grpo`) holds one strategy and calls only these methods, so its loop reads the same for a
 single process, DDP and DeepSpeed ZeRO; a new mode (FSDP2, say) is one new subclass in its own file.
@@ -21,13 +21,13 @@ from trainer.rollout_batch import MicroBatch
 MakeOptimizer = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 # a non-finite check of named values; raises NonFiniteError (every rank together) when one is not finite
 Check = Callable[[dict[str, torch.Tensor]], None]
-# writes checkpoint files for a training state (and a directory of more state, ZeRO's shards) -> the checkpoint
+# writes a checkpoint of a training state (and a directory of more state: ZeRO's shards); returns its path
 Write = Callable[[dict, Path | None], Path]
 
 
 class TrainingStrategy(ABC):
-    """One distributed mode of the trainer ranks. Rank facts are known from construction; `wrap` then takes the
-    plain policy module and builds its optimizer and schedule.
+    """One distributed mode of the trainer ranks. Rank facts are known from construction; `wrap` then takes
+    the plain policy module and builds its optimizer and schedule.
 
     Attributes after `wrap`: `model` (the plain module: engines, checkpoints, weight syncs read it), `policy`
     (what the loss's forward runs through: the module itself or its wrapper), `optimizer`, `scheduler`."""
@@ -43,19 +43,19 @@ class TrainingStrategy(ABC):
     @abstractmethod
     def wrap(self, model: torch.nn.Module, make_optimizer: MakeOptimizer,
              lr_lambda: Callable[[int], float]) -> None:
-        """Take `model` for training: its wrapper, its optimizer (from `make_optimizer`) and the LambdaLR schedule
-        `lr_lambda` stepped once per update."""
+        """Take `model` for training: its wrapper, its optimizer (from `make_optimizer`) and the LambdaLR
+        schedule `lr_lambda`, stepped once per update."""
 
     # ------------------------------------------------------------------------------------------- loop
     def shard(self, size: int) -> torch.Tensor:
-        """The rows of a batch of `size` this rank trains on: every world-th one. The loss is normalised by the
-        whole batch's totals, so the ranks' shares add up to the single-process loss."""
+        """The rows of a batch of `size` this rank trains on: every world-th one. The loss is normalised by
+        the whole batch's totals, so the ranks' shares add up to the single-process loss."""
         return torch.arange(size)[self.rank::self.world]
 
     def logps(self, mb: MicroBatch, temperature: float, model: torch.nn.Module | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Completion log-probs and logits of `mb` under the policy (or `model`, e.g. the frozen reference, run
-        the same way)."""
+        """Completion log-probs and logits of `mb` under the policy (or `model`, e.g. the frozen reference,
+        run the same way)."""
         return completion_logps(self.policy if model is None else model, mb, temperature,
                                 share_prompts=self.share_prompts)
 

@@ -1,10 +1,11 @@
 """fp32 master weights for a policy that computes in a lower precision (bf16), for the strategies that step a
 torch optimizer themselves (single process, DDP); DeepSpeed's ZeRO optimizer keeps its own.
 
-AdamW applied to bf16 parameters rounds every update below half a bf16 ulp of the weight away (at |w| ~ 0.02 that
-is ~6e-5: most updates at learning rates like 1e-5). So the optimizer owns fp32 copies: the forward and backward
-run in the module's dtype, the gradients are widened onto the copies, the copies are clipped and stepped, and the
-module gets the stepped copies rounded back. A float32 module has no copies: the optimizer steps its parameters.
+AdamW applied to bf16 parameters rounds every update below half a bf16 ulp of the weight away (at |w| ~ 0.02
+that is ~6e-5: most updates at learning rates like 1e-5). So the optimizer owns fp32 copies: the forward and
+backward run in the module's dtype, the gradients are widened onto the copies, the copies are clipped and
+stepped, and the module gets the stepped copies rounded back. A float32 module has no copies: the optimizer
+steps its own parameters.
 """
 
 from __future__ import annotations

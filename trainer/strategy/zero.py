@@ -19,9 +19,9 @@ from trainer.typed_config import ConfigError
 
 
 class ZeroStrategy(TrainingStrategy):
-    """The trainer accumulates its micro-batches itself and marks each update's boundary; DeepSpeed reduces and
-    steps there. The policy forward runs whole sequences (DeepSpeed wraps `forward` only). Checkpoints: every
-    rank writes its shard of the optimizer state; the model is saved whole (gathered under ZeRO-3)."""
+    """The trainer accumulates its micro-batches itself and marks each update's boundary; DeepSpeed reduces
+    and steps there. The policy forward runs whole sequences (DeepSpeed wraps `forward` only). Checkpoints:
+    every rank writes its shard of the optimizer state; the model is saved whole (gathered under ZeRO-3)."""
 
     share_prompts = False
 
@@ -40,11 +40,12 @@ class ZeroStrategy(TrainingStrategy):
         # DeepSpeed's optimizer wraps ours (fp32 master weights) and steps our schedule
         self.engine = ds.initialize(model, make_optimizer(model.parameters()), ds.trainer_config(self.recipe),
                                     lr_lambda)
-        self.policy, self.optimizer, self.scheduler = self.engine, self.engine.optimizer, self.engine.lr_scheduler
+        self.policy, self.optimizer = self.engine, self.engine.optimizer
+        self.scheduler = self.engine.lr_scheduler
 
     def backward(self, loss: torch.Tensor, last: bool) -> None:
         self.engine.set_gradient_accumulation_boundary(last)
-        # DeepSpeed averages the ranks' gradients; each rank's loss is its share of the batch's sum, hence * world
+        # DeepSpeed averages the ranks' gradients; each rank's loss is its share of the batch's sum: * world
         self.engine.backward(loss * self.world, scale_wrt_gas=False)
 
     def step(self, loss: torch.Tensor | None, check: Check) -> float:
