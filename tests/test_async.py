@@ -112,7 +112,7 @@ grads = {}
 def keep_grads(optimizer, args, kwargs):  # the gradient the optimizer steps with (after DDP's all-reduce)
     for name, p in trainer.model.named_parameters():
         grads[name] = p.grad.detach().clone()
-trainer.optimizer.register_step_pre_hook(keep_grads)
+trainer.strategy.optimizer.register_step_pre_hook(keep_grads)
 trainer.optimize(batch)
 if trainer.rank == 0:
     torch.save({"grads": grads, "weights": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}},

@@ -55,7 +55,7 @@ batch.advantages = torch.linspace(-1, 1, len(batch))
 trainer.optimize(batch)
 # the weight sync's view: whole tensors, a group at a time (every rank iterates; rank 0 keeps them)
 weights = {n: t.clone() for n, t in gathered(trainer.model.state_dict(keep_vars=True).items(), budget_mb=1)}
-out = {"weights": weights, "lr": trainer.scheduler.get_last_lr()[0]}
+out = {"weights": weights, "lr": trainer.strategy.learning_rate()}
 # an engine of its own (what a rollout worker holds) loads the synced weights and samples
 engine_model, tok = load_model(sys.argv[2], recipe.model, "cpu", verify=False)
 engine_model.load_state_dict(weights)
@@ -66,12 +66,12 @@ prompts = [p for p, g in zip(asked, groups) for _ in g]
 sampled = RolloutBatch(prompts, completions, torch.zeros(len(completions)), torch.ones(len(completions)))
 mb = sampled.micro_batch(torch.arange(len(completions)), tok.pad_token_id)
 with torch.no_grad():  # the trainer's forward (through DeepSpeed's engine under ZeRO: collective)
-    ours, _ = completion_logps(trainer.policy, mb, recipe.train.temperature)
+    ours, _ = completion_logps(trainer.strategy.policy, mb, recipe.train.temperature)
 out["logp_gap"] = float(((ours - mb.behaviour_logps).abs() * mb.completion_mask).max())
 out["tokens"] = int(mb.completion_mask.sum())
-if trainer.ds is not None:
-    out["ds_world"] = trainer.ds.world_size
-    out["zero_stage"] = trainer.ds.zero_optimization_stage()
+if (engine := getattr(trainer.strategy, "engine", None)) is not None:  # DeepSpeed's, under ZeRO
+    out["ds_world"] = engine.world_size
+    out["zero_stage"] = engine.zero_optimization_stage()
 if trainer.rank == 0:
     torch.save(out, sys.argv[3])
 from trainer.launch import leave_distributed; leave_distributed()  # no rank exits with the group alive
@@ -127,7 +127,7 @@ from trainer.recipe import load_recipe
 recipe = load_recipe(sys.argv[1], sys.argv[3:])
 trainer = GRPOTrainer(recipe, sys.argv[2], recipe.data.out, progress=False)
 trainer.setup()
-master = trainer.ds.optimizer.single_partition_of_fp32_groups[0]
+master = trainer.strategy.engine.optimizer.single_partition_of_fp32_groups[0]
 before = master.detach().clone()
 module_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 batch, _ = trainer.rollout_source().next(0)

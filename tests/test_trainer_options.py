@@ -52,7 +52,7 @@ def record_updates(trainer: GRPOTrainer) -> list[tuple[torch.Tensor, float]]:
         params = optimizer.param_groups[0]["params"]
         seen.append((flat([p.grad for p in params], params), optimizer.param_groups[0]["lr"]))
 
-    trainer.optimizer.register_step_pre_hook(before_step)
+    trainer.strategy.optimizer.register_step_pre_hook(before_step)
     return seen
 
 

@@ -1,5 +1,7 @@
-"""DeepSpeed ZeRO for the trainer ranks: the config, the engine around our optimizer and schedule, and whole
-parameters out of ZeRO-3 shards.
+"""DeepSpeed ZeRO for the trainer ranks: the config, the engine around our optimizer and schedule, checkpoint
+shards, and whole parameters out of ZeRO-3 shards. The one home of DeepSpeed's specifics: the ZeRO training
+strategy (`trainer.strategy.zero`) drives the engine with them, and the rollout's weight sync gathers ZeRO-3
+shards with `gathered` / `whole_parameters` (no-ops for a module ZeRO-3 does not shard).
 
 `train.deepspeed` names a preset (`zero1`, `zero2`, `zero3`) or a user's ds_config.json. Either way the recipe
 stays the one source of truth for what it owns: micro-batch size, gradient clipping and bf16 are written over

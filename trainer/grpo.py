@@ -16,15 +16,18 @@ Features:
   (corrupt ones are set aside with a warning, see `trainer.checkpoint`), recorded with the same training
   configuration (a changed one is refused naming the keys) and the same prepared data (its files are
   checked against their manifest, and its sha256 against the one the checkpoint recorded);
-- DeepSpeed ZeRO 1/2/3 (`train.deepspeed`) instead of DDP for the trainer ranks, fp32 master weights under bf16;
+- one process, DDP ranks or DeepSpeed ZeRO 1/2/3 (`train.deepspeed`), each a strategy (`trainer.strategy`)
+  chosen once: it wraps the policy and optimizer, runs its forward, backward and update, saves and restores
+  the optimizer state; fp32 master weights whenever the policy computes in bf16;
 - a non-finite loss or gradient norm stops the run before the update is applied; non-finite weights, or
   weights whose forward overflows, right after it (NonFiniteError naming the step); nothing of that step is
   saved.
 
 One "step" is one generated batch (`prompts_per_step` x `num_generations` completions) and mu optimizer
 updates on it. This file holds the setup, the loop and the update; the pieces it calls each have one home:
-where batches come from (`rollout.source`), scoring them (`scoring`), the loss (`loss`), the log-prob forward
-(`logprobs`), the non-finite checks (`divergence`), checkpoints and what may resume (`checkpoint`).
+where batches come from (`rollout.source`), scoring them (`scoring`), the loss (`loss`), the distributed
+mode (`strategy`), the log-prob forward (`logprobs`), the non-finite checks (`divergence`), checkpoints and
+what may resume (`checkpoint`).
 
 Raises: FileNotFoundError / DataError for missing, malformed or edited prepared data, ConfigError for bad
 recipes or a run directory trained with another configuration, RewardSpecError for unknown reward
@@ -47,7 +50,6 @@ import torch
 from data.manifest import read_manifest
 from data.prepare import load_prepared
 from data.progress import Progress
-from trainer import deepspeed_setup as zero
 from trainer import loss as L
 from trainer.checkpoint import (
     check_resumable,
@@ -59,19 +61,19 @@ from trainer.checkpoint import (
 )
 from trainer.divergence import NonFiniteError, stop_unless_finite, updated_policy_extremes
 from trainer.heldout import evaluate_greedy, write_samples
-from trainer.launch import distributed_exit, init_distributed
-from trainer.logprobs import completion_logps
+from trainer.launch import distributed_exit
 from trainer.metrics import MetricsFile, TrainerCallback, TrainResult
 from trainer.model_loading import load_model
 from trainer.placement import trainer_device
 from trainer.plugins import load_plugin
 from trainer.recipe import Recipe
 from trainer.rewards import RewardRunner, accuracy_reward, format_reward, resolve_reward
-from trainer.rollout.batch import MicroBatch, RolloutBatch
+from trainer.rollout.batch import RolloutBatch
 from trainer.rollout.engines import make_engine
 from trainer.rollout.source import AsyncRollout, LocalEngine, RolloutSource, SyncRollout, step_prompts
 from trainer.rollout.worker_processes import cpu_threads_per_side
 from trainer.scoring import score_groups
+from trainer.strategy import TrainingStrategy, check_recipe, make_strategy
 from trainer.typed_config import ConfigError
 
 log = logging.getLogger("grpoflow.train")
@@ -91,7 +93,7 @@ class GRPOTrainer:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
-        self.rank, self.world = init_distributed(self.recipe.rollout.sync_timeout_s, self.recipe.rollout)
+        self.strategy: TrainingStrategy = make_strategy(self.recipe)  # joins the trainer ranks' group, if any
         self.checkpoint = resume_checkpoint(self.output_dir, repair=self.rank == 0)
         self.start_step, state = 0, None
         if self.recipe.rollout.async_ and not torch.cuda.is_available():
@@ -110,13 +112,6 @@ class GRPOTrainer:
         self.model, self.tokenizer = load_model(str(self.checkpoint or self.model_path), self.recipe.model, device,
                                                  verify=self.checkpoint is None)
         self.model.train()
-        # Trainer ranks under torchrun: gradients are averaged across ranks by DDP; `policy` is what
-        # the loss runs through, `model` the plain module (engine, checkpoints).
-        self.policy, self.ds = self.model, None
-        if self.world > 1 and not cfg.deepspeed:
-            from torch.nn.parallel import DistributedDataParallel
-
-            self.policy = DistributedDataParallel(self.model)
         self.ref_model = None
         if cfg.beta > 0:  # the reference is the starting policy, never the resumed one
             self.ref_model, _ = load_model(self.model_path, self.recipe.model, device, verify=self.checkpoint is not None)
@@ -129,27 +124,27 @@ class GRPOTrainer:
         self.callbacks += [load_plugin(spec, what="training callback")() for spec in cfg.callbacks]
         self.rewards = RewardRunner([(s.name.rsplit(":", 1)[-1], resolve_reward(s.name, s.args), s.weight)
                                      for s in self.recipe.rewards], timeout_s=cfg.reward_timeout_s)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.learning_rate,
-                                           weight_decay=cfg.weight_decay)
-        if cfg.deepspeed:  # ZeRO: DeepSpeed's optimizer wraps ours (fp32 master weights) and steps our schedule
-            self.ds = zero.initialize(self.model, self.optimizer, zero.trainer_config(self.recipe), self._lr_factor)
-            self.policy, self.optimizer, self.scheduler = self.ds, self.ds.optimizer, self.ds.lr_scheduler
-        else:
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        # `model` stays the plain module (engines, checkpoints); the strategy holds what the loss runs through
+        self.strategy.wrap(self.model, functools.partial(torch.optim.AdamW, lr=cfg.learning_rate,
+                                                         weight_decay=cfg.weight_decay), self._lr_factor)
         self.metrics = MetricsFile(self.output_dir / "metrics.jsonl")
         self.heldout_before = None
         if state is not None:
-            if self.ds is not None:  # every rank reads its own shard of the optimizer state
-                zero.load_state(self.ds, self.checkpoint)
-            else:
-                self.optimizer.load_state_dict(state["optimizer"])
-                self.scheduler.load_state_dict(state["scheduler"])
+            self.strategy.load(state, self.checkpoint)
             set_rng_state(state["rng"])
             self.heldout_before = state.get("heldout_before")
             self.metrics.truncate_after(self.start_step)
         elif self.metrics.path.exists():
             self.metrics.path.unlink()  # a fresh run in a reused directory without a checkpoint
         self.version = self.start_step
+
+    @property
+    def rank(self) -> int:
+        return self.strategy.rank
+
+    @property
+    def world(self) -> int:
+        return self.strategy.world
 
     def _lr_factor(self, update: int) -> float:
         cfg, total = self.cfg, self.cfg.max_steps * self.cfg.num_iterations
@@ -190,10 +185,8 @@ class GRPOTrainer:
                     self.metrics.append(step + 1, metrics)
                     self._notify("on_step", step + 1, metrics)
                     bar.update(1, reward=f"{metrics['reward']:.3f}", s_per_step=f"{metrics['timing/step_s']:.2f}")
-                # rank 0 saves; under ZeRO every rank also writes its shard of the optimizer state
-                if ((step + 1) % cfg.save_steps == 0 or step + 1 == cfg.max_steps) and \
-                        (self.rank == 0 or self.ds is not None):
-                    last = self.save(step + 1)
+                if (step + 1) % cfg.save_steps == 0 or step + 1 == cfg.max_steps:
+                    last = self.save(step + 1) or last  # every rank takes part; rank 0 writes the checkpoint
         heldout_after = self._heldout_on_rank0()
         if self.rank != 0:
             return None
@@ -222,9 +215,8 @@ class GRPOTrainer:
     def optimize(self, batch: RolloutBatch) -> dict:
         """mu passes over the batch in micro-batches; one optimizer update per pass."""
         cfg, t0 = self.cfg, time.perf_counter()
-        # Each rank takes every world-th sequence; the loss is normalised by totals over the whole batch,
-        # so the ranks' shares add up to the single-process loss (DDP averages, hence the * world below).
-        micro = torch.arange(len(batch))[self.rank::self.world].split(cfg.micro_batch_size)
+        # each rank takes its share of the sequences; the loss is normalised by totals over the whole batch
+        micro = self.strategy.shard(len(batch)).split(cfg.micro_batch_size)
         device = self.model.device
         micro_batches = [batch.micro_batch(idx, self.tokenizer.pad_token_id).to(device) for idx in micro]
         active = sum(len(c.token_ids) * float(m) for c, m in zip(batch.completions, batch.loss_mask, strict=True))
@@ -238,14 +230,14 @@ class GRPOTrainer:
         for iteration in range(cfg.num_iterations):
             pass_loss = None  # this pass's loss, summed on the device: checked once, at the update
             for k, mb in enumerate(micro_batches):
-                logps, logits = self._logps(self.policy, mb)
+                logps, logits = self.strategy.logps(mb, cfg.temperature)
                 if iteration == 0:  # the policy that starts this update is the proximal ("old") policy
                     old_logps[k] = logps.detach()
                     with torch.no_grad():
                         ent = L.entropy_from_logits(logits.detach(), cfg.temperature)
                         entropy += (ent * mb.completion_mask).sum().item()
                         if self.ref_model is not None:
-                            ref_logps[k] = self._logps(self.ref_model, mb)[0]
+                            ref_logps[k] = self.strategy.logps(mb, cfg.temperature, model=self.ref_model)[0]
                         if off_policy:
                             is_weights[k] = L.truncated_importance_weights(
                                 old_logps[k], mb.behaviour_logps, self.recipe.rollout.importance_ratio_cap)
@@ -261,7 +253,7 @@ class GRPOTrainer:
                     epsilon_high=cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon,
                     beta=cfg.beta, ref_logps=ref_logps[k], is_weights=is_weights[k])
                 loss = L.reduce_loss(per_token, mb.completion_mask, cfg.loss_type, **totals)
-                self._backward(loss * self.world, last=k == len(micro_batches) - 1)
+                self.strategy.backward(loss, last=k == len(micro_batches) - 1)
                 pass_loss = loss.detach() if pass_loss is None else pass_loss + loss.detach()
                 if iteration == cfg.num_iterations - 1:  # report the last pass, where clipping can act
                     weight = mb.completion_mask.sum().item() / totals["total_tokens"]
@@ -271,15 +263,15 @@ class GRPOTrainer:
                     if is_weights[k] is not None:
                         w = is_weights[k][mb.completion_mask > 0]
                         sums["importance_ratio/mean"] = sums.get("importance_ratio/mean", 0.0) + w.sum().item() / totals["total_tokens"]
-            rate = self.scheduler.get_last_lr()[0]  # what this update applies: the step logs it, as TRL does
-            grad_norms.append(self._update(pass_loss))
+            rate = self.strategy.learning_rate()  # what this update applies: the step logs it, as TRL does
+            grad_norms.append(self.strategy.step(pass_loss, functools.partial(
+                self._stop_unless_finite, when="before its optimizer update")))
         self._stop_unless_finite(updated_policy_extremes(self.model, micro_batches[0] if micro_batches else None),
                                  "after its optimizer update")
-        if self.world > 1:  # the ranks' shares of the batch metrics add up
-            keys = sorted(sums)
-            packed = torch.tensor([sums[k] for k in keys] + [entropy], dtype=torch.float64)
-            torch.distributed.all_reduce(packed)
-            sums, entropy = dict(zip(keys, packed[:-1].tolist(), strict=True)), packed[-1].item()
+        keys = sorted(sums)  # the ranks' shares of the batch metrics add up
+        packed = torch.tensor([sums[k] for k in keys] + [entropy], dtype=torch.float64)
+        packed = self.strategy.all_reduce_sum(packed)
+        sums, entropy = dict(zip(keys, packed[:-1].tolist(), strict=True)), packed[-1].item()
         staleness = self.version - batch.policy_version
         self.version += 1  # one policy version per generated batch trained on
         if off_policy:
@@ -288,38 +280,6 @@ class GRPOTrainer:
         return {**sums, "entropy": entropy / totals["total_tokens"], "grad_norm": grad_norms[-1],
                 "learning_rate": rate, "timing/train_s": time.perf_counter() - t0,
                 "staleness": float(staleness)}
-
-    def _logps(self, model, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        # one forward per backward under DDP and DeepSpeed: the shared-prompt forward runs two
-        return completion_logps(model, mb, self.cfg.temperature, share_prompts=self.world == 1 and self.ds is None)
-
-    def _backward(self, loss: torch.Tensor, last: bool) -> None:
-        if self.ds is None:
-            loss.backward()
-            return
-        # the trainer accumulates its micro-batches itself: DeepSpeed reduces and steps on the pass's last one
-        self.ds.set_gradient_accumulation_boundary(last)
-        self.ds.backward(loss, scale_wrt_gas=False)
-
-    def _update(self, loss: torch.Tensor | None) -> float:
-        """One optimizer update, refused (NonFiniteError) when the loss or gradient norm is not finite."""
-        cfg = self.cfg
-        if self.ds is not None:
-            # DeepSpeed clips and steps (gradients are sharded under ZeRO-2/3: their norm is its to compute);
-            # a non-finite gradient then shows in the weights, which the check after the update refuses
-            if loss is not None:
-                self._stop_unless_finite({"loss": loss}, "before its optimizer update")
-            self.ds.step()
-            norm = self.ds.get_global_grad_norm()
-            return float(norm) if norm is not None else math.nan
-        max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        checked = {"gradient norm": norm} if loss is None else {"loss": loss.to(norm.device), "gradient norm": norm}
-        self._stop_unless_finite(checked, "before its optimizer update")
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
 
     def _stop_unless_finite(self, values: dict[str, torch.Tensor], when: str) -> None:
         stop_unless_finite(values, when, step=self.version + 1, output_dir=self.output_dir, world=self.world)
@@ -346,25 +306,22 @@ class GRPOTrainer:
 
     def _heldout_on_rank0(self) -> dict | None:
         """Rank 0 evaluates (None elsewhere); under ZeRO-3 every rank first gathers the whole policy with it."""
-        with zero.whole_parameters(self.model):
+        with self.strategy.whole_weights():
             return self.evaluate_heldout() if self.rank == 0 else None
 
     def save(self, step: int) -> Path | None:
-        """Checkpoint `step` (rank 0 writes it; under ZeRO every rank calls this, see `trainer.deepspeed_setup`)."""
-        state = {"step": step, "heldout_before": self.heldout_before}
+        """Checkpoint `step`; every rank calls this (the strategy adds its optimizer state, rank 0 writes)."""
         manifest = {"base_model": self.model_path, "data": str(self.data_dir),
                     "data_sha256": self.data_sha256, "recipe": self.recipe.to_dict()}
-        if self.ds is not None:
-            return zero.save(self.ds, self.output_dir, step, self.rank,
-                             lambda extra: self._save(step, state, manifest, extra))
-        state.update(optimizer=self.optimizer.state_dict(), scheduler=self.scheduler.state_dict())
-        return self._save(step, state, manifest)
 
-    def _save(self, step: int, state: dict, manifest: dict, extra: Path | None = None) -> Path:
-        path = save_checkpoint(self.output_dir, step, self.model, self.tokenizer, state, manifest,
-                               self.cfg.save_total_limit, extra=extra)
-        self._notify("on_checkpoint", step, path)
-        return path
+        def write(state: dict, extra: Path | None) -> Path:
+            path = save_checkpoint(self.output_dir, step, self.model, self.tokenizer, state, manifest,
+                                   self.cfg.save_total_limit, extra=extra)
+            self._notify("on_checkpoint", step, path)
+            return path
+
+        state = {"step": step, "heldout_before": self.heldout_before}
+        return self.strategy.save(self.output_dir, state, write)
 
 
 def _fmt(result: dict) -> str:
@@ -373,13 +330,12 @@ def _fmt(result: dict) -> str:
 
 def check_supported(recipe: Recipe) -> None:
     """Refuse, before any work, a recipe this trainer would silently get wrong."""
-    if recipe.model.modality == "vision" and (recipe.rollout.engine != "transformers" or recipe.train.deepspeed):
-        # Images reach the in-process transformers engine and the trainer's forward; the other paths would
-        # generate from (or train on) the questions without their images and learn the wrong task.
-        raise ConfigError("model.modality: vision trains with rollout.engine: transformers and without DeepSpeed "
-                          f"for now; images do not reach the {recipe.rollout.engine} engine or ZeRO ranks yet")
-    if recipe.train.deepspeed in ("zero1", "zero2", "zero3"):
-        zero.check_stage(int(recipe.train.deepspeed[-1]), recipe)
+    if recipe.model.modality == "vision" and recipe.rollout.engine != "transformers":
+        # Images reach the in-process transformers engine and the trainer's forward; the other engines would
+        # generate from the questions without their images and the policy would learn the wrong task.
+        raise ConfigError("model.modality: vision trains with rollout.engine: transformers and without "
+                          f"DeepSpeed for now; images do not reach the {recipe.rollout.engine} engine yet")
+    check_recipe(recipe)  # and what the distributed mode cannot train
 
 
 def prepare_inputs(recipe: Recipe) -> str:
