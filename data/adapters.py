@@ -91,8 +91,12 @@ def math(raw: Mapping, base_dir: Path | None = None) -> Example:
     if not answer:
         if raw.get("solution") is None:
             empty = "empty" if "answer" in raw else "missing"
-            raise FieldError("answer", "a non-empty 'answer', or a 'solution' with \\boxed{...}",
-                             raw.get("answer"), reason=f"{empty} field 'answer'")
+            raise FieldError(
+                "answer",
+                "a non-empty 'answer', or a 'solution' with \\boxed{...}",
+                raw.get("answer"),
+                reason=f"{empty} field 'answer'",
+            )
         answer = _boxed_answer(raw)
     columns = _optional(raw, "subject", "level", "unique_id")
     source_id = raw.get("unique_id") if raw.get("unique_id") is not None else raw.get("id")
@@ -107,11 +111,16 @@ def _boxed_answer(raw: Mapping) -> str:
     solution = _text(raw, "solution", expected="a solution with a \\boxed{...} answer")
     answer = extract_answer(solution)
     if answer is None:
-        raise FieldError("solution", "a solution with a \\boxed{...} answer", solution[-80:],
-                         reason="no \\boxed{} answer in 'solution'")
+        raise FieldError(
+            "solution",
+            "a solution with a \\boxed{...} answer",
+            solution[-80:],
+            reason="no \\boxed{} answer in 'solution'",
+        )
     if not answer:
-        raise FieldError("solution", "a non-empty \\boxed{...} answer", solution[-80:],
-                         reason="empty field 'answer'")
+        raise FieldError(
+            "solution", "a non-empty \\boxed{...} answer", solution[-80:], reason="empty field 'answer'"
+        )
     return answer
 
 
@@ -152,7 +161,7 @@ def _int(value: object, name: str, expected: str) -> int:
 
 
 def _int_list(value: object, name: str) -> list[int]:
-    expected = "a list of integers, or text like \"30,100,93\""
+    expected = 'a list of integers, or text like "30,100,93"'
     if isinstance(value, str):
         value = [v for v in value.strip().strip("[]").split(",") if v.strip()]
     if not isinstance(value, (list, tuple)) or not value:
@@ -162,10 +171,12 @@ def _int_list(value: object, name: str) -> list[int]:
 
 def counting(raw: Mapping, base_dir: Path | None = None) -> Example:
     images = _images(raw, base_dir)
-    question = next((str(raw[n]).strip() for n in ("problem", "question") if str(raw.get(n) or "").strip()),
-                    COUNTING_QUESTION)
+    question = next(
+        (str(raw[n]).strip() for n in ("problem", "question") if str(raw.get(n) or "").strip()),
+        COUNTING_QUESTION,
+    )
     name = next((n for n in ("count", "answer", "solution") if raw.get(n) is not None), None)
-    expected = "a non-negative integer count (3, \"3\" or \"<answer> 3 </answer>\")"
+    expected = 'a non-negative integer count (3, "3" or "<answer> 3 </answer>")'
     if name is None:
         raise FieldError("count", expected, reason="missing field 'count'")
     value = raw[name]
@@ -178,13 +189,17 @@ def counting(raw: Mapping, base_dir: Path | None = None) -> Example:
     if split is not None and split not in ("train", "heldout"):
         raise FieldError("split", "'train' or 'heldout'", split)
     # videos / audios are kept as given: a model whose processor takes them gets them, any other refuses the row
-    return Example(question, str(count), {"images": images, **_optional(raw, "videos", "audios")}, split=split)
+    return Example(
+        question, str(count), {"images": images, **_optional(raw, "videos", "audios")}, split=split
+    )
 
 
 def _images(raw: Mapping, base_dir: Path | None) -> list[str]:
     name = next((n for n in ("images", "image", "image_path") if raw.get(n) is not None), None)
     if name is None:
-        raise FieldError("image", "an image: a path, URL, bytes or base64 text", reason="missing field 'image'")
+        raise FieldError(
+            "image", "an image: a path, URL, bytes or base64 text", reason="missing field 'image'"
+        )
     return image_refs(raw[name], name, base_dir)
 
 
@@ -193,8 +208,12 @@ def synthetic(raw: Mapping, base_dir: Path | None = None) -> Example:
     split = raw.get("split")
     if split is not None and split not in ("train", "heldout"):
         raise FieldError("split", "'train' or 'heldout'", split)
-    return Example(_text(raw, "question"), _text(raw, "answer"), _optional(raw, "nums", "target", "solution"),
-                   split=split)
+    return Example(
+        _text(raw, "question"),
+        _text(raw, "answer"),
+        _optional(raw, "nums", "target", "solution"),
+        split=split,
+    )
 
 
 ADAPTERS: dict[str, Adapter] = {

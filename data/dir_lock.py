@@ -52,13 +52,16 @@ class Held:
     def child_env(self) -> dict[str, str]:
         """Environment for processes started to work under this lock (trainer ranks) instead of taking it."""
         handed = _handed_down()
-        handed[str(self.lock_file)] = os.getpid() if self.owner else handed.get(str(self.lock_file), os.getpid())
+        handed[str(self.lock_file)] = (
+            os.getpid() if self.owner else handed.get(str(self.lock_file), os.getpid())
+        )
         return {HANDED_DOWN: json.dumps(handed)}
 
 
 @contextlib.contextmanager
-def exclusive(directory: str | os.PathLike, setting: str, *, name: str = LOCK_FILE,
-              wait_s: float = 0.0) -> Iterator[Held]:
+def exclusive(
+    directory: str | os.PathLike, setting: str, *, name: str = LOCK_FILE, wait_s: float = 0.0
+) -> Iterator[Held]:
     """Hold `directory`'s lock file `name` for the block (the directory is made if missing). `setting` names
     the directory in the message (`train.output_dir`, `--state-dir`). Busy: wait up to `wait_s` seconds, then
     raise `DirectoryBusy` naming the holder's pid, host, command and start time."""
@@ -142,17 +145,24 @@ def _busy_message(lock_file: Path, setting: str, holder: dict, wait_s: float) ->
     if holder.get("pid") is None:
         who = "a process that is just starting (its record is not written yet)"
     else:
-        who = (f"pid {holder['pid']} on {holder.get('host', '?')}, since {holder.get('started', '?')}: "
-               f"{holder.get('command', '?')}")
+        who = (
+            f"pid {holder['pid']} on {holder.get('host', '?')}, since {holder.get('started', '?')}: "
+            f"{holder.get('command', '?')}"
+        )
     waited = f" (waited {wait_s:g} s)" if wait_s else ""
-    return (f"{setting} {lock_file.parent} is in use by another grpoflow process{waited}: {who} (lock file "
-            f"{lock_file.name}); wait for it to finish, or use another {setting}")
+    return (
+        f"{setting} {lock_file.parent} is in use by another grpoflow process{waited}: {who} (lock file "
+        f"{lock_file.name}); wait for it to finish, or use another {setting}"
+    )
 
 
 def _record() -> dict:
-    return {"pid": os.getpid(), "host": socket.gethostname(),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-            "command": redact(" ".join(getattr(sys, "orig_argv", sys.argv)))[:_COMMAND_CHARS] or "?"}
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "command": redact(" ".join(getattr(sys, "orig_argv", sys.argv)))[:_COMMAND_CHARS] or "?",
+    }
 
 
 def _handed_down() -> dict:

@@ -78,14 +78,18 @@ def _text_ref(value: str, name: str, base_dir: Path | None) -> str:
     if value.startswith(_SCHEMES) or value.startswith("data:"):
         return value
     if value.startswith("file://"):
-        value = value[len("file://"):]
+        value = value[len("file://") :]
     elif _looks_like_base64(value):
         return "data:image;base64," + value
     path = Path(value).expanduser()
     if not path.is_absolute():
         if base_dir is None:
-            raise FieldError(name, "an absolute image path or a URL (a hub record has no directory to resolve a "
-                                   "relative path in)", value)
+            raise FieldError(
+                name,
+                "an absolute image path or a URL (a hub record has no directory to resolve a "
+                "relative path in)",
+                value,
+            )
         path = base_dir / path
     if not path.is_file():
         # the path in full in the message (a value shown as `got` is cut at 80 characters)
@@ -145,13 +149,16 @@ def load_image(ref: str, timeout_s: float | None = None):
 
 
 def _too_many_bytes(detail: str) -> ImageRefused:
-    return ImageRefused(f"larger than the {MAX_IMAGE_BYTES:,}-byte limit of an image "
-                        f"(data.images.MAX_IMAGE_BYTES): {detail}")
+    return ImageRefused(
+        f"larger than the {MAX_IMAGE_BYTES:,}-byte limit of an image (data.images.MAX_IMAGE_BYTES): {detail}"
+    )
 
 
 def _too_many_pixels(detail: str) -> str:
-    return (f"declares more pixels than the {MAX_IMAGE_PIXELS:,}-pixel limit of an image "
-            f"(data.images.MAX_IMAGE_PIXELS): {detail}")
+    return (
+        f"declares more pixels than the {MAX_IMAGE_PIXELS:,}-pixel limit of an image "
+        f"(data.images.MAX_IMAGE_PIXELS): {detail}"
+    )
 
 
 class _Deadline:
@@ -188,8 +195,11 @@ class _Deadline:
             _shut(sock)
 
     def error(self) -> ImageRefused:
-        return ImageRefused(f"no complete answer within {self.seconds:g} s, the deadline of a whole image "
-                            "request (data.images.URL_TIMEOUT_S)", reason="image timed out")
+        return ImageRefused(
+            f"no complete answer within {self.seconds:g} s, the deadline of a whole image "
+            "request (data.images.URL_TIMEOUT_S)",
+            reason="image timed out",
+        )
 
 
 def _shut(sock: socket.socket) -> None:
@@ -264,9 +274,12 @@ def check_image(ref: str, name: str) -> None:
     except ImageRefused as e:  # our own text, naming the image and the limit: shown whole
         raise FieldError(name, f"an image within limits; {e}", reason=e.reason) from None
     except Exception as e:  # PIL raises several unrelated types for bad files
-        detail = str(e).split(" at 0x")[0] if str(e) else type(e).__name__  # PIL's text names an object address
-        raise FieldError(name, f"a readable image; {_shown(ref)}: {detail[:120]}",
-                         reason="unreadable image") from None
+        detail = (
+            str(e).split(" at 0x")[0] if str(e) else type(e).__name__
+        )  # PIL's text names an object address
+        raise FieldError(
+            name, f"a readable image; {_shown(ref)}: {detail[:120]}", reason="unreadable image"
+        ) from None
 
 
 def _shown(ref: str) -> str:
@@ -288,5 +301,14 @@ def images_digest(refs: Iterable[str]) -> dict | None:
     return {"files": len(distinct), "sha256": h.hexdigest()}
 
 
-__all__ = ["MAX_IMAGE_BYTES", "MAX_IMAGE_PIXELS", "URL_TIMEOUT_S", "ImageRefused", "check_image", "image_bytes",
-           "image_refs", "images_digest", "load_image"]
+__all__ = [
+    "MAX_IMAGE_BYTES",
+    "MAX_IMAGE_PIXELS",
+    "URL_TIMEOUT_S",
+    "ImageRefused",
+    "check_image",
+    "image_bytes",
+    "image_refs",
+    "images_digest",
+    "load_image",
+]

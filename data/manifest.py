@@ -80,13 +80,25 @@ def sha256_json(obj) -> str:
 def code_version() -> str:
     """The git commit of this code (with `+dirty` when the tree has changes), else the package version."""
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_REPO_ROOT, capture_output=True, text=True,
-                             timeout=5, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=_REPO_ROOT,
-                               capture_output=True, text=True, timeout=5).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=_REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=_REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
         return sha + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         from importlib.metadata import PackageNotFoundError, version
+
         try:
             return "grpoflow-" + version("grpoflow")
         except PackageNotFoundError:
@@ -114,7 +126,9 @@ def write_json_atomic(path: str | os.PathLike, obj) -> None:
 
 def write_jsonl_atomic(path: str | os.PathLike, rows) -> None:
     """One JSON object per line; a row that is already a string is written as it is."""
-    write_text_atomic(path, "".join((r if isinstance(r, str) else json.dumps(r, default=str)) + "\n" for r in rows))
+    write_text_atomic(
+        path, "".join((r if isinstance(r, str) else json.dumps(r, default=str)) + "\n" for r in rows)
+    )
 
 
 def read_manifest(directory: str | os.PathLike) -> dict:
@@ -148,14 +162,19 @@ def verify_output(directory: str | os.PathLike, kind: str | None = None) -> dict
             if name not in actual:
                 raise IntegrityError(f"{directory / name}: missing; {MANIFEST} lists it")
             if name not in listed:
-                raise IntegrityError(f"{directory / name}: not in {MANIFEST}; the directory was changed after "
-                                     "it was written")
+                raise IntegrityError(
+                    f"{directory / name}: not in {MANIFEST}; the directory was changed after it was written"
+                )
             if actual[name] != listed[name]:
-                raise IntegrityError(f"{directory / name}: its sha256 differs from the one in {MANIFEST} "
-                                     "(edited, truncated or corrupted after it was written)")
+                raise IntegrityError(
+                    f"{directory / name}: its sha256 differs from the one in {MANIFEST} "
+                    "(edited, truncated or corrupted after it was written)"
+                )
     if combined_sha256(actual) != expected:
-        raise IntegrityError(f"{directory}: its content differs from the sha256 in {MANIFEST} (edited, "
-                             "truncated or corrupted after it was written)")
+        raise IntegrityError(
+            f"{directory}: its content differs from the sha256 in {MANIFEST} (edited, "
+            "truncated or corrupted after it was written)"
+        )
     return manifest
 
 
@@ -170,29 +189,39 @@ def check_replaceable(final: str | os.PathLike, kind: str | None = None) -> None
     if not final.exists():
         return
     if not final.is_dir():
-        raise OutputDirError(f"output {final} exists and is not a directory; refusing to replace it "
-                             "(choose another output directory)")
+        raise OutputDirError(
+            f"output {final} exists and is not a directory; refusing to replace it "
+            "(choose another output directory)"
+        )
     cwd = Path.cwd().resolve()
     if final == cwd or final in cwd.parents:
-        raise OutputDirError(f"output directory {final} is the current directory or contains it; refusing to "
-                             "replace it (choose a new or previous output directory)")
+        raise OutputDirError(
+            f"output directory {final} is the current directory or contains it; refusing to "
+            "replace it (choose a new or previous output directory)"
+        )
     if not any(final.iterdir()):
         return
     if (final / ".git").exists():
-        raise OutputDirError(f"output directory {final} holds a .git repository; refusing to replace it "
-                             "(choose a new or previous output directory)")
+        raise OutputDirError(
+            f"output directory {final} holds a .git repository; refusing to replace it "
+            "(choose a new or previous output directory)"
+        )
     manifest = final / MANIFEST
     try:
         found = json.loads(manifest.read_text()) if manifest.is_file() else None
     except (OSError, ValueError):
         found = None
     if not isinstance(found, dict) or not isinstance(found.get("kind"), str):
-        raise OutputDirError(f"output directory {final} is not empty and is not a grpoflow output (no "
-                             f"grpoflow {MANIFEST}); refusing to replace it (choose a new or previous output "
-                             "directory)")
+        raise OutputDirError(
+            f"output directory {final} is not empty and is not a grpoflow output (no "
+            f"grpoflow {MANIFEST}); refusing to replace it (choose a new or previous output "
+            "directory)"
+        )
     if kind is not None and found["kind"] != kind:
-        raise OutputDirError(f"output directory {final} holds a grpoflow {found['kind']!r}, not a {kind!r}; "
-                             "refusing to replace it (choose another output directory)")
+        raise OutputDirError(
+            f"output directory {final} holds a grpoflow {found['kind']!r}, not a {kind!r}; "
+            "refusing to replace it (choose another output directory)"
+        )
 
 
 @contextlib.contextmanager

@@ -56,9 +56,20 @@ KIND = "prepared-dataset"
 _EXAMPLES_PER_REASON = 3
 
 
-def prepare(task: str, source: str, out: str | Path, *, seed: int = 0, heldout: float | int = 0.1,
-            skip_invalid: bool = False, limit: int | None = None, split: str = "train",
-            hub_config: str | None = None, synthetic_rows: int = 2000, system_prompt: str | None = None) -> dict:
+def prepare(
+    task: str,
+    source: str,
+    out: str | Path,
+    *,
+    seed: int = 0,
+    heldout: float | int = 0.1,
+    skip_invalid: bool = False,
+    limit: int | None = None,
+    split: str = "train",
+    hub_config: str | None = None,
+    synthetic_rows: int = 2000,
+    system_prompt: str | None = None,
+) -> dict:
     """Prepare `source` for `task` into the directory `out`; see the module docstring for the layout.
 
     `system_prompt` is a preset of `data.schema.SYSTEM_PROMPTS` (default `r1`) or literal text.
@@ -67,7 +78,9 @@ def prepare(task: str, source: str, out: str | Path, *, seed: int = 0, heldout: 
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise DataError(f"limit must be a whole number >= 1 (or None for all rows), got {limit!r}")
     _check_heldout(heldout)
-    src = open_source(str(source), split=split, hub_config=hub_config, seed=seed, synthetic_rows=synthetic_rows)
+    src = open_source(
+        str(source), split=split, hub_config=hub_config, seed=seed, synthetic_rows=synthetic_rows
+    )
     final = Path(out).resolve()
     _refuse_overwriting_source(final, src)
     check_replaceable(final, KIND)  # before any work: an unrelated --out is refused, untouched
@@ -75,7 +88,9 @@ def prepare(task: str, source: str, out: str | Path, *, seed: int = 0, heldout: 
     drops = _Drops(task, skip_invalid)
     rows, presplit = _collect(task, adapter, src, drops, limit, resolve_system_prompt(system_prompt))
     if not rows:
-        raise DataError(f"source '{source}': no usable rows for task '{task}' (dropped: {dict(drops.counts)})")
+        raise DataError(
+            f"source '{source}': no usable rows for task '{task}' (dropped: {dict(drops.counts)})"
+        )
     if presplit:
         (train, held), split_by = _keep_source_split(rows, presplit, source), "source"
     else:
@@ -111,8 +126,13 @@ def prepare(task: str, source: str, out: str | Path, *, seed: int = 0, heldout: 
         if images:
             manifest["images"] = images
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str) + "\n")
-    return {"out": str(final), "rows": manifest["rows"], "manifest": str(final / MANIFEST),
-            "dropped": manifest["dropped"], "sha256": digest}
+    return {
+        "out": str(final),
+        "rows": manifest["rows"],
+        "manifest": str(final / MANIFEST),
+        "dropped": manifest["dropped"],
+        "sha256": digest,
+    }
 
 
 def load_prepared(directory: str | Path, split: str = "train") -> list[dict]:
@@ -129,8 +149,10 @@ def load_prepared(directory: str | Path, split: str = "train") -> list[dict]:
     path = directory / f"{split}.jsonl"
     expected = manifest.get("files", {}).get(path.name)
     if expected and path.is_file() and sha256_file(path) != expected:
-        raise DataError(f"{path}: its sha256 differs from the one in {directory / MANIFEST}: the file was "
-                        f"changed after it was prepared; prepare the data again (grpoflow prep) or restore it")
+        raise DataError(
+            f"{path}: its sha256 differs from the one in {directory / MANIFEST}: the file was "
+            f"changed after it was prepared; prepare the data again (grpoflow prep) or restore it"
+        )
     rows = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -139,8 +161,10 @@ def load_prepared(directory: str | Path, split: str = "train") -> list[dict]:
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
     if len(rows) != manifest["rows"][split]:
-        raise DataError(f"{path}: {len(rows)} rows, but {MANIFEST} says {manifest['rows'][split]}: "
-                        f"the directory was changed after it was prepared")
+        raise DataError(
+            f"{path}: {len(rows)} rows, but {MANIFEST} says {manifest['rows'][split]}: "
+            f"the directory was changed after it was prepared"
+        )
     return rows
 
 
@@ -154,7 +178,9 @@ def split_rows(rows: list[dict], heldout: float | int, seed: int) -> tuple[list[
     else:
         count = int(heldout)
     if count >= n:
-        raise DataError(f"heldout={heldout!r} takes {count} of the {n} usable rows and leaves none to train on")
+        raise DataError(
+            f"heldout={heldout!r} takes {count} of the {n} usable rows and leaves none to train on"
+        )
     order = list(range(n))
     random.Random(seed).shuffle(order)
     held = set(order[:count])
@@ -163,21 +189,27 @@ def split_rows(rows: list[dict], heldout: float | int, seed: int) -> tuple[list[
 
 def _keep_source_split(rows: list[dict], presplit: list[str | None], source: str) -> tuple[list, list]:
     if None in presplit:
-        raise DataError(f"source '{source}': some records name their split and some do not; "
-                        f"expected all or none")
+        raise DataError(
+            f"source '{source}': some records name their split and some do not; expected all or none"
+        )
     train = [r for r, s in zip(rows, presplit, strict=True) if s == "train"]
     if not train:
-        raise DataError(f"source '{source}': every record is assigned to the held-out split; "
-                        f"none is left to train on")
+        raise DataError(
+            f"source '{source}': every record is assigned to the held-out split; none is left to train on"
+        )
     return train, [r for r, s in zip(rows, presplit, strict=True) if s == "heldout"]
 
 
 def _check_heldout(heldout: object) -> None:
-    ok = (isinstance(heldout, (int, float)) and not isinstance(heldout, bool)
-          and (0 <= heldout < 1 or float(heldout).is_integer() and heldout >= 1))
+    ok = (
+        isinstance(heldout, (int, float))
+        and not isinstance(heldout, bool)
+        and (0 <= heldout < 1 or float(heldout).is_integer() and heldout >= 1)
+    )
     if not ok:
-        raise DataError(f"heldout must be 0, a fraction in (0, 1) or a whole number of rows >= 1, "
-                        f"got {heldout!r}")
+        raise DataError(
+            f"heldout must be 0, a fraction in (0, 1) or a whole number of rows >= 1, got {heldout!r}"
+        )
 
 
 def _refuse_overwriting_source(final: Path, src: Source) -> None:
@@ -185,7 +217,9 @@ def _refuse_overwriting_source(final: Path, src: Source) -> None:
     for f in src.files:
         f = f.resolve()
         if final == f or final in f.parents:
-            raise DataError(f"output directory {final} would replace the source file {f}; choose another --out")
+            raise DataError(
+                f"output directory {final} would replace the source file {f}; choose another --out"
+            )
 
 
 class _Drops:
@@ -198,8 +232,10 @@ class _Drops:
 
     def bad(self, where: str, reason: str, detail: str) -> None:
         if not self.skip_invalid:
-            raise DataError(f"{where}: {detail} (task '{self.task}'; pass skip_invalid=True, or --skip-invalid, "
-                            f"to drop such rows)")
+            raise DataError(
+                f"{where}: {detail} (task '{self.task}'; pass skip_invalid=True, or --skip-invalid, "
+                f"to drop such rows)"
+            )
         self.drop(where, reason, detail)
 
     def drop(self, where: str, reason: str, detail: str) -> None:
@@ -208,8 +244,9 @@ class _Drops:
             self.examples.append({"where": where, "reason": reason, "detail": detail})
 
 
-def _collect(task: str, adapter: Adapter, src: Source, drops: _Drops,
-             limit: int | None, system_prompt: str) -> tuple[list[dict], list[str | None]]:
+def _collect(
+    task: str, adapter: Adapter, src: Source, drops: _Drops, limit: int | None, system_prompt: str
+) -> tuple[list[dict], list[str | None]]:
     """The usable rows, and the split each names for itself (an empty list when none does)."""
     rows: list[dict] = []
     splits: list[str | None] = []
@@ -235,7 +272,9 @@ def _collect(task: str, adapter: Adapter, src: Source, drops: _Drops,
             drops.bad(record.where, "duplicate id", f"id '{row_id}' is already used by {ids[row_id]}")
             continue
         prompts[key], ids[row_id] = record.where, record.where
-        rows.append(make_row(row_id, example.question, example.answer, task, system_prompt, **example.columns))
+        rows.append(
+            make_row(row_id, example.question, example.answer, task, system_prompt, **example.columns)
+        )
         splits.append(example.split)
     return rows, (splits if any(s is not None for s in splits) else [])
 
@@ -244,5 +283,3 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
     with open(path, "w", encoding="utf-8", newline="\n") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
-
-

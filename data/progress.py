@@ -36,11 +36,18 @@ class Progress:
         if self.enabled:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                      TimeElapsedColumn(), TextColumn("{task.fields[info]}"), transient=False)
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.fields[info]}"),
+                transient=False,
+            )
             self._progress.start()
-            self._task = self._progress.add_task(self.description, total=self.total, completed=self.completed,
-                                                 info="")
+            self._task = self._progress.add_task(
+                self.description, total=self.total, completed=self.completed, info=""
+            )
         return self
 
     def update(self, advance: int = 1, **fields) -> None:

@@ -64,7 +64,9 @@ def require_reachable(url: str, what: str, timeout: float, hint: str | None = No
     """Raise `ServiceUnavailable` unless `url` answers within `timeout` seconds (see `probe`)."""
     reason = probe(url, timeout)
     if reason is not None:
-        raise ServiceUnavailable(f"{what} at {mask_uri(url)} is unreachable: {reason}" + (f" ({hint})" if hint else ""))
+        raise ServiceUnavailable(
+            f"{what} at {mask_uri(url)} is unreachable: {reason}" + (f" ({hint})" if hint else "")
+        )
 
 
 def _probe_http(url: str, host: str, timeout: float) -> str | None:

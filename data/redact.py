@@ -18,11 +18,33 @@ from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 MASK = "***"
 # Query parameters that carry credentials, compared lower-case with '-' read as '_'.
-SECRET_PARAMS = frozenset({
-    "token", "access_token", "refresh_token", "id_token", "auth", "auth_token", "api_key", "apikey", "key",
-    "password", "passwd", "pwd", "secret", "client_secret", "sig", "signature", "x_amz_signature",
-    "x_amz_security_token", "x_amz_credential", "x_goog_signature", "x_goog_credential", "sas", "code",
-})
+SECRET_PARAMS = frozenset(
+    {
+        "token",
+        "access_token",
+        "refresh_token",
+        "id_token",
+        "auth",
+        "auth_token",
+        "api_key",
+        "apikey",
+        "key",
+        "password",
+        "passwd",
+        "pwd",
+        "secret",
+        "client_secret",
+        "sig",
+        "signature",
+        "x_amz_signature",
+        "x_amz_security_token",
+        "x_amz_credential",
+        "x_goog_signature",
+        "x_goog_credential",
+        "sas",
+        "code",
+    }
+)
 _SECRET_SUFFIXES = ("_token", "_secret", "_key", "_password", "_signature")
 # A URI in free text: scheme://..., up to whitespace, a quote or a bracket that closes it.
 # scheme://user:password@ where the password holds characters that end a netloc for urlsplit.
@@ -80,10 +102,11 @@ def redact(text: str) -> str:
     """`text` with every URI in it masked (see `mask_uri`)."""
     if not isinstance(text, str) or "://" not in text:
         return text
+
     def mask(m: re.Match) -> str:
         uri = m.group(0)
         body = uri.rstrip(").,;:]}")  # punctuation that closes the sentence, not the URI
-        return mask_uri(body) + uri[len(body):]
+        return mask_uri(body) + uri[len(body) :]
 
     return _URI_IN_TEXT.sub(mask, text)
 

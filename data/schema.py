@@ -38,8 +38,9 @@ def resolve_system_prompt(name_or_text: str | None) -> str:
     return SYSTEM_PROMPTS.get(name_or_text, name_or_text)
 
 
-def make_row(row_id: str, question: str, answer: str, task: str, system_prompt: str = SYSTEM_PROMPT,
-             **columns) -> dict:
+def make_row(
+    row_id: str, question: str, answer: str, task: str, system_prompt: str = SYSTEM_PROMPT, **columns
+) -> dict:
     """Build a prepared row in the chat schema; `columns` are task-specific extras."""
     prompt = []
     if system_prompt:

@@ -56,8 +56,9 @@ def counting_examples(n: int, seed: int, split: str = "train", max_count: int = 
         yield draw_counting_image(count, rng, size), count
 
 
-def write_counting_source(directory: str | Path, n: int, seed: int = 0, split: str = "train",
-                          max_count: int = 6, size: int = 56) -> Path:
+def write_counting_source(
+    directory: str | Path, n: int, seed: int = 0, split: str = "train", max_count: int = 6, size: int = 56
+) -> Path:
     """Write `n` images and `counting.jsonl` (R1-V layout, images relative to it) into `directory`."""
     directory = Path(directory)
     (directory / "images").mkdir(parents=True, exist_ok=True)
@@ -65,7 +66,9 @@ def write_counting_source(directory: str | Path, n: int, seed: int = 0, split: s
     for i, (image, count) in enumerate(counting_examples(n, seed, split, max_count, size)):
         name = f"images/{split}-{i:05d}.png"
         image.save(directory / name, format="PNG")
-        lines.append(json.dumps({"image": name, "problem": QUESTION, "solution": f"<answer> {count} </answer>"}))
+        lines.append(
+            json.dumps({"image": name, "problem": QUESTION, "solution": f"<answer> {count} </answer>"})
+        )
     path = directory / "counting.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -82,8 +82,14 @@ class Source:
         return out
 
 
-def open_source(spec: str, *, split: str = "train", hub_config: str | None = None, seed: int = 0,
-                synthetic_rows: int = 2000) -> Source:
+def open_source(
+    spec: str,
+    *,
+    split: str = "train",
+    hub_config: str | None = None,
+    seed: int = 0,
+    synthetic_rows: int = 2000,
+) -> Source:
     spec = str(spec)
     if spec == SYNTHETIC or spec.startswith(SYNTHETIC + ":"):
         return _synthetic(spec, synthetic_rows, seed)
@@ -98,29 +104,43 @@ def open_source(spec: str, *, split: str = "train", hub_config: str | None = Non
 
 
 def _looks_like_path(spec: str) -> bool:
-    return (spec.startswith(("/", ".", "~")) or Path(spec).suffix.lower() in SUFFIXES
-            or spec.count("/") > 1 or "\\" in spec)
+    return (
+        spec.startswith(("/", ".", "~"))
+        or Path(spec).suffix.lower() in SUFFIXES
+        or spec.count("/") > 1
+        or "\\" in spec
+    )
 
 
 # --- local files ---
 
+
 def _file(spec: str, path: Path) -> Source:
     if path.suffix.lower() not in SUFFIXES:
-        raise DataError(f"{spec}: unsupported file type '{path.suffix}'; expected one of {', '.join(SUFFIXES)}")
+        raise DataError(
+            f"{spec}: unsupported file type '{path.suffix}'; expected one of {', '.join(SUFFIXES)}"
+        )
     return Source("file", spec, lambda: read_file(path), files=[path], info={"path": str(path.resolve())})
 
 
 def _directory(spec: str, path: Path, split: str) -> Source:
     files = split_files(path, split)
-    return Source("directory", spec, lambda: (r for f in files for r in read_file(f)), files=files,
-                  info={"path": str(path.resolve()), "split": split})
+    return Source(
+        "directory",
+        spec,
+        lambda: (r for f in files for r in read_file(f)),
+        files=files,
+        info={"path": str(path.resolve()), "split": split},
+    )
 
 
 def split_files(directory: Path, split: str) -> list[Path]:
     """The data files of `directory` to read for `split` (see the module docstring)."""
-    files = sorted(p for p in directory.iterdir()
-                   if p.is_file() and p.suffix.lower() in SUFFIXES
-                   and not p.name.startswith(".") and p.name != MANIFEST)
+    files = sorted(
+        p
+        for p in directory.iterdir()
+        if p.is_file() and p.suffix.lower() in SUFFIXES and not p.name.startswith(".") and p.name != MANIFEST
+    )
     if not files:
         subdirs = sorted(p.name for p in directory.iterdir() if p.is_dir() and not p.name.startswith("."))
         hint = f"; it has subdirectories {', '.join(subdirs)}: pass one of them" if subdirs else ""
@@ -131,8 +151,10 @@ def split_files(directory: Path, split: str) -> list[Path]:
     if by_split.get(split):
         return by_split[split]
     found = sorted({_split_of(p) for p in files} - {None})
-    raise DataError(f"{directory}: no files for split '{split}' (found splits: {', '.join(found)}); "
-                    f"pass --split with one of them, or name a file as the source")
+    raise DataError(
+        f"{directory}: no files for split '{split}' (found splits: {', '.join(found)}); "
+        f"pass --split with one of them, or name a file as the source"
+    )
 
 
 def _split_of(path: Path) -> str | None:
@@ -179,7 +201,9 @@ def _read_json(path: Path) -> Iterator[Record]:
                 yield Record(where, None, base, f"not UTF-8 text ({e.reason})", "invalid JSON")
                 continue
             except json.JSONDecodeError as e:
-                yield Record(where, None, base, f"not valid JSON ({e.msg} at column {e.colno})", "invalid JSON")
+                yield Record(
+                    where, None, base, f"not valid JSON ({e.msg} at column {e.colno})", "invalid JSON"
+                )
                 continue
             yield _as_record(where, item, base)
 
@@ -212,8 +236,10 @@ def _not_utf8(path: Path) -> str:
         data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
-        return (f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}: {e.reason}); "
-                "save the file as UTF-8 (it may be Latin-1 or Windows-1252)")
+        return (
+            f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}: {e.reason}); "
+            "save the file as UTF-8 (it may be Latin-1 or Windows-1252)"
+        )
     return f"{path}: not UTF-8 text"
 
 
@@ -231,8 +257,10 @@ def _read_parquet(path: Path) -> Iterator[Record]:
         try:
             batch = next(batches, None)
         except Exception as e:  # noqa: BLE001 - a corrupt page: pyarrow raises OSError, ArrowInvalid, ...
-            raise DataError(f"{path}: unreadable Parquet data after row {i} ({type(e).__name__}: {e}); "
-                            "the file is damaged or truncated") from None
+            raise DataError(
+                f"{path}: unreadable Parquet data after row {i} ({type(e).__name__}: {e}); "
+                "the file is damaged or truncated"
+            ) from None
         if batch is None:
             return
         for row in batch.to_pylist():
@@ -242,14 +270,17 @@ def _read_parquet(path: Path) -> Iterator[Record]:
 
 # --- the hub ---
 
+
 def _hub(dataset_id: str, config: str | None, split: str) -> Source:
     label = f"hub:{dataset_id}[{split}]"
     what = f"hub dataset '{dataset_id}'" + (f" (config '{config}')" if config else "")
     local_hint = "pass a local --source (a .jsonl/.json/.parquet/.csv file or a directory of them)"
     if not _offline() and (unreachable := _probe_hub()):
-        raise DataError(f"{what}: cannot reach the Hugging Face Hub ({unreachable}), and there is no local "
-                        f"file or directory named '{dataset_id}'; {local_hint}, or set HF_HUB_OFFLINE=1 to use "
-                        f"a copy in the local hub cache")
+        raise DataError(
+            f"{what}: cannot reach the Hugging Face Hub ({unreachable}), and there is no local "
+            f"file or directory named '{dataset_id}'; {local_hint}, or set HF_HUB_OFFLINE=1 to use "
+            f"a copy in the local hub cache"
+        )
     import datasets
 
     try:
@@ -261,8 +292,17 @@ def _hub(dataset_id: str, config: str | None, split: str) -> Source:
         for i, row in enumerate(ds, 1):
             yield Record(f"{label} row {i}", dict(row))
 
-    return Source("hub", dataset_id, read, info={"id": dataset_id, "config": config, "split": split,
-                                                  "fingerprint": getattr(ds, "_fingerprint", None)})
+    return Source(
+        "hub",
+        dataset_id,
+        read,
+        info={
+            "id": dataset_id,
+            "config": config,
+            "split": split,
+            "fingerprint": getattr(ds, "_fingerprint", None),
+        },
+    )
 
 
 def _offline() -> bool:
@@ -285,16 +325,21 @@ def _probe_hub(timeout: float = 5.0) -> str | None:
 
 # --- the generator ---
 
+
 def _synthetic(spec: str, rows: int, seed: int) -> Source:
     from data import synthetic
 
     kind = spec.partition(":")[2] or "addition"
     if kind not in synthetic.KINDS:
-        raise DataError(f"source '{spec}': unknown synthetic kind '{kind}'; "
-                        f"expected one of {', '.join(SYNTHETIC + ':' + k for k in synthetic.KINDS)}")
+        raise DataError(
+            f"source '{spec}': unknown synthetic kind '{kind}'; "
+            f"expected one of {', '.join(SYNTHETIC + ':' + k for k in synthetic.KINDS)}"
+        )
     if not 1 <= rows <= synthetic.MAX_ROWS:
-        raise DataError(f"source '{spec}': synthetic_rows must be between 1 and {synthetic.MAX_ROWS:,}, "
-                        f"got {short_repr(rows)}")
+        raise DataError(
+            f"source '{spec}': synthetic_rows must be between 1 and {synthetic.MAX_ROWS:,}, "
+            f"got {short_repr(rows)}"
+        )
 
     def read() -> Iterator[Record]:
         for i, row in enumerate(synthetic.generate(rows, seed, kind), 1):

@@ -37,17 +37,24 @@ def in_eval_pool(a: int, b: int) -> bool:
 
 
 def _addition_row(a: int, b: int) -> dict:
-    return {"question": f"What is {a} + {b}?", "answer": str(a + b),
-            "split": "heldout" if in_eval_pool(a, b) else "train"}
+    return {
+        "question": f"What is {a} + {b}?",
+        "answer": str(a + b),
+        "split": "heldout" if in_eval_pool(a, b) else "train",
+    }
 
 
 def _addition(n: int, rng: random.Random, pool: str) -> list[dict]:
-    pairs = [(a, b) for a in range(100) for b in range(100)
-             if pool == "all" or in_eval_pool(a, b) == (pool == "eval")]
+    pairs = [
+        (a, b)
+        for a in range(100)
+        for b in range(100)
+        if pool == "all" or in_eval_pool(a, b) == (pool == "eval")
+    ]
     rows = []
     while len(rows) < n:  # distinct problems; cycle through reshuffles only when more are asked for
         rng.shuffle(pairs)
-        rows += [_addition_row(a, b) for a, b in pairs[:n - len(rows)]]
+        rows += [_addition_row(a, b) for a, b in pairs[: n - len(rows)]]
     return rows
 
 
@@ -55,9 +62,11 @@ def _counting(n: int, seed: int) -> list[dict]:
     from data.shapes import QUESTION
 
     held = n // 10
-    return [{"image": ref, "problem": QUESTION, "count": answer, "split": split}
-            for split, count in (("train", n - held), ("heldout", held))
-            for ref, answer in counting_row_images(count, seed, split)]
+    return [
+        {"image": ref, "problem": QUESTION, "count": answer, "split": split}
+        for split, count in (("train", n - held), ("heldout", held))
+        for ref, answer in counting_row_images(count, seed, split)
+    ]
 
 
 def counting_row_images(n: int, seed: int, split: str) -> list[tuple[str, int]]:
@@ -88,8 +97,13 @@ def _countdown(rng: random.Random) -> dict:
         if value is None or value.denominator != 1 or not 1 <= value <= 200:
             continue
         expr = f"({x} {o1} {y}) {o2} {z}"
-        return {"question": f"Using the numbers {nums}, create an equation that equals {int(value)}.",
-                "answer": str(int(value)), "nums": nums, "target": int(value), "solution": expr}
+        return {
+            "question": f"Using the numbers {nums}, create an equation that equals {int(value)}.",
+            "answer": str(int(value)),
+            "nums": nums,
+            "target": int(value),
+            "solution": expr,
+        }
 
 
 def _apply(x: Fraction, y: Fraction, op: str) -> Fraction | None:
@@ -125,7 +139,10 @@ def worked_solution(row: dict) -> str:
     """The reference completion for a synthetic row, in the think/answer format."""
     if "nums" in row and "target" in row and "solution" in row:
         return f"<think>{row['solution']} = {row['target']}</think><answer>{row['solution']}</answer>"
-    question = row["question"] if "question" in row else next(
-        m["content"] for m in row["prompt"] if m["role"] == "user")
+    question = (
+        row["question"]
+        if "question" in row
+        else next(m["content"] for m in row["prompt"] if m["role"] == "user")
+    )
     a, b = (int(t) for t in question.removeprefix("What is ").removesuffix("?").split(" + "))
     return f"<think>{a}+{b}={a + b}</think><answer>{a + b}</answer>"

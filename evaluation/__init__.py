@@ -11,5 +11,17 @@ from evaluation.eval_settings import EvalSettings, made_with, setting_difference
 from evaluation.evalscope_reports import BenchmarkReport, read_report
 from evaluation.evalscope_runner import EvalResult, load_result, run_evalscope
 
-__all__ = ["BenchmarkReport", "EvalInputError", "EvalResult", "EvalSettings", "check_evaluation", "evaluate",
-           "load_result", "made_with", "read_report", "run_evalscope", "setting_differences", "settings_hash"]
+__all__ = [
+    "BenchmarkReport",
+    "EvalInputError",
+    "EvalResult",
+    "EvalSettings",
+    "check_evaluation",
+    "evaluate",
+    "load_result",
+    "made_with",
+    "read_report",
+    "run_evalscope",
+    "setting_differences",
+    "settings_hash",
+]

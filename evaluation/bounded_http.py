@@ -49,10 +49,20 @@ def bounded_client(timeout_s: float, max_bytes: int):
             watch = _Watchdog(timeout_s)
             request.headers["Accept-Encoding"] = "identity"
             timeouts = dict(request.extensions.get("timeout") or {})
-            request.extensions = {**request.extensions, "trace": watch.trace(request.extensions.get("trace")),
-                                  "timeout": {k: min(v or timeout_s, timeout_s) for k, v in
-                                              {"connect": None, "read": None, "write": None, "pool": None,
-                                               **timeouts}.items()}}
+            request.extensions = {
+                **request.extensions,
+                "trace": watch.trace(request.extensions.get("trace")),
+                "timeout": {
+                    k: min(v or timeout_s, timeout_s)
+                    for k, v in {
+                        "connect": None,
+                        "read": None,
+                        "write": None,
+                        "pool": None,
+                        **timeouts,
+                    }.items()
+                },
+            }
             try:
                 response = super().send(request, stream=True, **kwargs)
             except http.TransportError as e:
@@ -122,8 +132,11 @@ class _Watchdog:
         self._timer.cancel()
 
     def timeout_error(self, http, request):
-        return http.ReadTimeout(f"no complete answer from {_shown(request.url)} within {self.timeout_s:g} s "
-                                "(the deadline for the whole request)", request=request)
+        return http.ReadTimeout(
+            f"no complete answer from {_shown(request.url)} within {self.timeout_s:g} s "
+            "(the deadline for the whole request)",
+            request=request,
+        )
 
 
 def _shown(url) -> str:

@@ -48,11 +48,13 @@ from evaluation.evalscope_child import launch, log_tail
 from evaluation.evalscope_runner import COLLECTION, REPORT, EvalResult, run_evalscope
 
 R1_DISTILL_MATH_TEST = ("math_500", "gpqa_diamond", "aime24")
-R1_DISTILL_MATH_TEST_ID = "evalscope/R1-Distill-Math-Test-v2"  # the collection on EvalScope's (ModelScope) hub
+R1_DISTILL_MATH_TEST_ID = (
+    "evalscope/R1-Distill-Math-Test-v2"  # the collection on EvalScope's (ModelScope) hub
+)
 NAME = "R1-Distill-Math-Test"
 COLLECTION_NAME = "r1_distill_math_test"  # how a recipe's eval.benchmarks names the collection
 COLLECTION_FILE = "test.jsonl"  # the name EvalScope's data_collection loader looks for in its local_path
-SCHEMA_FILE = "schema.json"     # the CollectionSchema it was sampled from, in EvalScope's own JSON form
+SCHEMA_FILE = "schema.json"  # the CollectionSchema it was sampled from, in EvalScope's own JSON form
 KIND = "evalscope_collection"
 _ALL = 10**9  # a sample count above any benchmark's size: every row of every benchmark
 
@@ -60,15 +62,30 @@ _ALL = 10**9  # a sample count above any benchmark's size: every row of every be
 def r1_distill_math_test_schema(local_paths: dict[str, str]) -> dict:
     """EvalScope's CollectionSchema (as a dict) of R1-Distill-Math-Test over local copies of its benchmarks:
     one level, the three benchmarks weighted equally, zero-shot as in the R1 report."""
-    return {"name": NAME, "weight": 1.0, "datasets": [
-        {"name": bench, "weight": 1.0, "task_type": "math", "tags": ["en"],
-         "args": {"few_shot_num": 0, "local_path": local_paths[bench]}, "hierarchy": []}
-        for bench in R1_DISTILL_MATH_TEST
-    ]}
+    return {
+        "name": NAME,
+        "weight": 1.0,
+        "datasets": [
+            {
+                "name": bench,
+                "weight": 1.0,
+                "task_type": "math",
+                "tags": ["en"],
+                "args": {"few_shot_num": 0, "local_path": local_paths[bench]},
+                "hierarchy": [],
+            }
+            for bench in R1_DISTILL_MATH_TEST
+        ],
+    }
 
 
-def build_local_collection(local_paths: dict[str, str], out: str | os.PathLike, *,
-                           per_benchmark_limit: int | None = None, seed: int = 0) -> Path:
+def build_local_collection(
+    local_paths: dict[str, str],
+    out: str | os.PathLike,
+    *,
+    per_benchmark_limit: int | None = None,
+    seed: int = 0,
+) -> Path:
     """Build R1-Distill-Math-Test offline into the directory `out`; returns the path of its `test.jsonl`.
 
     `local_paths` maps each of math_500, gpqa_diamond, aime24 to its directory (the same `local_path`
@@ -82,7 +99,9 @@ def build_local_collection(local_paths: dict[str, str], out: str | os.PathLike, 
     paths = check_local_paths(local_paths)
     limit = per_benchmark_limit
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise EvalInputError(f"per_benchmark_limit must be a positive integer or None, got {per_benchmark_limit!r}")
+        raise EvalInputError(
+            f"per_benchmark_limit must be a positive integer or None, got {per_benchmark_limit!r}"
+        )
     schema = r1_distill_math_test_schema(paths)
     # The uniform sampler gives each benchmark count // 3 rows (all of them, when it has fewer).
     count = _ALL if per_benchmark_limit is None else per_benchmark_limit * len(R1_DISTILL_MATH_TEST)
@@ -95,23 +114,39 @@ def build_local_collection(local_paths: dict[str, str], out: str | os.PathLike, 
         counts = Counter(row["dataset_name"] for row in rows)
         empty = [b for b in R1_DISTILL_MATH_TEST if not counts[b]]
         if empty:
-            raise ValueError(f"no problems of {empty} in the collection: their local directories "
-                             f"{[paths[b] for b in empty]} hold no rows EvalScope could load")
+            raise ValueError(
+                f"no problems of {empty} in the collection: their local directories "
+                f"{[paths[b] for b in empty]} hold no rows EvalScope could load"
+            )
         with open(tmp / COLLECTION_FILE, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
         write_json_atomic(tmp / SCHEMA_FILE, schema)
-        write_json_atomic(tmp / MANIFEST, {
-            "kind": KIND, "name": NAME, "sha256": sha256_file(tmp / COLLECTION_FILE), "rows": len(rows),
-            "rows_per_benchmark": {b: counts[b] for b in R1_DISTILL_MATH_TEST},
-            "config": _build_config(paths, per_benchmark_limit, seed),
-            "inputs": {b: sha256_dir(paths[b]) for b in R1_DISTILL_MATH_TEST},
-            "evalscope_version": version("evalscope"), "code_version": code_version(),
-        })
+        write_json_atomic(
+            tmp / MANIFEST,
+            {
+                "kind": KIND,
+                "name": NAME,
+                "sha256": sha256_file(tmp / COLLECTION_FILE),
+                "rows": len(rows),
+                "rows_per_benchmark": {b: counts[b] for b in R1_DISTILL_MATH_TEST},
+                "config": _build_config(paths, per_benchmark_limit, seed),
+                "inputs": {b: sha256_dir(paths[b]) for b in R1_DISTILL_MATH_TEST},
+                "evalscope_version": version("evalscope"),
+                "code_version": code_version(),
+            },
+        )
     return Path(out).resolve() / COLLECTION_FILE
 
 
-def evaluate_collection(model: str, work_dir: str | os.PathLike, *, local_paths: dict[str, str] | None = None,
-                        per_benchmark_limit: int | None = None, seed: int = 0, **run_kwargs) -> EvalResult:
+def evaluate_collection(
+    model: str,
+    work_dir: str | os.PathLike,
+    *,
+    local_paths: dict[str, str] | None = None,
+    per_benchmark_limit: int | None = None,
+    seed: int = 0,
+    **run_kwargs,
+) -> EvalResult:
     """Evaluate `model` on R1-Distill-Math-Test with EvalScope's `data_collection` benchmark.
 
     With `local_paths` (math_500, gpqa_diamond, aime24 -> directory) the collection is built offline into
@@ -128,31 +163,50 @@ def evaluate_collection(model: str, work_dir: str | os.PathLike, *, local_paths:
     work_dir = Path(work_dir).resolve()
     if local_paths is None:
         if per_benchmark_limit is not None:
-            raise EvalInputError("per_benchmark_limit samples a locally built collection: it needs local_paths "
-                                 f"(the hub's {R1_DISTILL_MATH_TEST_ID} is evaluated whole)")
-        return run_evalscope(model, [COLLECTION], work_dir=work_dir, seed=seed,
-                             dataset_ids={COLLECTION: R1_DISTILL_MATH_TEST_ID}, **run_kwargs)
+            raise EvalInputError(
+                "per_benchmark_limit samples a locally built collection: it needs local_paths "
+                f"(the hub's {R1_DISTILL_MATH_TEST_ID} is evaluated whole)"
+            )
+        return run_evalscope(
+            model,
+            [COLLECTION],
+            work_dir=work_dir,
+            seed=seed,
+            dataset_ids={COLLECTION: R1_DISTILL_MATH_TEST_ID},
+            **run_kwargs,
+        )
     collection = work_dir / "collection"
     config = _build_config(check_local_paths(local_paths), per_benchmark_limit, seed)
     if (work_dir / REPORT).is_file():  # finished: never rebuild the collection it was scored on
         built = read_manifest(collection)["config"] if (collection / MANIFEST).is_file() else {}
-        differs = "; ".join(f"{k}: {built.get(k)!r} there, {v!r} now"
-                            for k, v in config.items() if built.get(k) != v)
+        differs = "; ".join(
+            f"{k}: {built.get(k)!r} there, {v!r} now" for k, v in config.items() if built.get(k) != v
+        )
         if differs:
-            raise FileExistsError(f"{work_dir} already holds an evaluation of another collection ({differs}); "
-                                  "use a new work_dir")
+            raise FileExistsError(
+                f"{work_dir} already holds an evaluation of another collection ({differs}); "
+                "use a new work_dir"
+            )
     else:
         build_local_collection(local_paths, collection, per_benchmark_limit=per_benchmark_limit, seed=seed)
-    return run_evalscope(model, [COLLECTION], work_dir=work_dir, seed=seed,
-                         local_paths={COLLECTION: str(collection)}, **run_kwargs)
+    return run_evalscope(
+        model,
+        [COLLECTION],
+        work_dir=work_dir,
+        seed=seed,
+        local_paths={COLLECTION: str(collection)},
+        **run_kwargs,
+    )
 
 
 def collection_paths(benchmarks: list[str], local_paths: dict[str, str] | None) -> dict[str, str] | None:
     """The local paths of the collection's benchmarks when a recipe lists `COLLECTION_NAME` (None: the hub's
     collection); the collection is evaluated on its own."""
     if benchmarks != [COLLECTION_NAME]:
-        raise EvalInputError(f"'{COLLECTION_NAME}' is the combined collection of {', '.join(R1_DISTILL_MATH_TEST)}: "
-                             "evaluate it on its own, or list the benchmarks individually")
+        raise EvalInputError(
+            f"'{COLLECTION_NAME}' is the combined collection of {', '.join(R1_DISTILL_MATH_TEST)}: "
+            "evaluate it on its own, or list the benchmarks individually"
+        )
     return {b: p for b, p in (local_paths or {}).items() if b in R1_DISTILL_MATH_TEST} or None
 
 
@@ -160,13 +214,16 @@ def check_local_paths(local_paths: dict[str, str]) -> dict[str, str]:
     """Each of the collection's benchmark directories, resolved; names the benchmark whose directory is missing."""
     extra = sorted(set(local_paths) - set(R1_DISTILL_MATH_TEST))
     if extra:
-        raise EvalInputError(f"local_paths names {extra}, which are not in R1-Distill-Math-Test "
-                             f"{list(R1_DISTILL_MATH_TEST)}")
+        raise EvalInputError(
+            f"local_paths names {extra}, which are not in R1-Distill-Math-Test {list(R1_DISTILL_MATH_TEST)}"
+        )
     paths = {}
     for bench in R1_DISTILL_MATH_TEST:
         if bench not in local_paths:
-            raise MissingPathError(f"no local path for benchmark {bench!r}: R1-Distill-Math-Test needs a "
-                                    f"directory for each of {list(R1_DISTILL_MATH_TEST)}")
+            raise MissingPathError(
+                f"no local path for benchmark {bench!r}: R1-Distill-Math-Test needs a "
+                f"directory for each of {list(R1_DISTILL_MATH_TEST)}"
+            )
         path = Path(local_paths[bench]).expanduser().resolve()
         if not path.is_dir():
             what = "is a file, not a directory" if path.exists() else "not found"
@@ -194,7 +251,8 @@ def _build_in_child(tmp: Path, build: dict) -> None:
     _, result = launch({"build_collection": build}, tmp, log, offline=True, name="build_spec")
     if not result.get("ok"):
         what = f"{result['error']}: {result['message']}" if result else "the worker ended without a status"
-        raise RuntimeError(f"EvalScope could not build {NAME} from {build['schema']['datasets']}: {what}"
-                           + log_tail(log))
+        raise RuntimeError(
+            f"EvalScope could not build {NAME} from {build['schema']['datasets']}: {what}" + log_tail(log)
+        )
     for path in (tmp / "build_spec.json", tmp / "build_status.json", log):
         path.unlink()

@@ -32,14 +32,23 @@ from evaluation.heldout import HELDOUT, SETTING_KEYS, heldout_samples
 
 log = logging.getLogger("grpoflow.compare")
 
-DEFAULT_MAX_DROP = 0.02  # the gate's allowed drop in a benchmark's score (absolute, e.g. 2 points of accuracy)
+DEFAULT_MAX_DROP = (
+    0.02  # the gate's allowed drop in a benchmark's score (absolute, e.g. 2 points of accuracy)
+)
 SCORE = "accuracy"  # the metric name of the correctness rows (EvalScope's primary metric for math benchmarks)
 THINKING_SAMPLES = Path("thinking") / "samples.jsonl"
 # Fields of a thinking sample that identify it; the first one present is its id. Never compared as metrics.
 _ID_FIELDS = ("problem_id", "sample_key", "id", "question_id", "sample_id", "index")
 # evalscope_score repeats the correctness row; first_correct_paragraph is a position, not an amount.
-_NOT_METRICS = frozenset(_ID_FIELDS) | {"benchmark", "subset", "generation_index", "repeat", "model",
-                                        "evalscope_score", "first_correct_paragraph"}
+_NOT_METRICS = frozenset(_ID_FIELDS) | {
+    "benchmark",
+    "subset",
+    "generation_index",
+    "repeat",
+    "model",
+    "evalscope_score",
+    "first_correct_paragraph",
+}
 
 # benchmark -> metric -> problem id -> value (the mean over a problem's generations)
 Samples = dict[str, dict[str, dict[str, float]]]
@@ -51,14 +60,14 @@ class Row:
 
     benchmark: str
     metric: str
-    a: float         # baseline mean
-    b: float         # candidate mean
-    diff: float      # b - a: candidate minus baseline
-    ci_low: float    # bootstrap confidence interval of diff
+    a: float  # baseline mean
+    b: float  # candidate mean
+    diff: float  # b - a: candidate minus baseline
+    ci_low: float  # bootstrap confidence interval of diff
     ci_high: float
-    n: int           # problems in common
-    dropped: int     # problems only one side scored, left out of the comparison
-    gated: bool      # a correctness row, which the gate checks
+    n: int  # problems in common
+    dropped: int  # problems only one side scored, left out of the comparison
+    gated: bool  # a correctness row, which the gate checks
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -68,13 +77,15 @@ class Row:
 class GateResult:
     passed: bool
     max_drop: float
-    failing: list[Row]   # gated rows whose whole confidence interval lies below -max_drop
-    checked: list[Row]   # every gated row
+    failing: list[Row]  # gated rows whose whole confidence interval lies below -max_drop
+    checked: list[Row]  # every gated row
 
     def markdown(self) -> str:
         verdict = "PASS" if self.passed else "FAIL"
-        head = (f"**Gate {verdict}**: {len(self.failing)} of {len(self.checked)} benchmarks dropped by more than "
-                f"{self.max_drop:g} (upper CI bound of candidate - baseline below {-self.max_drop:g})\n")
+        head = (
+            f"**Gate {verdict}**: {len(self.failing)} of {len(self.checked)} benchmarks dropped by more than "
+            f"{self.max_drop:g} (upper CI bound of candidate - baseline below {-self.max_drop:g})\n"
+        )
         return head + ("\n" + markdown_table(self.failing) if self.failing else "")
 
 
@@ -85,8 +96,10 @@ def read_report_json(work_dir: str | os.PathLike) -> dict:
     path = Path(work_dir) / "report.json"
     if not path.is_file():
         raise MissingPathError(f"no report.json in {work_dir}: not a finished evaluation")
-    expected = ("expected the JSON object an evaluation writes, with 'review_paths' (EvalScope's review files "
-                "per benchmark) or 'heldout' (a held-out evaluation)")
+    expected = (
+        "expected the JSON object an evaluation writes, with 'review_paths' (EvalScope's review files "
+        "per benchmark) or 'heldout' (a held-out evaluation)"
+    )
     text = path.read_text()
     if not text.strip():
         raise ValueError(f"{path}: the file is empty; {expected}")
@@ -102,9 +115,12 @@ def read_report_json(work_dir: str | os.PathLike) -> dict:
         raise ValueError(f"{path}: {expected}; got {got}")
     reviews = report.get("review_paths", {})
     if not isinstance(reviews, dict) or not all(
-            isinstance(ps, list) and all(isinstance(p, str) for p in ps) for ps in reviews.values()):
-        raise ValueError(f"{path}: 'review_paths' must map each benchmark to a list of review file paths, "
-                         f"got {reviews!r:.200}")
+        isinstance(ps, list) and all(isinstance(p, str) for p in ps) for ps in reviews.values()
+    ):
+        raise ValueError(
+            f"{path}: 'review_paths' must map each benchmark to a list of review file paths, "
+            f"got {reviews!r:.200}"
+        )
     held = report.get(HELDOUT)
     if held is not None and not (isinstance(held, dict) and isinstance(held.get("samples"), str)):
         raise ValueError(f"{path}: 'heldout' must be an object naming its 'samples' file, got {held!r:.200}")
@@ -132,10 +148,14 @@ def load_samples(work_dir: str | os.PathLike) -> Samples:
                     key = problem_id(rec, subset)
                     value = review_score(rec)
                     if value is None:
-                        raise KeyError(f"no accuracy among the sample's scores {rec['sample_score']['score']['value']}")
+                        raise KeyError(
+                            f"no accuracy among the sample's scores {rec['sample_score']['score']['value']}"
+                        )
                 except (KeyError, TypeError, ValueError) as e:
-                    raise ValueError(f"{path}:{lineno}: not an EvalScope review ({type(e).__name__}: {e}); "
-                                     "expected sample_score.score.value and sample_id or index") from e
+                    raise ValueError(
+                        f"{path}:{lineno}: not an EvalScope review ({type(e).__name__}: {e}); "
+                        "expected sample_score.score.value and sample_id or index"
+                    ) from e
                 values.setdefault(key, []).append(value)
         if not values:
             raise ValueError(f"{work_dir}: no reviewed samples for benchmark {bench!r} in {paths}")
@@ -152,12 +172,15 @@ def load_samples(work_dir: str | os.PathLike) -> Samples:
     return samples
 
 
-def paired_bootstrap(a: list[float], b: list[float], n_resamples: int = 10000, seed: int = 0,
-                     confidence: float = 0.95) -> tuple[float, float, float]:
+def paired_bootstrap(
+    a: list[float], b: list[float], n_resamples: int = 10000, seed: int = 0, confidence: float = 0.95
+) -> tuple[float, float, float]:
     """(mean of b - a, lower, upper): percentile bootstrap over paired problems (a[i] and b[i] are one problem)."""
     if len(a) != len(b):
-        raise ValueError(f"paired bootstrap needs one baseline and one candidate value per problem, "
-                         f"got {len(a)} and {len(b)}")
+        raise ValueError(
+            f"paired bootstrap needs one baseline and one candidate value per problem, "
+            f"got {len(a)} and {len(b)}"
+        )
     if not a:
         raise ValueError("paired bootstrap needs at least one problem")
     if not 0 < confidence < 1:
@@ -168,15 +191,20 @@ def paired_bootstrap(a: list[float], b: list[float], n_resamples: int = 10000, s
     rng = np.random.default_rng(seed)
     # Resample in chunks of about a million indices: memory stays flat for large benchmarks.
     chunk = max(1, 1_000_000 // len(d))
-    means = np.concatenate([d[rng.integers(0, len(d), size=(min(chunk, n_resamples - i), len(d)))].mean(axis=1)
-                            for i in range(0, n_resamples, chunk)])
+    means = np.concatenate(
+        [
+            d[rng.integers(0, len(d), size=(min(chunk, n_resamples - i), len(d)))].mean(axis=1)
+            for i in range(0, n_resamples, chunk)
+        ]
+    )
     alpha = (1 - confidence) / 2
     lo, hi = np.quantile(means, [alpha, 1 - alpha])
     return float(d.mean()), float(lo), float(hi)
 
 
-def compare(a_samples: Samples, b_samples: Samples, n_resamples: int = 10000, seed: int = 0,
-            confidence: float = 0.95) -> list[Row]:
+def compare(
+    a_samples: Samples, b_samples: Samples, n_resamples: int = 10000, seed: int = 0, confidence: float = 0.95
+) -> list[Row]:
     """One row per benchmark x metric: baseline `a_samples` against candidate `b_samples`.
 
     The benchmarks both sides scored are compared (`only_one_side` names the others, which the caller shows);
@@ -185,13 +213,18 @@ def compare(a_samples: Samples, b_samples: Samples, n_resamples: int = 10000, se
     """
     a_benches, b_benches = _scored(a_samples), _scored(b_samples)
     if not a_benches & b_benches:
-        raise ValueError(f"the evaluations have no benchmark in common (different benchmarks: baseline "
-                         f"{sorted(a_benches)}, candidate {sorted(b_benches)}); evaluate both with the same "
-                         "benchmarks, or both on the held-out split (eval.benchmarks: [])")
+        raise ValueError(
+            f"the evaluations have no benchmark in common (different benchmarks: baseline "
+            f"{sorted(a_benches)}, candidate {sorted(b_benches)}); evaluate both with the same "
+            "benchmarks, or both on the held-out split (eval.benchmarks: [])"
+        )
     baseline_only, candidate_only = only_one_side(a_samples, b_samples)
     if baseline_only or candidate_only:
-        log.warning("benchmarks only one side scored are not compared: baseline only %s, candidate only %s",
-                    baseline_only, candidate_only)
+        log.warning(
+            "benchmarks only one side scored are not compared: baseline only %s, candidate only %s",
+            baseline_only,
+            candidate_only,
+        )
     a_benches &= b_benches
     rows = []
     for bench in sorted(a_benches):
@@ -201,18 +234,39 @@ def compare(a_samples: Samples, b_samples: Samples, n_resamples: int = 10000, se
             common = sorted(a_map.keys() & b_map.keys())
             dropped = len(a_map.keys() ^ b_map.keys())
             if not common and metric != SCORE:  # e.g. a metric defined on correct answers, and none in common
-                log.warning("%s %s: no problem in common with a value on both sides; not compared", bench, metric)
+                log.warning(
+                    "%s %s: no problem in common with a value on both sides; not compared", bench, metric
+                )
                 continue
             if not common:
-                raise ValueError(f"{bench} {metric}: no problem in common between baseline ({len(a_map)} problems) "
-                                 f"and candidate ({len(b_map)}); were they evaluated on the same data?")
+                raise ValueError(
+                    f"{bench} {metric}: no problem in common between baseline ({len(a_map)} problems) "
+                    f"and candidate ({len(b_map)}); were they evaluated on the same data?"
+                )
             if dropped:
-                log.warning("%s %s: %d problems scored by one side only were dropped; comparing the %d in common",
-                            bench, metric, dropped, len(common))
+                log.warning(
+                    "%s %s: %d problems scored by one side only were dropped; comparing the %d in common",
+                    bench,
+                    metric,
+                    dropped,
+                    len(common),
+                )
             a, b = [a_map[k] for k in common], [b_map[k] for k in common]
             diff, lo, hi = paired_bootstrap(a, b, n_resamples, seed, confidence)
-            rows.append(Row(bench, metric, sum(a) / len(a), sum(b) / len(b), diff, lo, hi, len(common), dropped,
-                            gated=metric == SCORE))
+            rows.append(
+                Row(
+                    bench,
+                    metric,
+                    sum(a) / len(a),
+                    sum(b) / len(b),
+                    diff,
+                    lo,
+                    hi,
+                    len(common),
+                    dropped,
+                    gated=metric == SCORE,
+                )
+            )
     return rows
 
 
@@ -229,8 +283,11 @@ def _scored(samples: Samples) -> set[str]:
 def check_max_drop(max_drop: float) -> None:
     """A gate's allowed drop must be a finite number >= 0: NaN compares false with everything and would
     pass any regression, infinity would too."""
-    if isinstance(max_drop, bool) or not isinstance(max_drop, (int, float)) or not (
-            math.isfinite(max_drop) and max_drop >= 0):
+    if (
+        isinstance(max_drop, bool)
+        or not isinstance(max_drop, (int, float))
+        or not (math.isfinite(max_drop) and max_drop >= 0)
+    ):
         raise ValueError(f"max_drop must be a finite number >= 0, got {max_drop!r}")
 
 
@@ -245,19 +302,27 @@ def gate(rows: list[Row], max_drop: float = DEFAULT_MAX_DROP) -> GateResult:
     return GateResult(not failing, max_drop, failing, checked)
 
 
-def markdown_table(rows: list[Row], confidence: float = 0.95,
-                   left_out: tuple[list[str], list[str]] = ((), ())) -> str:
+def markdown_table(
+    rows: list[Row], confidence: float = 0.95, left_out: tuple[list[str], list[str]] = ((), ())
+) -> str:
     """The rows as a markdown table; `left_out`: `only_one_side`'s benchmarks, named below it."""
-    lines = [f"| benchmark | metric | baseline | candidate | diff (cand - base) | {confidence:.0%} CI | n |",
-             "|---|---|---:|---:|---:|---|---:|"]
+    lines = [
+        f"| benchmark | metric | baseline | candidate | diff (cand - base) | {confidence:.0%} CI | n |",
+        "|---|---|---:|---:|---:|---|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r.benchmark} | {r.metric} | {_fmt(r.a)} | {_fmt(r.b)} | {_fmt(r.diff, '+')} | "
-                     f"[{_fmt(r.ci_low, '+')}, {_fmt(r.ci_high, '+')}] | {r.n} |")
+        lines.append(
+            f"| {r.benchmark} | {r.metric} | {_fmt(r.a)} | {_fmt(r.b)} | {_fmt(r.diff, '+')} | "
+            f"[{_fmt(r.ci_low, '+')}, {_fmt(r.ci_high, '+')}] | {r.n} |"
+        )
     dropped = [f"{r.benchmark} {r.metric}: {r.dropped}" for r in rows if r.dropped]
     if dropped:
         lines.append(f"\nProblems scored by one side only, left out: {'; '.join(dropped)}.")
-    sides = [f"{side} only: {', '.join(benches)}" for side, benches in zip(("baseline", "candidate"), left_out,
-                                                                          strict=True) if benches]
+    sides = [
+        f"{side} only: {', '.join(benches)}"
+        for side, benches in zip(("baseline", "candidate"), left_out, strict=True)
+        if benches
+    ]
     if sides:
         lines.append(f"\nBenchmarks scored by one side only, not compared: {'; '.join(sides)}.")
     return "\n".join(lines) + "\n"
@@ -271,13 +336,17 @@ def evaluation_differences(a_dir: str | os.PathLike, b_dir: str | os.PathLike) -
     a, b = (read_report_json(d) for d in (a_dir, b_dir))
     differs = setting_differences(a, {k: b.get(k) for k in keys})
     if isinstance(a.get(HELDOUT), dict) and isinstance(b.get(HELDOUT), dict):
-        held = setting_differences({f"{HELDOUT}.{k}": a[HELDOUT].get(k) for k in SETTING_KEYS},
-                                   {f"{HELDOUT}.{k}": b[HELDOUT].get(k) for k in SETTING_KEYS})
+        held = setting_differences(
+            {f"{HELDOUT}.{k}": a[HELDOUT].get(k) for k in SETTING_KEYS},
+            {f"{HELDOUT}.{k}": b[HELDOUT].get(k) for k in SETTING_KEYS},
+        )
         sha = held.pop(f"{HELDOUT}.data_sha256", None)
         if sha:
-            raise ValueError(f"the held-out results of {a_dir} and {b_dir} were scored on different data (sha256 "
-                             f"{sha[0]} and {sha[1]}): their problems cannot be paired; evaluate both on one "
-                             "prepared held-out split (data.out)")
+            raise ValueError(
+                f"the held-out results of {a_dir} and {b_dir} were scored on different data (sha256 "
+                f"{sha[0]} and {sha[1]}): their problems cannot be paired; evaluate both on one "
+                "prepared held-out split (data.out)"
+            )
         differs.update(held)
     return differs
 
@@ -301,12 +370,20 @@ def _thinking_samples(path: Path) -> Samples:
     for lineno, rec in _jsonl(path):
         id_field = next((f for f in _ID_FIELDS if rec.get(f) is not None), None)
         if "benchmark" not in rec or id_field is None:
-            raise ValueError(f"{path}:{lineno}: a thinking sample needs 'benchmark' and an id "
-                             f"(one of {', '.join(_ID_FIELDS)})")
-        qualified = id_field != "problem_id" and rec.get("subset") is not None  # a problem_id is whole already
+            raise ValueError(
+                f"{path}:{lineno}: a thinking sample needs 'benchmark' and an id "
+                f"(one of {', '.join(_ID_FIELDS)})"
+            )
+        qualified = (
+            id_field != "problem_id" and rec.get("subset") is not None
+        )  # a problem_id is whole already
         key = f"{rec['subset']}/{rec[id_field]}" if qualified else str(rec[id_field])
         for name, value in rec.items():
             if name not in _NOT_METRICS and isinstance(value, (int, float)) and not isinstance(value, bool):
-                out.setdefault(rec["benchmark"], {}).setdefault(name, {}).setdefault(key, []).append(float(value))
-    return {b: {m: {k: sum(v) / len(v) for k, v in ids.items()} for m, ids in metrics.items()}
-            for b, metrics in out.items()}
+                out.setdefault(rec["benchmark"], {}).setdefault(name, {}).setdefault(key, []).append(
+                    float(value)
+                )
+    return {
+        b: {m: {k: sum(v) / len(v) for k, v in ids.items()} for m, ids in metrics.items()}
+        for b, metrics in out.items()
+    }

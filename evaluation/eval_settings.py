@@ -46,7 +46,11 @@ def comparable(key: str, value):
 def setting_differences(recorded: dict, wanted: dict) -> dict[str, tuple]:
     """The settings of `wanted` that `recorded` (a finished evaluation's) holds another value of, as
     `{key: (recorded value, wanted value)}`; empty when the evaluation was made with `wanted`."""
-    return {k: (recorded.get(k), v) for k, v in wanted.items() if comparable(k, recorded.get(k)) != comparable(k, v)}
+    return {
+        k: (recorded.get(k), v)
+        for k, v in wanted.items()
+        if comparable(k, recorded.get(k)) != comparable(k, v)
+    }
 
 
 def made_with(report: dict, settings: EvalSettings) -> bool:
@@ -57,14 +61,25 @@ def made_with(report: dict, settings: EvalSettings) -> bool:
         return False
     generation = report.get("generation_config", {})
     recorded_paths = report.get("local_paths") or {}
-    recorded = {"limit": report.get("limit"), "repeats": report.get("repeats"),
-                "max_tokens": generation.get("max_tokens"),
-                "temperature": float(generation.get("temperature", 0.0)),  # greedy on a checkpoint records none
-                "local_paths": {b: recorded_paths.get(b) for b in settings.benchmarks}}
-    wanted = {"limit": settings.limit, "repeats": settings.repeats, "max_tokens": settings.max_tokens,
-              "temperature": float(settings.temperature),
-              "local_paths": {b: str(Path(settings.local_paths[b]).expanduser().resolve())
-                              if b in settings.local_paths else None for b in settings.benchmarks}}
+    recorded = {
+        "limit": report.get("limit"),
+        "repeats": report.get("repeats"),
+        "max_tokens": generation.get("max_tokens"),
+        "temperature": float(generation.get("temperature", 0.0)),  # greedy on a checkpoint records none
+        "local_paths": {b: recorded_paths.get(b) for b in settings.benchmarks},
+    }
+    wanted = {
+        "limit": settings.limit,
+        "repeats": settings.repeats,
+        "max_tokens": settings.max_tokens,
+        "temperature": float(settings.temperature),
+        "local_paths": {
+            b: str(Path(settings.local_paths[b]).expanduser().resolve())
+            if b in settings.local_paths
+            else None
+            for b in settings.benchmarks
+        },
+    }
     return not setting_differences(recorded, wanted)
 
 

@@ -20,8 +20,16 @@ OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def launch(spec: dict, workdir: Path, log_path: Path, *, offline: bool, echo: bool = False,
-           secret_env: dict | None = None, name: str = "spec") -> tuple[int, dict]:
+def launch(
+    spec: dict,
+    workdir: Path,
+    log_path: Path,
+    *,
+    offline: bool,
+    echo: bool = False,
+    secret_env: dict | None = None,
+    name: str = "spec",
+) -> tuple[int, dict]:
     """Run the worker on `spec` in `workdir`; its whole output goes to `log_path` (and to stderr when `echo`).
 
     Returns (exit code, the status the worker wrote, or {} when it wrote none). `secret_env`: variables for
@@ -33,8 +41,15 @@ def launch(spec: dict, workdir: Path, log_path: Path, *, offline: bool, echo: bo
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     cmd = [sys.executable, str(WORKER), str(spec_path), str(status_path)]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdin=subprocess.DEVNULL, text=True,
-                                stdout=subprocess.PIPE if echo else log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=workdir,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            stdout=subprocess.PIPE if echo else log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             if echo:
                 for line in proc.stdout:
@@ -57,7 +72,12 @@ def log_tail(log_path: Path) -> str:
 def one_line(message: str, limit: int = 500) -> str:
     """A worker's error message as one line: a traceback's lines and ANSI colours dropped, cut to `limit`."""
     lines = [line.strip() for line in _ANSI.sub("", message).splitlines()]
-    kept = [line for line in lines
-            if line and not line.startswith(("Traceback (most recent call last)", 'File "')) and set(line) - set("^~ ")]
+    kept = [
+        line
+        for line in lines
+        if line
+        and not line.startswith(("Traceback (most recent call last)", 'File "'))
+        and set(line) - set("^~ ")
+    ]
     text = " ".join(kept)
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -21,11 +21,11 @@ from pathlib import Path
 class BenchmarkReport:
     """What one EvalScope report file says about one benchmark."""
 
-    score: float                          # the report's primary metric (mean accuracy for the math benchmarks)
-    metric: dict                          # that metric's identity: name, aggregation, dimensions
-    num_generations: int                  # scored generations: problems x repeats
-    subsets: dict[str, float]             # subset name -> primary metric score (MATH-500: "Level 1".."Level 5")
-    subset_sizes: dict[str, int]          # subset name -> scored generations
+    score: float  # the report's primary metric (mean accuracy for the math benchmarks)
+    metric: dict  # that metric's identity: name, aggregation, dimensions
+    num_generations: int  # scored generations: problems x repeats
+    subsets: dict[str, float]  # subset name -> primary metric score (MATH-500: "Level 1".."Level 5")
+    subset_sizes: dict[str, int]  # subset name -> scored generations
     pass_at_k: dict[int, float] = field(default_factory=dict)  # k -> pass@k, present when repeats > 1
 
 
@@ -49,8 +49,9 @@ def read_report(path: Path) -> BenchmarkReport:
     metrics = data.get("metrics", [])
     matches = [m for m in metrics if m["identity"] == primary]
     if len(matches) != 1:
-        raise RuntimeError(f"EvalScope report {path}: expected one metric with identity {primary}, "
-                           f"found {len(matches)}")
+        raise RuntimeError(
+            f"EvalScope report {path}: expected one metric with identity {primary}, found {len(matches)}"
+        )
     main = matches[0]
     subsets = [s for category in main["categories"] for s in category["subsets"] if not s.get("is_aggregate")]
     pass_at_k = {
@@ -79,8 +80,11 @@ def review_score(review: dict) -> float | None:
     if not isinstance(values, dict) or not values:
         return None
     name = score.get("main_score_name")
-    for key in ([name] if name in values else []) + ([next(iter(values))] if len(values) == 1 else []) + [
-            "accuracy", "acc"]:
+    for key in (
+        ([name] if name in values else [])
+        + ([next(iter(values))] if len(values) == 1 else [])
+        + ["accuracy", "acc"]
+    ):
         if key in values and isinstance(values[key], (int, float)):
             return float(values[key])
     return None
@@ -95,14 +99,18 @@ def problem_id(review: dict, subset: str) -> str:
     question = (score.get("sample_metadata") or review.get("sample_metadata") or {}).get("question_id")
     if question is not None:
         return str(question)
-    number = next((v for v in (score.get("group_id"), score.get("sample_id"), review.get("index")) if v is not None),
-                  None)
+    number = next(
+        (v for v in (score.get("group_id"), score.get("sample_id"), review.get("index")) if v is not None),
+        None,
+    )
     if number is None:
         raise KeyError("sample_id")
     return f"{subset}/{number}"
 
 
-DETAILED_REPORT = "collection_detailed_report.json"  # next to EvalScope's reports/<model>/data_collection.json
+DETAILED_REPORT = (
+    "collection_detailed_report.json"  # next to EvalScope's reports/<model>/data_collection.json
+)
 
 
 def read_collection_report(path: str | os.PathLike) -> BenchmarkReport:
@@ -118,11 +126,15 @@ def read_collection_report(path: str | os.PathLike) -> BenchmarkReport:
     if not detailed.is_file():
         raise RuntimeError(f"EvalScope wrote no collection report {detailed} next to {path}")
     data = json.loads(detailed.read_text())
-    level, rows = next(((lv, data.get(lv, [])) for lv in ("category_level", "task_level")
-                        if len(data.get(lv, [])) == 1), (None, None))
+    level, rows = next(
+        ((lv, data.get(lv, [])) for lv in ("category_level", "task_level") if len(data.get(lv, [])) == 1),
+        (None, None),
+    )
     if level is None:
-        raise RuntimeError(f"{detailed}: no single category-level or task-level row holds the whole collection "
-                           f"({len(data.get('category_level', []))} and {len(data.get('task_level', []))} rows)")
+        raise RuntimeError(
+            f"{detailed}: no single category-level or task-level row holds the whole collection "
+            f"({len(data.get('category_level', []))} and {len(data.get('task_level', []))} rows)"
+        )
     [overall] = rows
     datasets = data.get("dataset_level", [])
     return BenchmarkReport(

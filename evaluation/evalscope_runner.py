@@ -78,13 +78,15 @@ class EndpointAnswerTooLarge(GrpoflowUserError):
 class EvalResult:
     """Scores of one EvalScope run, as EvalScope's report files state them."""
 
-    scores: dict[str, float]                # benchmark -> primary metric (mean accuracy over all generations)
-    subsets: dict[str, dict[str, float]]    # benchmark -> subset -> score (MATH-500: "Level 1".."Level 5")
-    num_samples: dict[str, int]             # benchmark -> problems scored (generations / repeats)
+    scores: dict[str, float]  # benchmark -> primary metric (mean accuracy over all generations)
+    subsets: dict[str, dict[str, float]]  # benchmark -> subset -> score (MATH-500: "Level 1".."Level 5")
+    num_samples: dict[str, int]  # benchmark -> problems scored (generations / repeats)
     pass_at_k: dict[str, dict[int, float]]  # benchmark -> k -> pass@k; empty unless repeats > 1
-    report_paths: dict[str, Path]           # benchmark -> EvalScope's report JSON
-    predictions_paths: dict[str, list[Path]]  # benchmark -> EvalScope's per-sample predictions, one per subset
-    review_paths: dict[str, list[Path]]     # benchmark -> the same samples scored by EvalScope, one per subset
+    report_paths: dict[str, Path]  # benchmark -> EvalScope's report JSON
+    predictions_paths: dict[
+        str, list[Path]
+    ]  # benchmark -> EvalScope's per-sample predictions, one per subset
+    review_paths: dict[str, list[Path]]  # benchmark -> the same samples scored by EvalScope, one per subset
     work_dir: Path
     log_path: Path
 
@@ -133,19 +135,33 @@ def run_evalscope(
       before EvalScope starts.
     """
     checkpoint = api_url is None
-    model, local_paths = check_model_and_paths(model, benchmarks, dict(local_paths or {}), api_url, api_key_env)
+    model, local_paths = check_model_and_paths(
+        model, benchmarks, dict(local_paths or {}), api_url, api_key_env
+    )
     dataset_ids = check_dataset_ids(dict(dataset_ids or {}), benchmarks, local_paths)
     check_settings(limit, repeats, max_tokens, temperature, eval_batch_size, dtype)
     if not isinstance(request_timeout_s, (int, float)) or not 0 < request_timeout_s < float("inf"):
-        raise EvalInputError(f"request_timeout_s must be a positive number of seconds, got {request_timeout_s!r}")
+        raise EvalInputError(
+            f"request_timeout_s must be a positive number of seconds, got {request_timeout_s!r}"
+        )
     model_id = _model_id(model, checkpoint)
     settings = {  # everything that decides the scores; report.json records it
-        "model": model, "model_id": model_id, "eval_type": "llm_ckpt" if checkpoint else "openai_api",
-        "api_url": mask_uri(api_url), "api_key_env": api_key_env, "benchmarks": list(benchmarks),
-        "local_paths": local_paths, "dataset_ids": dataset_ids or None, "limit": limit, "repeats": repeats,
+        "model": model,
+        "model_id": model_id,
+        "eval_type": "llm_ckpt" if checkpoint else "openai_api",
+        "api_url": mask_uri(api_url),
+        "api_key_env": api_key_env,
+        "benchmarks": list(benchmarks),
+        "local_paths": local_paths,
+        "dataset_ids": dataset_ids or None,
+        "limit": limit,
+        "repeats": repeats,
         "generation_config": _generation_config(max_tokens, temperature, checkpoint),
-        "eval_batch_size": eval_batch_size, "dtype": dtype if checkpoint else None, "seed": seed,
-        "offline": all(b in local_paths for b in benchmarks), "evalscope_version": version("evalscope"),
+        "eval_batch_size": eval_batch_size,
+        "dtype": dtype if checkpoint else None,
+        "seed": seed,
+        "offline": all(b in local_paths for b in benchmarks),
+        "evalscope_version": version("evalscope"),
     }
     work_dir = Path(work_dir).resolve()
     if (work_dir / REPORT).exists():  # a retried pipeline task lands here: same settings, same answer
@@ -158,30 +174,53 @@ def run_evalscope(
     outputs.mkdir(parents=True)
 
     task_config = {
-        "model": model, "model_id": model_id, "eval_type": settings["eval_type"],
+        "model": model,
+        "model_id": model_id,
+        "eval_type": settings["eval_type"],
         "datasets": _hub_first(benchmarks, local_paths),
         "dataset_args": _dataset_args(benchmarks, local_paths, dataset_ids, repeats),
-        "limit": limit, "repeats": repeats,
-        "generation_config": {**settings["generation_config"], **({} if checkpoint else _endpoint_waits(request_timeout_s))},
-        "eval_batch_size": eval_batch_size, "seed": seed, "work_dir": str(outputs), "no_timestamp": True,
+        "limit": limit,
+        "repeats": repeats,
+        "generation_config": {
+            **settings["generation_config"],
+            **({} if checkpoint else _endpoint_waits(request_timeout_s)),
+        },
+        "eval_batch_size": eval_batch_size,
+        "seed": seed,
+        "work_dir": str(outputs),
+        "no_timestamp": True,
         # an endpoint's requests are retried by EvalScope (`_endpoint_waits`), not again inside its OpenAI client
-        **({"model_args": {"precision": dtype}} if checkpoint else {"api_url": bare_url,
-                                                                    "model_args": {"max_retries": 0}}),
+        **(
+            {"model_args": {"precision": dtype}}
+            if checkpoint
+            else {"api_url": bare_url, "model_args": {"max_retries": 0}}
+        ),
     }
     started = time.time()
     echo = progress_enabled(progress)
-    spec = {"task_config": task_config, "api_key_env": api_key_env,
-            "credentials_env": CREDENTIALS_ENV if credentials else None,
-            "endpoint_limits": None if checkpoint else {"timeout_s": request_timeout_s,
-                                                        "max_bytes": response_limit(max_tokens)}}
-    log_path = _run_worker(outputs, spec, settings["offline"], echo,
-                           {CREDENTIALS_ENV: json.dumps(credentials)} if credentials else {})
+    spec = {
+        "task_config": task_config,
+        "api_key_env": api_key_env,
+        "credentials_env": CREDENTIALS_ENV if credentials else None,
+        "endpoint_limits": None
+        if checkpoint
+        else {"timeout_s": request_timeout_s, "max_bytes": response_limit(max_tokens)},
+    }
+    log_path = _run_worker(
+        outputs,
+        spec,
+        settings["offline"],
+        echo,
+        {CREDENTIALS_ENV: json.dumps(credentials)} if credentials else {},
+    )
     reports = {}
     for bench in benchmarks:
         path = report_path(outputs, model_id, bench)
         if not path.is_file():
-            raise RuntimeError(f"EvalScope finished without a report for benchmark {bench!r} (expected {path})"
-                               + log_tail(log_path))
+            raise RuntimeError(
+                f"EvalScope finished without a report for benchmark {bench!r} (expected {path})"
+                + log_tail(log_path)
+            )
         reports[bench] = _read_report(bench, path)
     result = EvalResult(
         scores={b: r.score for b, r in reports.items()},
@@ -189,17 +228,26 @@ def run_evalscope(
         num_samples={b: r.num_generations // repeats for b, r in reports.items()},
         pass_at_k={b: r.pass_at_k for b, r in reports.items() if r.pass_at_k},
         report_paths={b: report_path(outputs, model_id, b) for b in benchmarks},
-        predictions_paths={b: sample_paths(outputs, "predictions", model_id, b, _sample_subsets(b, r))
-                           for b, r in reports.items()},
-        review_paths={b: sample_paths(outputs, "reviews", model_id, b, _sample_subsets(b, r))
-                      for b, r in reports.items()},
+        predictions_paths={
+            b: sample_paths(outputs, "predictions", model_id, b, _sample_subsets(b, r))
+            for b, r in reports.items()
+        },
+        review_paths={
+            b: sample_paths(outputs, "reviews", model_id, b, _sample_subsets(b, r))
+            for b, r in reports.items()
+        },
         work_dir=work_dir,
         log_path=log_path,
     )
-    write_json_atomic(work_dir / REPORT, {
-        **settings, **_result_json(result), "wall_time_s": round(time.time() - started, 1),
-        "primary_metric": {b: r.metric for b, r in reports.items()},
-    })
+    write_json_atomic(
+        work_dir / REPORT,
+        {
+            **settings,
+            **_result_json(result),
+            "wall_time_s": round(time.time() - started, 1),
+            "primary_metric": {b: r.metric for b, r in reports.items()},
+        },
+    )
     return result
 
 
@@ -208,8 +256,9 @@ def _finished(work_dir: Path, settings: dict) -> EvalResult:
     differs = setting_differences(json.loads((work_dir / REPORT).read_text()), settings)
     if differs:
         detail = "; ".join(f"{k}: {old!r} there, {new!r} now" for k, (old, new) in differs.items())
-        raise FileExistsError(f"{work_dir} already holds an evaluation made with other settings ({detail}); "
-                              "use a new work_dir")
+        raise FileExistsError(
+            f"{work_dir} already holds an evaluation made with other settings ({detail}); use a new work_dir"
+        )
     return load_result(work_dir)
 
 
@@ -232,19 +281,24 @@ def load_result(work_dir: str | os.PathLike) -> EvalResult:
         raise MissingPathError(f"no {REPORT} in {work_dir}: not a finished evaluation")
     data = json.loads(path.read_text())
     return EvalResult(
-        scores=data["scores"], subsets=data["subsets"], num_samples=data["num_samples"],
+        scores=data["scores"],
+        subsets=data["subsets"],
+        num_samples=data["num_samples"],
         pass_at_k={b: {int(k): v for k, v in ks.items()} for b, ks in data["pass_at_k"].items()},
         report_paths={b: work_dir / p for b, p in data["report_paths"].items()},
         predictions_paths={b: [work_dir / p for p in ps] for b, ps in data["predictions_paths"].items()},
         review_paths={b: [work_dir / p for p in ps] for b, ps in data["review_paths"].items()},
-        work_dir=work_dir, log_path=work_dir / data["log_path"],
+        work_dir=work_dir,
+        log_path=work_dir / data["log_path"],
     )
 
 
 def _result_json(result: EvalResult) -> dict:
     rel = lambda p: p.relative_to(result.work_dir).as_posix()  # noqa: E731
     return {
-        "scores": result.scores, "subsets": result.subsets, "num_samples": result.num_samples,
+        "scores": result.scores,
+        "subsets": result.subsets,
+        "num_samples": result.num_samples,
         "pass_at_k": result.pass_at_k,
         "report_paths": {b: rel(p) for b, p in result.report_paths.items()},
         "predictions_paths": {b: [rel(p) for p in ps] for b, ps in result.predictions_paths.items()},
@@ -267,8 +321,11 @@ def response_limit(max_tokens: int) -> int:
 def _endpoint_waits(request_timeout_s: float) -> dict:
     """EvalScope's generation settings that bound the wait on an endpoint (not scores: report.json omits
     them). EvalScope's `retries` counts attempts, the first included (its `retry_call`)."""
-    return {"timeout": request_timeout_s, "retries": ENDPOINT_ATTEMPTS,
-            "retry_interval": ENDPOINT_RETRY_INTERVAL_S}
+    return {
+        "timeout": request_timeout_s,
+        "retries": ENDPOINT_ATTEMPTS,
+        "retry_interval": ENDPOINT_RETRY_INTERVAL_S,
+    }
 
 
 def _model_id(model: str, checkpoint: bool) -> str:
@@ -345,19 +402,30 @@ def _run_worker(outputs: Path, spec: dict, offline: bool, echo: bool, secret_env
         raise EndpointAnswerTooLarge(
             f"the evaluation endpoint at {mask_uri(url)} answered {where} with more than "
             f"{limits['max_bytes']:,} bytes, the limit for eval.max_tokens={max_tokens} "
-            f"({RESPONSE_BYTES_PER_TOKEN:,} bytes a token, at least {MIN_RESPONSE_BYTES:,})" + log_tail(log_path))
+            f"({RESPONSE_BYTES_PER_TOKEN:,} bytes a token, at least {MIN_RESPONSE_BYTES:,})"
+            + log_tail(log_path)
+        )
     if status.get("error") in ENDPOINT_GAVE_UP and url:  # the endpoint, not us
         waits = spec["task_config"]["generation_config"]
         raise ServiceUnavailable(
             f"the evaluation endpoint at {mask_uri(url)} stopped answering {where}: {status['error']} after "
             f"{waits['retries']} attempts of up to {waits['timeout']:g} s (eval.request_timeout_s), "
-            f"{waits['retry_interval']:g} s apart" + log_tail(log_path))
+            f"{waits['retry_interval']:g} s apart" + log_tail(log_path)
+        )
     local = spec["task_config"].get("dataset_args", {}).get(failed, {}).get("local_path")
-    hint = "" if failed is None or local else (
-        f" ({failed!r} has no local path, so EvalScope loads it from its dataset hub, ModelScope by default; "
-        f"without network access pass local_paths={{{failed!r}: '<directory with its data>'}})")
-    what = (f"{status['error']}: {one_line(status['message'])}" if status
-            else f"the worker exited with code {code}")
+    hint = (
+        ""
+        if failed is None or local
+        else (
+            f" ({failed!r} has no local path, so EvalScope loads it from its dataset hub, ModelScope by default; "
+            f"without network access pass local_paths={{{failed!r}: '<directory with its data>'}})"
+        )
+    )
+    what = (
+        f"{status['error']}: {one_line(status['message'])}"
+        if status
+        else f"the worker exited with code {code}"
+    )
     raise RuntimeError(f"EvalScope failed {where}: {what}{hint}" + log_tail(log_path))
 
 

@@ -62,8 +62,9 @@ def _mean_selector(name: str):
 
     meta = BENCHMARK_REGISTRY[name]
     if meta.primary_metric is not None:
-        return MetricSelector(name=meta.primary_metric.name, aggregation="mean",
-                              dimensions=meta.primary_metric.dimensions)
+        return MetricSelector(
+            name=meta.primary_metric.name, aggregation="mean", dimensions=meta.primary_metric.dimensions
+        )
     first = meta.metric_list[0]
     return MetricSelector(name=first if isinstance(first, str) else next(iter(first)), aggregation="mean")
 
@@ -84,8 +85,9 @@ def run(spec: dict) -> dict:
         secrets.append(task["api_key"])
     credentials = json.loads(os.environ[spec["credentials_env"]]) if spec.get("credentials_env") else None
     if credentials or spec.get("endpoint_limits"):
-        secrets += _install_endpoint_client(credentials or {"headers": {}, "query": {}},
-                                            spec.get("endpoint_limits"))
+        secrets += _install_endpoint_client(
+            credentials or {"headers": {}, "query": {}}, spec.get("endpoint_limits")
+        )
     if secrets:
         _scrub_logs(secrets)
     run_task(TaskConfig(**task))
@@ -108,7 +110,10 @@ def _install_endpoint_client(credentials: dict, limits: dict | None) -> list[str
 
     class EndpointOpenAIAPI(base):
         def __init__(self, *args, **model_args):
-            model_args["default_headers"] = {**model_args.get("default_headers", {}), **credentials["headers"]}
+            model_args["default_headers"] = {
+                **model_args.get("default_headers", {}),
+                **credentials["headers"],
+            }
             model_args["default_query"] = {**model_args.get("default_query", {}), **credentials["query"]}
             if limits:
                 from bounded_http import bounded_client
@@ -118,7 +123,9 @@ def _install_endpoint_client(credentials: dict, limits: dict | None) -> list[str
 
     MODEL_APIS["openai_api"] = EndpointOpenAIAPI
     values = [v for v in (*credentials["headers"].values(), *credentials["query"].values()) if v]
-    return values + [part for v in credentials["headers"].values() for part in v.split()[1:]]  # "Basic <token>"
+    return values + [
+        part for v in credentials["headers"].values() for part in v.split()[1:]
+    ]  # "Basic <token>"
 
 
 def _scrub_logs(values: list[str]) -> None:

@@ -33,8 +33,13 @@ def heldout_settings(recipe) -> dict:
     evaluations of different data)."""
     data_dir = Path(recipe.data.out).expanduser().resolve()
     sha = read_manifest(data_dir).get("sha256") if (data_dir / MANIFEST).is_file() else None
-    return {"data_dir": str(data_dir), "data_sha256": sha, "limit": recipe.train.eval_heldout,
-            "max_tokens": recipe.train.max_completion_length, "max_prompt_length": recipe.train.max_prompt_length}
+    return {
+        "data_dir": str(data_dir),
+        "data_sha256": sha,
+        "limit": recipe.train.eval_heldout,
+        "max_tokens": recipe.train.max_completion_length,
+        "max_prompt_length": recipe.train.max_prompt_length,
+    }
 
 
 def made_with_heldout(report: dict, wanted: dict) -> bool:
@@ -42,23 +47,42 @@ def made_with_heldout(report: dict, wanted: dict) -> bool:
     recorded = report.get(HELDOUT)
     if not isinstance(recorded, dict):
         return False
-    return all(recorded.get(k) == wanted[k] for k in SETTING_KEYS if not (k == "data_sha256" and wanted[k] is None))
+    return all(
+        recorded.get(k) == wanted[k] for k in SETTING_KEYS if not (k == "data_sha256" and wanted[k] is None)
+    )
 
 
-def write_heldout_evaluation(work_dir: str | os.PathLike, model_path: str | os.PathLike, settings: dict,
-                             result: dict) -> dict:
+def write_heldout_evaluation(
+    work_dir: str | os.PathLike, model_path: str | os.PathLike, settings: dict, result: dict
+) -> dict:
     """Write the held-out evaluation of `model_path` (`result`: `trainer.heldout.evaluate_greedy`'s, with its
     samples, over the rows `settings` name) into `work_dir`; returns the report written there."""
     data_dir = Path(settings["data_dir"])
     # an ungradable gold answer counts as wrong, as in the accuracy training reports
-    samples = [{"id": s["id"], "answer": s["answer"], "completion": s["completion"], "correct": float(s["correct"] or 0)}
-               for s in result["samples"]]
+    samples = [
+        {
+            "id": s["id"],
+            "answer": s["answer"],
+            "completion": s["completion"],
+            "correct": float(s["correct"] or 0),
+        }
+        for s in result["samples"]
+    ]
     work_dir = Path(work_dir)
     write_jsonl_atomic(work_dir / SAMPLES, samples)
-    report = {"model": str(model_path), "benchmarks": [HELDOUT], "scores": {HELDOUT: result["accuracy"]},
-              "num_samples": {HELDOUT: len(samples)},
-              HELDOUT: {**settings, "data_sha256": read_manifest(data_dir).get("sha256"), "samples": SAMPLES,
-                        "format_rate": result["format_rate"], "mean_length": result["mean_length"]}}
+    report = {
+        "model": str(model_path),
+        "benchmarks": [HELDOUT],
+        "scores": {HELDOUT: result["accuracy"]},
+        "num_samples": {HELDOUT: len(samples)},
+        HELDOUT: {
+            **settings,
+            "data_sha256": read_manifest(data_dir).get("sha256"),
+            "samples": SAMPLES,
+            "format_rate": result["format_rate"],
+            "mean_length": result["mean_length"],
+        },
+    }
     write_json_atomic(work_dir / "report.json", report)
     return report
 
@@ -68,7 +92,9 @@ def heldout_samples(work_dir: Path, report: dict) -> dict[str, float]:
     and line of a malformed one."""
     path = work_dir / report[HELDOUT]["samples"]
     if not path.is_file():
-        raise FileNotFoundError(f"{work_dir / 'report.json'} names held-out samples {path}, which do not exist")
+        raise FileNotFoundError(
+            f"{work_dir / 'report.json'} names held-out samples {path}, which do not exist"
+        )
     scores: dict[str, float] = {}
     for lineno, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -79,8 +105,10 @@ def heldout_samples(work_dir: Path, report: dict) -> dict[str, float]:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"'correct' is {value!r}")
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}:{lineno}: expected a JSON object with 'id' and a numeric 'correct' "
-                             f"({type(e).__name__}: {e})") from e
+            raise ValueError(
+                f"{path}:{lineno}: expected a JSON object with 'id' and a numeric 'correct' "
+                f"({type(e).__name__}: {e})"
+            ) from e
         if key in scores:
             raise ValueError(f"{path}:{lineno}: problem {key!r} appears twice")
         scores[key] = float(value)

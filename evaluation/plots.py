@@ -21,6 +21,7 @@ def pyplot():
 
     matplotlib.use("Agg")  # headless: no display on CI or servers
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -38,9 +39,11 @@ def plot_training_curves(metrics_path: str | Path, out_dir: str | Path, window: 
             if not pts:
                 continue
             steps, values = zip(*pts, strict=True)
-            line, = ax.plot(steps, values, alpha=0.3, linewidth=1)
-            smooth = [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
-                      for i in range(len(values))]
+            (line,) = ax.plot(steps, values, alpha=0.3, linewidth=1)
+            smooth = [
+                sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
+                for i in range(len(values))
+            ]
             ax.plot(steps, smooth, color=line.get_color(), linewidth=2, label=f"{key} (mean of {window})")
         ax.set_xlabel("step")
         ax.set_title(name.replace("_", " "))
@@ -51,24 +54,39 @@ def plot_training_curves(metrics_path: str | Path, out_dir: str | Path, window: 
     return written
 
 
-def plot_comparison(rows: list[Row], out_path: str | Path, baseline: str = "baseline",
-                    candidate: str = "candidate") -> Path:
+def plot_comparison(
+    rows: list[Row], out_path: str | Path, baseline: str = "baseline", candidate: str = "candidate"
+) -> Path:
     """One panel per metric. The candidate bar carries the difference's confidence interval, drawn around
     the candidate's score: where the candidate could plausibly lie, seen against the baseline bar."""
     if not rows:
         raise ValueError("nothing to plot: no comparison rows")
     metrics = list(dict.fromkeys(r.metric for r in rows))
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(metrics), figsize=(max(5.0, 3.2 * len(metrics) + 2), 3.8), dpi=100,
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(metrics), figsize=(max(5.0, 3.2 * len(metrics) + 2), 3.8), dpi=100, squeeze=False
+    )
     for ax, metric in zip(axes[0], metrics, strict=True):
         panel = [r for r in rows if r.metric == metric]
         xs = range(len(panel))
         width = 0.38
-        ax.bar([x - width / 2 for x in xs], [r.a for r in panel], width, label=f"baseline: {baseline}", color="#9e9e9e")
+        ax.bar(
+            [x - width / 2 for x in xs],
+            [r.a for r in panel],
+            width,
+            label=f"baseline: {baseline}",
+            color="#9e9e9e",
+        )
         yerr = [[max(0.0, r.diff - r.ci_low) for r in panel], [max(0.0, r.ci_high - r.diff) for r in panel]]
-        ax.bar([x + width / 2 for x in xs], [r.b for r in panel], width, yerr=yerr, capsize=4,
-               label=f"candidate: {candidate} (CI of diff)", color="#1f77b4")
+        ax.bar(
+            [x + width / 2 for x in xs],
+            [r.b for r in panel],
+            width,
+            yerr=yerr,
+            capsize=4,
+            label=f"candidate: {candidate} (CI of diff)",
+            color="#1f77b4",
+        )
         ax.set_xticks(list(xs), [f"{r.benchmark}\n(n={r.n})" for r in panel], fontsize=8)
         ax.set_title(metric)
         if all(r.gated for r in panel):  # correctness: a fraction of problems solved
@@ -106,8 +124,10 @@ def plot_before_after(images: list[str], before: list[dict], after: list[dict], 
     `trainer.heldout.evaluate_greedy` returns them) of the images, in their order."""
     if [s["id"] for s in before] != [s["id"] for s in after]:
         raise ValueError("plot_before_after: the samples before and after training are not of the same rows")
-    titles = [f"gold {a['answer']}\nbefore {_answer(b)}  after {_answer(a)}"
-              for b, a in zip(before, after, strict=True)]
+    titles = [
+        f"gold {a['answer']}\nbefore {_answer(b)}  after {_answer(a)}"
+        for b, a in zip(before, after, strict=True)
+    ]
     return plot_answers(images, titles, out_path)
 
 

@@ -62,8 +62,15 @@ from data.progress import progress_enabled
 from evaluation.thinking_inputs import Sample, default_out, read_samples
 from trainer.rewards import extract_answer, grade_math_answer
 
-SWITCH_PHRASES = ("alternatively", "but wait", "let me reconsider", "another way", "another approach",
-                  "another method", "another angle")  # ThinkBench's list
+SWITCH_PHRASES = (
+    "alternatively",
+    "but wait",
+    "let me reconsider",
+    "another way",
+    "another approach",
+    "another method",
+    "another angle",
+)  # ThinkBench's list
 THINK_END = "</think>"
 _THINK_START = re.compile(r"\s*<think>")
 _PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
@@ -79,10 +86,16 @@ def split_reasoning(message: Mapping) -> tuple[str, str, str]:
     """
     content = message.get("content")
     blocks = [b for b in content if isinstance(b, Mapping)] if isinstance(content, list) else []
-    text = content if isinstance(content, str) else "".join(b.get("text") or "" for b in blocks
-                                                               if b.get("type") == "text")
-    separate = (message.get("reasoning_content") or message.get("reasoning")
-                or "\n\n".join(b.get("reasoning") or "" for b in blocks if b.get("type") == "reasoning"))
+    text = (
+        content
+        if isinstance(content, str)
+        else "".join(b.get("text") or "" for b in blocks if b.get("type") == "text")
+    )
+    separate = (
+        message.get("reasoning_content")
+        or message.get("reasoning")
+        or "\n\n".join(b.get("reasoning") or "" for b in blocks if b.get("type") == "reasoning")
+    )
     if isinstance(separate, str) and separate.strip():
         return _clean(separate), f"{separate}\n\n{text}", "reasoning_content"
     end = text.rfind(THINK_END)
@@ -93,7 +106,7 @@ def split_reasoning(message: Mapping) -> tuple[str, str, str]:
 
 def _clean(reasoning: str) -> str:
     opening = _THINK_START.match(reasoning)
-    return reasoning[opening.end() if opening else 0:].strip()
+    return reasoning[opening.end() if opening else 0 :].strip()
 
 
 def count_thought_switches(reasoning: str) -> int:
@@ -119,7 +132,9 @@ def token_counter(tokenizer: object) -> CountTokens:
     if encode is None:
         if callable(tokenizer):
             return tokenizer
-        raise TypeError(f"tokenizer must have encode(text) or be count_tokens(text), got {type(tokenizer).__name__}")
+        raise TypeError(
+            f"tokenizer must have encode(text) or be count_tokens(text), got {type(tokenizer).__name__}"
+        )
     transformers = sys.modules.get("transformers")  # only a loaded transformers can have made this tokenizer
     if transformers is not None and isinstance(tokenizer, transformers.PreTrainedTokenizerBase):
         return lambda text: len(encode(text, add_special_tokens=False))
@@ -144,7 +159,9 @@ def grade(text: str, golds: Sequence[str]) -> bool | None:
     return None if all(v is None for v in verdicts) else False
 
 
-def first_correct_paragraph(prefixes: Sequence[str], golds: Sequence[str], judge: Judge | None = None) -> int | None:
+def first_correct_paragraph(
+    prefixes: Sequence[str], golds: Sequence[str], judge: Judge | None = None
+) -> int | None:
     """The 1-based index of the first correct prefix, by the verifier or by `judge`; None if none is."""
     verdicts: dict[str, bool] = {}  # final answer -> verdict: most prefixes repeat the previous one's answer
     for k, prefix in enumerate(prefixes, 1):
@@ -162,8 +179,9 @@ def first_correct_paragraph(prefixes: Sequence[str], golds: Sequence[str], judge
     return None
 
 
-def sample_metrics(message: Mapping | str, golds: Sequence[str] | str, count_tokens: CountTokens,
-                   judge: Judge | None = None) -> dict:
+def sample_metrics(
+    message: Mapping | str, golds: Sequence[str] | str, count_tokens: CountTokens, judge: Judge | None = None
+) -> dict:
     """The per-sample metrics (see the module docstring) of one assistant message, or of a whole output text."""
     if isinstance(message, str):
         message = {"content": message}
@@ -173,14 +191,25 @@ def sample_metrics(message: Mapping | str, golds: Sequence[str] | str, count_tok
     correct = grade(output, golds)
     first = first_correct_paragraph(prefixes, golds, judge)
     tokens = count_tokens(reasoning)
-    row = {"reasoning_source": source, "paragraphs": len(prefixes), "reasoning_tokens": tokens,
-           "thought_num": count_thought_switches(reasoning), "correct": correct, "first_correct_paragraph": first,
-           "first_correct_tokens": None, "reflection_tokens": None, "token_efficiency": None}
+    row = {
+        "reasoning_source": source,
+        "paragraphs": len(prefixes),
+        "reasoning_tokens": tokens,
+        "thought_num": count_thought_switches(reasoning),
+        "correct": correct,
+        "first_correct_paragraph": first,
+        "first_correct_tokens": None,
+        "reflection_tokens": None,
+        "token_efficiency": None,
+    }
     if correct:
         # min(): a subword tokenizer may, rarely, spend one token more on a prefix than on the whole text
         useful = tokens if first is None else min(count_tokens(prefixes[first - 1]), tokens)
-        row.update(first_correct_tokens=useful, reflection_tokens=tokens - useful,
-                   token_efficiency=useful / tokens if tokens else None)
+        row.update(
+            first_correct_tokens=useful,
+            reflection_tokens=tokens - useful,
+            token_efficiency=useful / tokens if tokens else None,
+        )
     return row
 
 
@@ -197,17 +226,25 @@ def summarize(rows: Sequence[Mapping]) -> dict:
     early = [r for r in right if r["reflection_tokens"] > 0]
     scored = [r["evalscope_score"] for r in rows if r.get("evalscope_score") is not None]
     return {
-        "samples": len(rows), "graded": len(graded), "correct": len(right),
+        "samples": len(rows),
+        "graded": len(graded),
+        "correct": len(right),
         "accuracy": len(right) / len(graded) if graded else None,
         "reasoning_tokens": _mean(r["reasoning_tokens"] for r in rows),
         "thought_num": _mean(r["thought_num"] for r in rows),
         "first_correct_tokens": _mean(r["first_correct_tokens"] for r in right),
         "reflection_tokens": _mean(r["reflection_tokens"] for r in right),
         "token_efficiency": _mean(r["token_efficiency"] for r in right if r["token_efficiency"] is not None),
-        "overthinking": {"samples": len(early), "reflection_tokens": _mean(r["reflection_tokens"] for r in early),
-                         "reflection_fraction": _mean(r["reflection_tokens"] / r["reasoning_tokens"] for r in early)},
-        "underthinking": {"samples": len(wrong), "thought_num": _mean(r["thought_num"] for r in wrong),
-                          "abandoned_correct": sum(r["first_correct_paragraph"] is not None for r in wrong)},
+        "overthinking": {
+            "samples": len(early),
+            "reflection_tokens": _mean(r["reflection_tokens"] for r in early),
+            "reflection_fraction": _mean(r["reflection_tokens"] / r["reasoning_tokens"] for r in early),
+        },
+        "underthinking": {
+            "samples": len(wrong),
+            "thought_num": _mean(r["thought_num"] for r in wrong),
+            "abandoned_correct": sum(r["first_correct_paragraph"] is not None for r in wrong),
+        },
         "evalscope_accuracy": _mean(scored),
     }
 
@@ -216,18 +253,26 @@ def summarize(rows: Sequence[Mapping]) -> dict:
 class ThinkingReport:
     """The metrics of every sample of one input, and their aggregates."""
 
-    rows: list[dict]      # per sample: benchmark, subset, id, gold, evalscope_score, then `sample_metrics`
-    summary: dict         # `summarize` over all rows, plus per_benchmark (each with its subsets) and samples_path
-    samples_path: Path    # where the rows were written, one JSON object per line
+    rows: list[dict]  # per sample: benchmark, subset, id, gold, evalscope_score, then `sample_metrics`
+    summary: dict  # `summarize` over all rows, plus per_benchmark (each with its subsets) and samples_path
+    samples_path: Path  # where the rows were written, one JSON object per line
 
 
-def analyze(path: str | os.PathLike, tokenizer: object, *, out: str | os.PathLike | None = None,
-            judge: Judge | None = None, progress: bool | None = None) -> ThinkingReport:
+def analyze(
+    path: str | os.PathLike,
+    tokenizer: object,
+    *,
+    out: str | os.PathLike | None = None,
+    judge: Judge | None = None,
+    progress: bool | None = None,
+) -> ThinkingReport:
     """Measure every sample of an EvalScope work dir or a JSONL (see `thinking_inputs`) and write the rows to `out`
     (default `thinking_inputs.default_out`). `tokenizer`: a name or path for `load_tokenizer`, or anything
     `token_counter` accepts."""
     samples = read_samples(path)  # before the tokenizer loads: bad input fails fast
-    count_tokens = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else token_counter(tokenizer)
+    count_tokens = (
+        load_tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else token_counter(tokenizer)
+    )
     rows = [_row(s, count_tokens, judge) for s in _progress(samples, progress)]
     samples_path = Path(out) if out is not None else default_out(path)
     write_jsonl_atomic(samples_path, rows)
@@ -235,37 +280,53 @@ def analyze(path: str | os.PathLike, tokenizer: object, *, out: str | os.PathLik
     summary["per_benchmark"] = {}
     for bench in dict.fromkeys(r["benchmark"] for r in rows):
         of_bench = [r for r in rows if r["benchmark"] == bench]
-        subsets = {s: summarize([r for r in of_bench if r["subset"] == s])
-                   for s in dict.fromkeys(r["subset"] for r in of_bench)}
+        subsets = {
+            s: summarize([r for r in of_bench if r["subset"] == s])
+            for s in dict.fromkeys(r["subset"] for r in of_bench)
+        }
         summary["per_benchmark"][bench] = {**summarize(of_bench), "subsets": subsets}
     summary["samples_path"] = str(samples_path)
     return ThinkingReport(rows, summary, samples_path)
 
 
 def _row(sample: Sample, count_tokens: CountTokens, judge: Judge | None) -> dict:
-    return {"benchmark": sample.benchmark, "subset": sample.subset, "id": sample.id,
-            **({"problem_id": sample.problem} if sample.problem is not None else {}), "gold": sample.golds,
-            "evalscope_score": sample.evalscope_score,
-            **sample_metrics(sample.message, sample.golds, count_tokens, judge)}
+    return {
+        "benchmark": sample.benchmark,
+        "subset": sample.subset,
+        "id": sample.id,
+        **({"problem_id": sample.problem} if sample.problem is not None else {}),
+        "gold": sample.golds,
+        "evalscope_score": sample.evalscope_score,
+        **sample_metrics(sample.message, sample.golds, count_tokens, judge),
+    }
 
 
 def _progress(samples: list[Sample], enabled: bool | None):
     if not progress_enabled(enabled):
         return samples
     from tqdm import tqdm
+
     return tqdm(samples, desc="thinking metrics", unit="sample")
 
 
 def format_table(summary: Mapping) -> str:
     """A plain-text table: one line per benchmark and subset, then the overall line. Columns: accuracy, then the
     means of reasoning tokens, thought switches, first-correct tokens, reflection tokens and token efficiency."""
-    columns = {"samples": "samples", "accuracy": "accuracy", "reasoning_tokens": "reasoning", "thought_num": "switches",
-               "first_correct_tokens": "to_correct", "reflection_tokens": "reflection",
-               "token_efficiency": "efficiency"}
+    columns = {
+        "samples": "samples",
+        "accuracy": "accuracy",
+        "reasoning_tokens": "reasoning",
+        "thought_num": "switches",
+        "first_correct_tokens": "to_correct",
+        "reflection_tokens": "reflection",
+        "token_efficiency": "efficiency",
+    }
     lines = [f"{'':<20}" + "".join(f"{header:>12}" for header in columns.values())]
 
     def line(name: str, s: Mapping) -> str:
-        cells = ("-" if s[c] is None else f"{s[c]:.3f}" if isinstance(s[c], float) else str(s[c]) for c in columns)
+        cells = (
+            "-" if s[c] is None else f"{s[c]:.3f}" if isinstance(s[c], float) else str(s[c]) for c in columns
+        )
         return f"{name[:20]:<20}" + "".join(f"{cell:>12}" for cell in cells)
 
     for bench, s in summary["per_benchmark"].items():
@@ -275,11 +336,15 @@ def format_table(summary: Mapping) -> str:
     lines.append(line("overall", summary))
     over, under = summary["overthinking"], summary["underthinking"]
     if over["samples"]:
-        lines.append(f"overthinking: {over['samples']} correct samples had the answer before their reasoning ended; "
-                     f"{over['reflection_fraction']:.1%} of it ({over['reflection_tokens']:.1f} tokens) came after")
+        lines.append(
+            f"overthinking: {over['samples']} correct samples had the answer before their reasoning ended; "
+            f"{over['reflection_fraction']:.1%} of it ({over['reflection_tokens']:.1f} tokens) came after"
+        )
     if under["samples"]:
-        lines.append(f"underthinking: {under['samples']} wrong samples switched thoughts {under['thought_num']:.2f} "
-                     f"times on average; {under['abandoned_correct']} had the right answer and left it")
+        lines.append(
+            f"underthinking: {under['samples']} wrong samples switched thoughts {under['thought_num']:.2f} "
+            f"times on average; {under['abandoned_correct']} had the right answer and left it"
+        )
     return "\n".join(lines)
 
 
@@ -287,9 +352,11 @@ class OpenAIJudge:
     """A `judge(prefix, gold) -> bool` asking a chat model at an OpenAI-compatible endpoint whether the reasoning so
     far has reached the gold answer. Greedy, a few tokens; the reply must start with YES."""
 
-    PROMPT = ("Here is the beginning of a solution to a problem, and the problem's correct final answer.\n\n"
-              "<solution>\n{prefix}\n</solution>\n\nCorrect final answer: {gold}\n\n"
-              "Has the solution so far stated this final answer as its result? Reply YES or NO only.")
+    PROMPT = (
+        "Here is the beginning of a solution to a problem, and the problem's correct final answer.\n\n"
+        "<solution>\n{prefix}\n</solution>\n\nCorrect final answer: {gold}\n\n"
+        "Has the solution so far stated this final answer as its result? Reply YES or NO only."
+    )
 
     def __init__(self, base_url: str, model: str, *, api_key_env: str | None = None, timeout_s: float = 60.0):
         from openai import OpenAI
@@ -302,6 +369,9 @@ class OpenAIJudge:
 
     def __call__(self, prefix: str, gold: str) -> bool:
         reply = self._client.chat.completions.create(
-            model=self.model, temperature=0.0, max_tokens=4,
-            messages=[{"role": "user", "content": self.PROMPT.format(prefix=prefix, gold=gold)}])
+            model=self.model,
+            temperature=0.0,
+            max_tokens=4,
+            messages=[{"role": "user", "content": self.PROMPT.format(prefix=prefix, gold=gold)}],
+        )
         return (reply.choices[0].message.content or "").strip().upper().startswith("YES")

@@ -34,10 +34,10 @@ class Sample:
     benchmark: str
     subset: str
     id: object
-    golds: list[str]                  # gold answers; the output is correct if it matches any
-    message: dict                     # the assistant message: `content`, maybe `reasoning_content`
+    golds: list[str]  # gold answers; the output is correct if it matches any
+    message: dict  # the assistant message: `content`, maybe `reasoning_content`
     evalscope_score: float | None = None  # EvalScope's own verdict, when the sample came from a work dir
-    problem: str | None = None        # the problem it answers (`problem_id`), shared by its repeated samples
+    problem: str | None = None  # the problem it answers (`problem_id`), shared by its repeated samples
 
 
 def read_samples(path: str | os.PathLike) -> list[Sample]:
@@ -52,16 +52,22 @@ def default_out(path: str | os.PathLike) -> Path:
     """Where the per-sample rows go by default: `<work_dir>/thinking/samples.jsonl`, or `<stem>.thinking.jsonl`
     next to a JSONL input."""
     path = Path(path)
-    return path / "thinking" / "samples.jsonl" if path.is_dir() else path.with_name(f"{path.stem}.thinking.jsonl")
+    return (
+        path / "thinking" / "samples.jsonl"
+        if path.is_dir()
+        else path.with_name(f"{path.stem}.thinking.jsonl")
+    )
 
 
 def _work_dir_samples(work_dir: Path) -> Iterator[Sample]:
     if not (work_dir / REPORT).is_file():
-        raise MissingPathError(f"{work_dir} is a directory without {REPORT}: not a finished grpoflow EvalScope "
-                                "work dir (pass the work dir of `grpoflow eval`, or a JSONL file)")
+        raise MissingPathError(
+            f"{work_dir} is a directory without {REPORT}: not a finished grpoflow EvalScope "
+            "work dir (pass the work dir of `grpoflow eval`, or a JSONL file)"
+        )
     for bench, paths in load_result(work_dir).review_paths.items():
         for path in paths:
-            subset = path.stem[len(bench) + 1:]  # `<benchmark>_<subset>.jsonl`; subset names may hold `_`
+            subset = path.stem[len(bench) + 1 :]  # `<benchmark>_<subset>.jsonl`; subset names may hold `_`
             for where, review in _jsonl_lines(path):
                 message = _field(review, "messages", list, where)
                 if not message or not isinstance(message[-1], Mapping):
@@ -69,10 +75,18 @@ def _work_dir_samples(work_dir: Path) -> Iterator[Sample]:
                 try:
                     problem = problem_id(review, subset)
                 except KeyError:
-                    raise DataError(f"{where}: no problem id (sample_score.group_id or sample_id, or index)") from None
-                yield Sample(bench, subset, _field(review, "index", object, where),
-                             _golds(_field(review, "target", object, where), where, "target"), dict(message[-1]),
-                             review_score(review), problem)
+                    raise DataError(
+                        f"{where}: no problem id (sample_score.group_id or sample_id, or index)"
+                    ) from None
+                yield Sample(
+                    bench,
+                    subset,
+                    _field(review, "index", object, where),
+                    _golds(_field(review, "target", object, where), where, "target"),
+                    dict(message[-1]),
+                    review_score(review),
+                    problem,
+                )
 
 
 def _jsonl_samples(path: Path) -> Iterator[Sample]:
@@ -80,8 +94,13 @@ def _jsonl_samples(path: Path) -> Iterator[Sample]:
         message = {"content": _field(row, "output", str, where)}
         if row.get("reasoning_content") is not None:
             message["reasoning_content"] = _field(row, "reasoning_content", str, where)
-        yield Sample(path.stem, "default", _field(row, "id", object, where),
-                     _golds(_field(row, "answer", object, where), where, "answer"), message)
+        yield Sample(
+            path.stem,
+            "default",
+            _field(row, "id", object, where),
+            _golds(_field(row, "answer", object, where), where, "answer"),
+            message,
+        )
 
 
 def _jsonl_lines(path: Path) -> Iterator[tuple[str, dict]]:
@@ -111,6 +130,8 @@ def _golds(value: object, where: str, name: str) -> list[str]:
     values = value if isinstance(value, list) else [value]
     golds = [str(v).strip() for v in values if isinstance(v, (str, int, float)) and str(v).strip()]
     if not golds or len(golds) != len(values):
-        raise DataError(f"{where}: field '{name}': expected a non-empty answer (string or number, or a list of "
-                        f"them), got {value!r}")
+        raise DataError(
+            f"{where}: field '{name}': expected a non-empty answer (string or number, or a list of "
+            f"them), got {value!r}"
+        )
     return golds

@@ -36,19 +36,25 @@ class _Parser(argparse.ArgumentParser):
 
 def number(kind: type = float, *, gt: float | None = None, ge: float | None = None, le: float | None = None):
     """An argparse `type` for a numeric flag: finite, and within the bounds given."""
+
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'a whole number' if kind is int else 'a number'}, "
-                                             f"got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"expected {'a whole number' if kind is int else 'a number'}, got {text!r}"
+            ) from None
         if not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-        for bound, ok, symbol in ((gt, lambda v, b: v > b, ">"), (ge, lambda v, b: v >= b, ">="),
-                                  (le, lambda v, b: v <= b, "<=")):
+        for bound, ok, symbol in (
+            (gt, lambda v, b: v > b, ">"),
+            (ge, lambda v, b: v >= b, ">="),
+            (le, lambda v, b: v <= b, "<="),
+        ):
             if bound is not None and not ok(value, bound):
                 raise argparse.ArgumentTypeError(f"must be {symbol} {bound:g}, got {text!r}")
         return value
+
     parse.__name__ = kind.__name__  # argparse names the type in its messages
     return parse
 
@@ -80,17 +86,28 @@ def cmd_prep(args) -> dict:
     from data.prepare import prepare
     from tasks.preflight import check_writable
 
-    flags = {"task": args.task, "source": args.source, "out": args.out, "seed": args.seed,
-             "heldout": args.heldout, "limit": args.limit, "split": args.split, "hub_config": args.hub_config,
-             "system_prompt": args.system_prompt}
+    flags = {
+        "task": args.task,
+        "source": args.source,
+        "out": args.out,
+        "seed": args.seed,
+        "heldout": args.heldout,
+        "limit": args.limit,
+        "split": args.split,
+        "hub_config": args.hub_config,
+        "system_prompt": args.system_prompt,
+    }
     overrides = [f"data.{k}={json.dumps(v)}" for k, v in flags.items() if v is not None]
     if args.skip_invalid:
         overrides.append("data.skip_invalid=true")
     kwargs = _recipe(args, overrides).data.prepare_kwargs()
     check_writable(kwargs["out"], "--out" if args.out else "data.out")
     result = prepare(**kwargs)
-    _say(args, f"prepared {result['rows']['train']} train + {result['rows']['heldout']} held-out rows "
-               f"into {result['out']}" + (f" (dropped: {result['dropped']})" if result["dropped"] else ""))
+    _say(
+        args,
+        f"prepared {result['rows']['train']} train + {result['rows']['heldout']} held-out rows "
+        f"into {result['out']}" + (f" (dropped: {result['dropped']})" if result["dropped"] else ""),
+    )
     return result
 
 
@@ -101,8 +118,11 @@ def cmd_bootstrap(args) -> dict:
     recipe = _recipe(args, [f"bootstrap.out={json.dumps(args.out)}"] if args.out else [])
     check_writable(recipe.bootstrap.out, "--out" if args.out else "bootstrap.out")
     result = bootstrap(recipe.bootstrap, system_prompt=recipe.data.system_prompt)
-    _say(args, f"tiny base model at {result['path']}: held-out greedy accuracy {result['heldout_accuracy']:.3f} "
-               f"after {result['warmup_steps']} warm-up steps" + (" (cached)" if result["cached"] else ""))
+    _say(
+        args,
+        f"tiny base model at {result['path']}: held-out greedy accuracy {result['heldout_accuracy']:.3f} "
+        f"after {result['warmup_steps']} warm-up steps" + (" (cached)" if result["cached"] else ""),
+    )
     return result
 
 
@@ -121,7 +141,7 @@ def cmd_train(args) -> dict | None:
 
     if needs_launch(recipe):  # data and base model first, once, then the trainer ranks
         prepare_inputs(recipe)
-        code = launch_ranks(recipe, sys.argv[sys.argv.index("train") + 1:])
+        code = launch_ranks(recipe, sys.argv[sys.argv.index("train") + 1 :])
         if code:
             raise RuntimeError(f"trainer ranks exited with status {code}")
         return None  # rank 0 printed the summary
@@ -130,8 +150,11 @@ def cmd_train(args) -> dict | None:
         return None
     before, after = result["heldout_accuracy_before"], result["heldout_accuracy_after"]
     if before is not None:
-        _say(args, f"held-out greedy accuracy: {before:.3f} before, {after:.3f} after {result['steps']} steps "
-                   f"({result['seconds_per_step']:.2f} s/step); checkpoint {result['checkpoint']}")
+        _say(
+            args,
+            f"held-out greedy accuracy: {before:.3f} before, {after:.3f} after {result['steps']} steps "
+            f"({result['seconds_per_step']:.2f} s/step); checkpoint {result['checkpoint']}",
+        )
     return result
 
 
@@ -144,6 +167,7 @@ def cmd_run(args) -> dict:
     summary["ui"] = services.ui_commands()
     if not args.json:
         from flows.report import print_run_summary
+
         print_run_summary(summary)
     return summary
 
@@ -151,14 +175,24 @@ def cmd_run(args) -> dict:
 def cmd_eval(args) -> dict:
     recipe, services = _recipe_and_services(args)
     if args.api_key_env and not os.environ.get(args.api_key_env):
-        raise UsageError(f"--api-key-env {args.api_key_env}: the environment variable {args.api_key_env} is not "
-                         "set (or empty)")
+        raise UsageError(
+            f"--api-key-env {args.api_key_env}: the environment variable {args.api_key_env} is not "
+            "set (or empty)"
+        )
     from tasks.evaluation import evaluate_reference
 
-    result = evaluate_reference(args.model, recipe, services, source=_source(args), serve=args.serve,
-                                served_model_name=args.served_model_name, api_key_env=args.api_key_env,
-                                concurrency=args.concurrency, serve_engine=args.serve_engine,
-                                work_dir=args.work_dir)
+    result = evaluate_reference(
+        args.model,
+        recipe,
+        services,
+        source=_source(args),
+        serve=args.serve,
+        served_model_name=args.served_model_name,
+        api_key_env=args.api_key_env,
+        concurrency=args.concurrency,
+        serve_engine=args.serve_engine,
+        work_dir=args.work_dir,
+    )
     for bench, score in result["scores"].items():
         _say(args, f"{bench}: {score:.4f}")
     return result
@@ -202,11 +236,15 @@ def cmd_gate(args) -> dict:
     from tasks.comparison import CHAMPION
 
     max_drop = DEFAULT_MAX_DROP if args.max_drop is None else args.max_drop  # --max-drop's type checked it
-    result = _comparison(args, args.baseline, args.candidate, max_drop=max_drop,
-                         promote_to=CHAMPION if args.promote else None)
+    result = _comparison(
+        args, args.baseline, args.candidate, max_drop=max_drop, promote_to=CHAMPION if args.promote else None
+    )
     promoted = f"; {CHAMPION} -> {result['promoted']}" if result["promoted"] else ""
-    _say(args, f"{result['table']}\n{result['gate']['report']}\nplot: {result['plot']} "
-               f"(MLflow run {result['mlflow_run_id']}){promoted}")
+    _say(
+        args,
+        f"{result['table']}\n{result['gate']['report']}\nplot: {result['plot']} "
+        f"(MLflow run {result['mlflow_run_id']}){promoted}",
+    )
     return {**result, "exit_code": 0 if result["passed"] else 1}
 
 
@@ -230,13 +268,20 @@ def cmd_recipe_explain(args) -> dict | None:
 
 def _say(args, text: str) -> None:
     from data.redact import redact
+
     print(redact(text), file=sys.stderr if args.json else sys.stdout, flush=True)
 
 
 def _add_recipe_args(p: argparse.ArgumentParser, default_config: Path | None) -> None:
-    p.add_argument("--config", "-c", default=None,
-                   help=f"recipe YAML (default: {default_config.relative_to(REPO_ROOT) if default_config else 'built-in defaults'})")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. train.learning_rate=1e-4")
+    p.add_argument(
+        "--config",
+        "-c",
+        default=None,
+        help=f"recipe YAML (default: {default_config.relative_to(REPO_ROOT) if default_config else 'built-in defaults'})",
+    )
+    p.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. train.learning_rate=1e-4"
+    )
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line of stdout")
     p.set_defaults(default_config=default_config)
 
@@ -250,7 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--source", help="JSONL/Parquet/CSV file or directory, HF hub id, or synthetic[:kind]")
     p.add_argument("--out", help="output directory")
     p.add_argument("--seed", type=number(int))
-    p.add_argument("--heldout", type=number(float, ge=0), help="0, a fraction (<1) or a whole row count (>=1) held out")
+    p.add_argument(
+        "--heldout", type=number(float, ge=0), help="0, a fraction (<1) or a whole row count (>=1) held out"
+    )
     p.add_argument("--limit", type=number(int, ge=1), help="read at most this many rows")
     p.add_argument("--split", help="split of a hub dataset or directory (default train)")
     p.add_argument("--hub-config", help="hub dataset configuration")
@@ -265,61 +312,106 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bootstrap)
 
     p = sub.add_parser("train", help="train a policy with GRPO (prepares data and the base model if missing)")
-    p.add_argument("--dry-run", action="store_true",
-                   help="print where each process would run (GPUs, CUDA_VISIBLE_DEVICES) and stop; touches no GPU")
-    p.add_argument("--gpus", type=number(int, ge=0), help="with --dry-run: plan for a node with this many GPUs")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print where each process would run (GPUs, CUDA_VISIBLE_DEVICES) and stop; touches no GPU",
+    )
+    p.add_argument(
+        "--gpus", type=number(int, ge=0), help="with --dry-run: plan for a node with this many GPUs"
+    )
     _add_recipe_args(p, DEFAULT_CONFIG)
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("eval", help="evaluate a checkpoint, a registered version or an endpoint with EvalScope")
-    p.add_argument("model", help="checkpoint dir, models:/name@alias, models:/name/version, or http(s)://host/v1")
-    p.add_argument("--served-model-name", help="model name at an OpenAI-compatible endpoint (or to --serve under)")
+    p = sub.add_parser(
+        "eval", help="evaluate a checkpoint, a registered version or an endpoint with EvalScope"
+    )
+    p.add_argument(
+        "model", help="checkpoint dir, models:/name@alias, models:/name/version, or http(s)://host/v1"
+    )
+    p.add_argument(
+        "--served-model-name", help="model name at an OpenAI-compatible endpoint (or to --serve under)"
+    )
     p.add_argument("--api-key-env", help="environment variable holding the endpoint's API key")
-    p.add_argument("--serve", action="store_true",
-                   help="serve the checkpoint on loopback (vLLM on a GPU, else transformers) and evaluate through it")
-    p.add_argument("--serve-engine", choices=("auto", "transformers", "vllm"), default="auto",
-                   help="the engine --serve starts (default auto: vLLM when installed and a GPU is seen)")
-    p.add_argument("--concurrency", type=number(int, ge=1), default=8,
-                   help="requests in flight against an endpoint (--serve or a URL; default 8)")
-    p.add_argument("--work-dir", help="where the evaluation goes (default under eval.out: the model's name, or "
-                                      "for a URL a new folder each time)")
+    p.add_argument(
+        "--serve",
+        action="store_true",
+        help="serve the checkpoint on loopback (vLLM on a GPU, else transformers) and evaluate through it",
+    )
+    p.add_argument(
+        "--serve-engine",
+        choices=("auto", "transformers", "vllm"),
+        default="auto",
+        help="the engine --serve starts (default auto: vLLM when installed and a GPU is seen)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=number(int, ge=1),
+        default=8,
+        help="requests in flight against an endpoint (--serve or a URL; default 8)",
+    )
+    p.add_argument(
+        "--work-dir",
+        help="where the evaluation goes (default under eval.out: the model's name, or "
+        "for a URL a new folder each time)",
+    )
     p.add_argument("--state-dir", help="where the embedded stores live (default .state, or $GRPOFLOW_STATE)")
     _add_recipe_args(p, DEFAULT_CONFIG)
     p.set_defaults(func=cmd_eval)
 
     from evaluation.serving import add_server_arguments
-    p = sub.add_parser("serve-model", help="serve a checkpoint behind an OpenAI-compatible endpoint until stopped")
+
+    p = sub.add_parser(
+        "serve-model", help="serve a checkpoint behind an OpenAI-compatible endpoint until stopped"
+    )
     add_server_arguments(p)
     p.set_defaults(func=cmd_serve_model, streams_json=True)  # its ready line and summary, as they happen
 
     p = sub.add_parser("thinking", help="thinking-efficiency metrics of an EvalScope work dir or a JSONL")
-    p.add_argument("path", help="work dir of `grpoflow eval` (has report.json), or JSONL of {id, output, answer}")
+    p.add_argument(
+        "path", help="work dir of `grpoflow eval` (has report.json), or JSONL of {id, output, answer}"
+    )
     p.add_argument("--tokenizer", required=True, help="the model's tokenizer: checkpoint directory or hub id")
-    p.add_argument("--out", help="per-sample JSONL (default <work_dir>/thinking/samples.jsonl or <stem>.thinking.jsonl)")
+    p.add_argument(
+        "--out", help="per-sample JSONL (default <work_dir>/thinking/samples.jsonl or <stem>.thinking.jsonl)"
+    )
     p.add_argument("--judge-url", help="OpenAI-compatible endpoint of an LLM judge for free-form reasoning")
     p.add_argument("--judge-model", help="model name the judge endpoint serves")
     p.add_argument("--judge-api-key-env", help="environment variable holding the judge endpoint's API key")
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line of stdout")
     p.set_defaults(func=cmd_thinking)
 
-    p = sub.add_parser("run", help="the whole pipeline: prepare, train, register in MLflow, evaluate (Prefect flow)")
+    p = sub.add_parser(
+        "run", help="the whole pipeline: prepare, train, register in MLflow, evaluate (Prefect flow)"
+    )
     p.add_argument("--state-dir", help="where the embedded stores live (default .state, or $GRPOFLOW_STATE)")
     _add_recipe_args(p, DEFAULT_CONFIG)
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("compare", help="compare two evaluated models problem by problem (paired bootstrap CIs)")
-    p.add_argument("baseline", help="A: models:/name@alias, models:/name/version, a checkpoint, or an eval work dir")
+    p = sub.add_parser(
+        "compare", help="compare two evaluated models problem by problem (paired bootstrap CIs)"
+    )
+    p.add_argument(
+        "baseline", help="A: models:/name@alias, models:/name/version, a checkpoint, or an eval work dir"
+    )
     p.add_argument("candidate", help="B, the same kinds; differences are B - A")
     p.add_argument("--state-dir", help="where the embedded stores live (default .state, or $GRPOFLOW_STATE)")
     _add_recipe_args(p, DEFAULT_CONFIG)
     p.set_defaults(func=cmd_compare)
 
-    p = sub.add_parser("gate", help="regression gate: exit 1 when the candidate is worse than the baseline with "
-                                    "confidence, 2 on errors")
+    p = sub.add_parser(
+        "gate",
+        help="regression gate: exit 1 when the candidate is worse than the baseline with "
+        "confidence, 2 on errors",
+    )
     p.add_argument("--candidate", required=True, help="models:/..., a checkpoint, or an eval work dir")
     p.add_argument("--baseline", required=True, help="models:/... (e.g. models:/grpoflow-tiny@champion), ...")
-    p.add_argument("--max-drop", type=number(float, ge=0), help="allowed drop in a benchmark's score (default 0.02)")
-    p.add_argument("--promote", action="store_true", help="on a pass, set the 'champion' alias on the candidate")
+    p.add_argument(
+        "--max-drop", type=number(float, ge=0), help="allowed drop in a benchmark's score (default 0.02)"
+    )
+    p.add_argument(
+        "--promote", action="store_true", help="on a pass, set the 'champion' alias on the candidate"
+    )
     p.add_argument("--state-dir", help="where the embedded stores live (default .state, or $GRPOFLOW_STATE)")
     _add_recipe_args(p, DEFAULT_CONFIG)
     p.set_defaults(func=cmd_gate)
@@ -327,13 +419,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("recipe", help="what a recipe's fields mean")
     actions = p.add_subparsers(dest="recipe_command", metavar="explain", required=True)
     p = actions.add_parser("explain", help="each field's type, default, bounds and help")
-    p.add_argument("key", nargs="?", help="a field (train.learning_rate) or a section (rollout); default: all")
+    p.add_argument(
+        "key", nargs="?", help="a field (train.learning_rate) or a section (rollout); default: all"
+    )
     output = p.add_mutually_exclusive_group()
     output.add_argument("--markdown", action="store_true", help="the reference table of docs/recipe.md")
-    output.add_argument("--json", action="store_true", help="print the fields as JSON as the last line of stdout")
+    output.add_argument(
+        "--json", action="store_true", help="print the fields as JSON as the last line of stdout"
+    )
     p.set_defaults(func=cmd_recipe_explain)
 
     from flows.deployments import add_commands  # deploy, serve
+
     add_commands(sub, number)
     return parser
 
@@ -344,7 +441,9 @@ def _parse(argv: list[str] | None):
     # `key=value` overrides may come after options too (`eval CKPT --serve eval.limit=1`)
     late = [t for t in extra if "=" in t and not t.startswith("-")]
     if len(late) != len(extra) or (late and not hasattr(args, "overrides")):
-        parser.error(f"unrecognized arguments: {' '.join(t for t in extra if t not in late or not hasattr(args, 'overrides'))}")
+        parser.error(
+            f"unrecognized arguments: {' '.join(t for t in extra if t not in late or not hasattr(args, 'overrides'))}"
+        )
     if late:
         args.overrides = [*args.overrides, *late]
     return args
@@ -360,8 +459,11 @@ def _fail(args, message: str, code: int) -> int:
     return code
 
 
-_NOT_WRITABLE = {errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
-                 errno.EPERM: "operation not permitted"}
+_NOT_WRITABLE = {
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+}
 _NO_SPACE = {errno.ENOSPC: "disk full (no space left on device)", errno.EDQUOT: "disk quota exceeded"}
 
 
@@ -382,19 +484,26 @@ def main(argv: list[str] | None = None) -> int:
     except _ArgumentError as e:  # argparse has printed the usage; exit 2 like argparse, with the JSON object
         wants_json = "--json" in (sys.argv[1:] if argv is None else argv)
         return _fail(argparse.Namespace(json=wants_json), str(e), 2)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
     for noisy in ("httpx", "httpcore", "alembic", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from data.redact import RedactingFormatter, redact
+
     for handler in logging.getLogger().handlers:  # a URI in a log line or a traceback is shown masked
-        handler.setFormatter(RedactingFormatter(handler.formatter._fmt if handler.formatter else None,
-                                                datefmt="%H:%M:%S"))
+        handler.setFormatter(
+            RedactingFormatter(handler.formatter._fmt if handler.formatter else None, datefmt="%H:%M:%S")
+        )
     try:
         # --json: stdout holds the JSON alone, a library's prints (DeepSpeed's) go to stderr; serve-model streams its own
-        with contextlib.redirect_stdout(sys.stderr if args.json and not getattr(args, "streams_json", 0) else sys.stdout):
+        with contextlib.redirect_stdout(
+            sys.stderr if args.json and not getattr(args, "streams_json", 0) else sys.stdout
+        ):
             result = args.func(args)
-    except GrpoflowUserError as e:  # ConfigError, DataError, UsageError, MissingPathError, ServiceUnavailable...
+    except (
+        GrpoflowUserError
+    ) as e:  # ConfigError, DataError, UsageError, MissingPathError, ServiceUnavailable...
         return _fail(args, f"grpoflow {args.command}: error: {e}", 2)
     except KeyboardInterrupt:
         return _fail(args, f"grpoflow {args.command}: error: interrupted", 130)
@@ -403,17 +512,24 @@ def main(argv: list[str] | None = None) -> int:
             target = disk.filename or getattr(args, "out", None)  # a write() error names no file
             where = f": {target}" if target else ""
             if disk.errno in _NO_SPACE:
-                return _fail(args, f"grpoflow {args.command}: error: {_NO_SPACE[disk.errno]} writing{where}; "
-                                   "free some space and run it again", 1)
-            return _fail(args, f"grpoflow {args.command}: error: cannot write{where}: "
-                               f"{_NOT_WRITABLE[disk.errno]}", 2)
+                return _fail(
+                    args,
+                    f"grpoflow {args.command}: error: {_NO_SPACE[disk.errno]} writing{where}; "
+                    "free some space and run it again",
+                    1,
+                )
+            return _fail(
+                args, f"grpoflow {args.command}: error: cannot write{where}: {_NOT_WRITABLE[disk.errno]}", 2
+            )
         logging.getLogger("grpoflow").exception("%s failed", args.command)
         if args.json:
             print(json.dumps({"error": redact(f"{type(e).__name__}: {e}"), "exit_code": 1}))
         return 1
     if args.json and result is not None:  # None: a trainer rank other than 0, or a launcher
         print(redact(json.dumps(result, default=str)))
-    return int(result.get("exit_code", 0)) if isinstance(result, dict) else 0  # a command's own verdict, e.g. a failed gate
+    return (
+        int(result.get("exit_code", 0)) if isinstance(result, dict) else 0
+    )  # a command's own verdict, e.g. a failed gate
 
 
 if __name__ == "__main__":

@@ -67,9 +67,12 @@ def work_pool(d: dict) -> str:
 def require_server() -> str:
     url = os.environ.get("PREFECT_API_URL")
     if not url:
-        raise UsageError("PREFECT_API_URL is not set: deployments and schedules need a Prefect server "
-                         "(infra/services/up.sh starts one; then `source .state/services/services.env`)")
+        raise UsageError(
+            "PREFECT_API_URL is not set: deployments and schedules need a Prefect server "
+            "(infra/services/up.sh starts one; then `source .state/services/services.env`)"
+        )
     from tasks.preflight import require_prefect_api
+
     require_prefect_api(url)
     return url
 
@@ -89,19 +92,36 @@ def deploy(path: str | Path = PREFECT_FILE, timeout_s: float = DEPLOY_TIMEOUT_S)
                 d["work_pool"]["name"] = pool
             resolved = Path(tmp) / "prefect.yaml"  # the file with the configured pool; entrypoints are cwd's
             resolved.write_text(yaml.safe_dump(spec, sort_keys=False))
-        cmd = [str(Path(sys.executable).with_name("prefect")), "deploy", "--all",
-               "--prefect-file", str(resolved)]
+        cmd = [
+            str(Path(sys.executable).with_name("prefect")),
+            "deploy",
+            "--all",
+            "--prefect-file",
+            str(resolved),
+        ]
         try:
-            proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s,
-                                  env={**os.environ, "PREFECT_CLI_PROMPT": "false"})
+            proc = subprocess.run(
+                cmd,
+                cwd=REPO_ROOT,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                env={**os.environ, "PREFECT_CLI_PROMPT": "false"},
+            )
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"prefect deploy did not finish within {timeout_s:g} s") from None
     if proc.returncode != 0:
-        raise RuntimeError(f"prefect deploy --all --prefect-file {path} failed ({proc.returncode}):\n"
-                           f"{redact(proc.stdout[-2000:] + proc.stderr[-2000:])}")
+        raise RuntimeError(
+            f"prefect deploy --all --prefect-file {path} failed ({proc.returncode}):\n"
+            f"{redact(proc.stdout[-2000:] + proc.stderr[-2000:])}"
+        )
     names = [f"{_flow_name(d)}/{d['name']}" for d in spec["deployments"]]
-    return {"deployments": names, "work_pools": dict(zip(names, pools, strict=True)),
-            "work_pools_created": created, "prefect_api_url": mask_uri(url)}
+    return {
+        "deployments": names,
+        "work_pools": dict(zip(names, pools, strict=True)),
+        "work_pools_created": created,
+        "prefect_api_url": mask_uri(url),
+    }
 
 
 def serve(path: str | Path = PREFECT_FILE, limit: int | None = None) -> dict:
@@ -114,10 +134,16 @@ def serve(path: str | Path = PREFECT_FILE, limit: int | None = None) -> dict:
     runners = []
     for d in load_deployments(path):
         flow = _load_flow(d)
-        runners.append(flow.to_deployment(name=d["name"], parameters=d.get("parameters") or {},
-                                          schedules=[_schedule(s, d["name"]) for s in d.get("schedules") or []],
-                                          description=d.get("description"), tags=d.get("tags"),
-                                          concurrency_limit=d.get("concurrency_limit")))
+        runners.append(
+            flow.to_deployment(
+                name=d["name"],
+                parameters=d.get("parameters") or {},
+                schedules=[_schedule(s, d["name"]) for s in d.get("schedules") or []],
+                description=d.get("description"),
+                tags=d.get("tags"),
+                concurrency_limit=d.get("concurrency_limit"),
+            )
+        )
     names = [r.full_name for r in runners]
     active_before = [name for name, paused in _paused(names).items() if paused is False]
     try:
@@ -126,10 +152,17 @@ def serve(path: str | Path = PREFECT_FILE, limit: int | None = None) -> dict:
         to_pause = [name for name in names if name not in active_before]
         _pause(to_pause)
     outcome = (("paused", to_pause), ("left active", active_before))
-    print(f"stopped serving {', '.join(names)}: "
-          + "; ".join(f"{label} {', '.join(group)}" for label, group in outcome if group), file=sys.stderr)
-    return {"deployments": names, "paused": to_pause, "left_active": active_before,
-            "prefect_api_url": mask_uri(url)}
+    print(
+        f"stopped serving {', '.join(names)}: "
+        + "; ".join(f"{label} {', '.join(group)}" for label, group in outcome if group),
+        file=sys.stderr,
+    )
+    return {
+        "deployments": names,
+        "paused": to_pause,
+        "left_active": active_before,
+        "prefect_api_url": mask_uri(url),
+    }
 
 
 def _paused(names: list[str]) -> dict[str, bool | None]:
@@ -173,7 +206,11 @@ def _flow_name(d: dict) -> str:
 def _schedule(s: dict, deployment: str):
     from prefect.schedules import Cron, Interval
 
-    common = {"timezone": s.get("timezone"), "active": s.get("active", True), "parameters": s.get("parameters") or {}}
+    common = {
+        "timezone": s.get("timezone"),
+        "active": s.get("active", True),
+        "parameters": s.get("parameters") or {},
+    }
     if s.get("cron"):
         return Cron(s["cron"], **common)
     if s.get("interval"):
@@ -201,23 +238,31 @@ def _ensure_process_pool(name: str) -> bool:
 
 # ---- the commands -------------------------------------------------------------------------------------------
 
+
 def add_commands(sub, number) -> None:
     """`grpoflow deploy` and `grpoflow serve` (`number`: the CLI's numeric argparse type)."""
     file_help = f"Prefect deployment file (default {PREFECT_FILE.relative_to(REPO_ROOT)})"
     state_help = "where the embedded stores live (default .state, or $GRPOFLOW_STATE)"
-    p = sub.add_parser("deploy", help="create the Prefect deployments (schedules included) on PREFECT_API_URL's server")
+    p = sub.add_parser(
+        "deploy", help="create the Prefect deployments (schedules included) on PREFECT_API_URL's server"
+    )
     p.add_argument("--prefect-file", default=PREFECT_FILE, help=file_help)
     p.add_argument("--state-dir", help=state_help)
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line of stdout")
     p.set_defaults(func=cmd_deploy)
 
-    p = sub.add_parser("serve", help="run the Prefect deployments with their schedules in this process (no worker)")
+    p = sub.add_parser(
+        "serve", help="run the Prefect deployments with their schedules in this process (no worker)"
+    )
     p.add_argument("--prefect-file", default=PREFECT_FILE, help=file_help)
     p.add_argument("--limit", type=number(int, ge=1), help="at most this many flow runs at once")
     p.add_argument("--state-dir", help=state_help)
-    p.add_argument("--json", action="store_true",
-                   help="once stopped, print a JSON summary (what it paused, what it left active) as "
-                        "the last line of stdout")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="once stopped, print a JSON summary (what it paused, what it left active) as "
+        "the last line of stdout",
+    )
     p.set_defaults(func=cmd_serve)
 
 
@@ -225,8 +270,11 @@ def cmd_deploy(args) -> dict:
     configure(args.state_dir)
     result = deploy(args.prefect_file)
     pools = sorted(set(result["work_pools"].values()))
-    print(f"deployed {', '.join(result['deployments'])} to {result['prefect_api_url']} "
-          f"(work pool {', '.join(pools)})", file=sys.stderr if args.json else sys.stdout)
+    print(
+        f"deployed {', '.join(result['deployments'])} to {result['prefect_api_url']} "
+        f"(work pool {', '.join(pools)})",
+        file=sys.stderr if args.json else sys.stdout,
+    )
     return result
 
 

@@ -33,8 +33,12 @@ def training_fingerprint(recipe: dict) -> str:
 
 
 @flow(name="grpo-pipeline", log_prints=True)
-def grpo_pipeline(recipe: dict | None = None, services: dict | None = None, config: str | None = None,
-                  overrides: list[str] | None = None) -> dict:
+def grpo_pipeline(
+    recipe: dict | None = None,
+    services: dict | None = None,
+    config: str | None = None,
+    overrides: list[str] | None = None,
+) -> dict:
     """Run the recipe. `grpoflow run` passes the loaded `recipe` and its `services`; a deployment
     (infra/prefect.yaml) passes `config`, a recipe path relative to the working directory, with `overrides`
     (`key=value`), and the services are the worker's (PREFECT_API_URL, MLFLOW_TRACKING_URI, GRPOFLOW_STATE)."""
@@ -46,13 +50,26 @@ def grpo_pipeline(recipe: dict | None = None, services: dict | None = None, conf
     recipe["train"]["output_dir"] = f"{recipe['train']['output_dir']}/{fingerprint[:12]}"
 
     client = tracking.client_for(services["tracking_uri"], services.get("registry_uri"))
-    experiment_id = tracking.ensure_experiment(client, recipe["registry"]["experiment"], services["artifact_root"])
-    parent = tracking.start_run(client, experiment_id, f"pipeline-{recipe['name']}",
-                                tags={"prefect_flow_run_id": flow_run.get_id() or "", "recipe": recipe["name"],
-                                      "recipe_sha256": fingerprint})
+    experiment_id = tracking.ensure_experiment(
+        client, recipe["registry"]["experiment"], services["artifact_root"]
+    )
+    parent = tracking.start_run(
+        client,
+        experiment_id,
+        f"pipeline-{recipe['name']}",
+        tags={
+            "prefect_flow_run_id": flow_run.get_id() or "",
+            "recipe": recipe["name"],
+            "recipe_sha256": fingerprint,
+        },
+    )
     tracking.log_params(client, parent, recipe)
-    ctx = {"tracking_uri": services["tracking_uri"], "registry_uri": services.get("registry_uri"),
-           "experiment_id": experiment_id, "parent_run_id": parent}
+    ctx = {
+        "tracking_uri": services["tracking_uri"],
+        "registry_uri": services.get("registry_uri"),
+        "experiment_id": experiment_id,
+        "parent_run_id": parent,
+    }
     states = {}
 
     def run(name, task, *args):
@@ -67,11 +84,24 @@ def grpo_pipeline(recipe: dict | None = None, services: dict | None = None, conf
     training_recipe = {k: recipe[k] for k in TRAINING_SECTIONS}
     try:
         prepared = run("prepare", prepare_data, recipe["data"], ctx)
-        base = run("base_model", make_base_model, recipe["model"], recipe["bootstrap"],
-                   recipe["data"]["system_prompt"])
+        base = run(
+            "base_model",
+            make_base_model,
+            recipe["model"],
+            recipe["bootstrap"],
+            recipe["data"]["system_prompt"],
+        )
         trained = run("train", train_policy, training_recipe, base, prepared, ctx)
-        registered = run("register", register_model, trained, prepared, base, fingerprint,
-                         recipe["registry"]["model_name"], ctx)
+        registered = run(
+            "register",
+            register_model,
+            trained,
+            prepared,
+            base,
+            fingerprint,
+            recipe["registry"]["model_name"],
+            ctx,
+        )
         evaluated = run("evaluate", evaluate_model, registered, trained, recipe["eval"], ctx)
     except BaseException:
         try:  # the store may be what failed; the stage's own error is the one to report
@@ -81,23 +111,37 @@ def grpo_pipeline(recipe: dict | None = None, services: dict | None = None, conf
         raise
 
     summary = {
-        "recipe": recipe["name"], "recipe_sha256": fingerprint,
+        "recipe": recipe["name"],
+        "recipe_sha256": fingerprint,
         "heldout_accuracy_before": trained["heldout_accuracy_before"],
         "heldout_accuracy_after": trained["heldout_accuracy_after"],
-        "model_name": registered["model_name"], "model_version": registered["model_version"],
-        "model_uri": registered["uri"], "scores": evaluated["scores"], "steps": trained["steps"],
-        "checkpoint": trained["checkpoint"], "data": prepared["out"], "eval_report": evaluated["report"],
-        "tracking_uri": services["tracking_uri"], "mlflow_run_id": parent,
+        "model_name": registered["model_name"],
+        "model_version": registered["model_version"],
+        "model_uri": registered["uri"],
+        "scores": evaluated["scores"],
+        "steps": trained["steps"],
+        "checkpoint": trained["checkpoint"],
+        "data": prepared["out"],
+        "eval_report": evaluated["report"],
+        "tracking_uri": services["tracking_uri"],
+        "mlflow_run_id": parent,
         "prefect_flow_run_id": str(flow_run.get_id() or ""),
         "cached_stages": [name for name, state in states.items() if state.name == "Cached"],
     }
-    tracking.log_metrics(client, parent, {"heldout_accuracy_before": summary["heldout_accuracy_before"] or 0.0,
-                                          "heldout_accuracy_after": summary["heldout_accuracy_after"] or 0.0,
-                                          **{f"eval.{k}": v for k, v in evaluated["scores"].items()}})
+    tracking.log_metrics(
+        client,
+        parent,
+        {
+            "heldout_accuracy_before": summary["heldout_accuracy_before"] or 0.0,
+            "heldout_accuracy_after": summary["heldout_accuracy_after"] or 0.0,
+            **{f"eval.{k}": v for k, v in evaluated["scores"].items()},
+        },
+    )
     client.set_tag(parent, "model_uri", registered["uri"])
     client.set_terminated(parent)
-    create_markdown_artifact(key="grpoflow-lineage", markdown=lineage_markdown(summary),
-                             description="the pipeline's lineage chain")
+    create_markdown_artifact(
+        key="grpoflow-lineage", markdown=lineage_markdown(summary), description="the pipeline's lineage chain"
+    )
     return summary
 
 

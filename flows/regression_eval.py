@@ -26,9 +26,17 @@ REGRESSION = "Regression"  # the name of a Failed state that a failed gate ends 
 
 
 @flow(name="regression-eval", log_prints=True)
-def regression_eval(candidate: str, baseline: str, max_drop: float = DEFAULT_MAX_DROP, promote: bool = False,
-                    recipe: dict | None = None, services: dict | None = None, config: str | None = None,
-                    overrides: list[str] | None = None, fail_on_regression: bool = False):
+def regression_eval(
+    candidate: str,
+    baseline: str,
+    max_drop: float = DEFAULT_MAX_DROP,
+    promote: bool = False,
+    recipe: dict | None = None,
+    services: dict | None = None,
+    config: str | None = None,
+    overrides: list[str] | None = None,
+    fail_on_regression: bool = False,
+):
     """Gate `candidate` against `baseline`; with `promote`, a passing candidate becomes the `champion`.
 
     A deployment (infra/prefect.yaml's `regression-eval/gate`) passes `config` (a recipe path relative to
@@ -43,12 +51,17 @@ def regression_eval(candidate: str, baseline: str, max_drop: float = DEFAULT_MAX
     result = run_comparison(baseline, candidate, recipe, services, max_drop, CHAMPION if promote else None)
     verdict = result["gate"]
     create_markdown_artifact(
-        key="grpoflow-regression-gate", description=f"{candidate} vs {baseline}",
+        key="grpoflow-regression-gate",
+        description=f"{candidate} vs {baseline}",
         markdown=f"{result['table']}\n{verdict['report']}\n\n![comparison]({Path(result['plot']).as_uri()})"
-                 f"\n\nMLflow run `{result['mlflow_run_id']}`\n")
+        f"\n\nMLflow run `{result['mlflow_run_id']}`\n",
+    )
     if fail_on_regression and not result["passed"]:
         drops = "; ".join(f"{r['benchmark']} {r['diff']:+.4f}" for r in verdict["failing"])
-        return Failed(name=REGRESSION, data=result,
-                      message=f"regression: {candidate} is worse than {baseline} beyond max_drop "
-                              f"{max_drop:g} ({drops})")
+        return Failed(
+            name=REGRESSION,
+            data=result,
+            message=f"regression: {candidate} is worse than {baseline} beyond max_drop "
+            f"{max_drop:g} ({drops})",
+        )
     return result

@@ -13,7 +13,9 @@ def print_run_summary(summary: dict, console: Console | None = None) -> None:
     table = Table(title=f"grpoflow run: {summary['recipe']}", show_header=False)
     before, after = summary["heldout_accuracy_before"], summary["heldout_accuracy_after"]
     if before is not None and after is not None:
-        table.add_row("held-out accuracy (greedy)", f"base {before:.3f} -> trained {after:.3f} ({after - before:+.3f})")
+        table.add_row(
+            "held-out accuracy (greedy)", f"base {before:.3f} -> trained {after:.3f} ({after - before:+.3f})"
+        )
     for bench, score in summary["scores"].items():
         if bench != "heldout_accuracy":
             table.add_row(f"EvalScope {bench}", f"{score:.3f}")

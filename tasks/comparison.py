@@ -92,9 +92,12 @@ def open_store(recipe: Recipe, services: dict) -> tuple[MlflowClient, str]:
     except ServiceUnavailable:  # names the server already
         raise
     except Exception as e:  # noqa: BLE001 - a sqlite store fails here already (e.g. its folder cannot be made)
-        raise tracking.TrackingError(f"MLflow at {services['tracking_uri']!r} is unreachable: "
-                                     f"{type(e).__name__}: {e}") from e
-    return client, tracking.ensure_experiment(client, recipe.registry.experiment, services.get("artifact_root"))
+        raise tracking.TrackingError(
+            f"MLflow at {services['tracking_uri']!r} is unreachable: {type(e).__name__}: {e}"
+        ) from e
+    return client, tracking.ensure_experiment(
+        client, recipe.registry.experiment, services.get("artifact_root")
+    )
 
 
 def check_sides(baseline: str, candidate: str, client: MlflowClient) -> None:
@@ -112,7 +115,9 @@ def check_sides(baseline: str, candidate: str, client: MlflowClient) -> None:
             raise MissingPathError(f"{role} {e}") from e
 
 
-def evaluated_side(ref: str, client: MlflowClient, experiment_id: str, recipe: Recipe, services: dict) -> Side:
+def evaluated_side(
+    ref: str, client: MlflowClient, experiment_id: str, recipe: Recipe, services: dict
+) -> Side:
     """The finished evaluation standing for `ref`: reused when one with the recipe's settings exists, else run."""
     settings = recipe.eval
     heldout = None if settings.benchmarks else heldout_settings(recipe)
@@ -146,27 +151,43 @@ def _local_side(ref: str) -> tuple[Path, str]:
         return path.resolve(), "evaluation"
     if path.is_dir() and (path / "config.json").is_file():
         return path.resolve(), "checkpoint"
-    raise MissingPathError(f"{ref!r}: expected models:/name@alias, models:/name/<version>, a checkpoint "
-                           "directory, or a finished evaluation (a work dir with report.json, or the file)")
+    raise MissingPathError(
+        f"{ref!r}: expected models:/name@alias, models:/name/<version>, a checkpoint "
+        "directory, or a finished evaluation (a work dir with report.json, or the file)"
+    )
 
 
-def find_evaluation(client: MlflowClient, name: str, version: str, settings: EvalConfig,
-                    experiment_id: str, heldout: dict | None = None) -> tuple[Path, str] | None:
+def find_evaluation(
+    client: MlflowClient,
+    name: str,
+    version: str,
+    settings: EvalConfig,
+    experiment_id: str,
+    heldout: dict | None = None,
+) -> tuple[Path, str] | None:
     """(work dir, eval run id) of an evaluation of this version made with `settings` (with `heldout`, the held-out
     evaluation those settings name, see `evaluation.heldout`), found on this machine."""
     try:
         tagged = client.get_model_version(name, version).tags.get("eval_mlflow_run_id")
-        runs = client.search_runs([experiment_id], f"tags.model_name = '{name}' and tags.model_version = "
-                                   f"'{version}' and attributes.status = 'FINISHED'",
-                                   order_by=["attributes.start_time DESC"], max_results=100)
+        runs = client.search_runs(
+            [experiment_id],
+            f"tags.model_name = '{name}' and tags.model_version = "
+            f"'{version}' and attributes.status = 'FINISHED'",
+            order_by=["attributes.start_time DESC"],
+            max_results=100,
+        )
     except Exception as e:  # noqa: BLE001 - the store answered once already; any failure now is the store's
-        raise tracking.TrackingError(f"models:/{name}/{version}: reading its evaluations from MLflow at "
-                                     f"{tracking.shown(client)!r} failed ({type(e).__name__}: {e})") from e
+        raise tracking.TrackingError(
+            f"models:/{name}/{version}: reading its evaluations from MLflow at "
+            f"{tracking.shown(client)!r} failed ({type(e).__name__}: {e})"
+        ) from e
     if tagged:  # the version's latest evaluation goes first; it may live in another experiment, or be deleted
         try:
             runs.insert(0, client.get_run(tagged))
         except MlflowException as e:
-            log.warning("models:/%s/%s: its eval_mlflow_run_id %s cannot be read (%s)", name, version, tagged, e)
+            log.warning(
+                "models:/%s/%s: its eval_mlflow_run_id %s cannot be read (%s)", name, version, tagged, e
+            )
     for run in runs:
         for work_dir in _work_dir_candidates(run, name, version):
             if _usable(work_dir, settings, heldout):
@@ -199,13 +220,24 @@ def compare_sides(baseline: Side, candidate: Side) -> tuple[list[Row], tuple[lis
     return compare(*samples, **BOOTSTRAP), only_one_side(*samples)
 
 
-def log_comparison(client: MlflowClient, experiment_id: str, baseline: Side, candidate: Side, rows: list[Row],
-                   out_root: str | Path, verdict: GateResult | None = None,
-                   left_out: tuple[list[str], list[str]] = ([], [])) -> dict:
+def log_comparison(
+    client: MlflowClient,
+    experiment_id: str,
+    baseline: Side,
+    candidate: Side,
+    rows: list[Row],
+    out_root: str | Path,
+    verdict: GateResult | None = None,
+    left_out: tuple[list[str], list[str]] = ([], []),
+) -> dict:
     """The comparison as an MLflow run, its table and plot written under `out_root/<run id>/` and logged;
     `left_out`: the benchmarks only the baseline, and only the candidate, has."""
-    tags = {"baseline": baseline.ref, "candidate": candidate.ref, "baseline_work_dir": baseline.work_dir,
-            "candidate_work_dir": candidate.work_dir}
+    tags = {
+        "baseline": baseline.ref,
+        "candidate": candidate.ref,
+        "baseline_work_dir": baseline.work_dir,
+        "candidate_work_dir": candidate.work_dir,
+    }
     for role, side in (("baseline", baseline), ("candidate", candidate)):
         if side.model_name:
             tags.update({f"{role}_model_name": side.model_name, f"{role}_model_version": side.model_version})
@@ -225,22 +257,44 @@ def log_comparison(client: MlflowClient, experiment_id: str, baseline: Side, can
     tmp.write_text(text)
     tmp.replace(markdown)
     plot = plot_comparison(rows, out / "comparison.png", baseline.label, candidate.label)
-    write_json_atomic(out / "comparison.json", {"baseline": baseline.to_dict(), "candidate": candidate.to_dict(),
-                                                "rows": [r.to_dict() for r in rows], "bootstrap": BOOTSTRAP,
-                                                "left_out": _left_out_dict(left_out)})
-    tracking.log_params(client, run_id, {"bootstrap": BOOTSTRAP, **({"max_drop": verdict.max_drop} if verdict else {})})
+    write_json_atomic(
+        out / "comparison.json",
+        {
+            "baseline": baseline.to_dict(),
+            "candidate": candidate.to_dict(),
+            "rows": [r.to_dict() for r in rows],
+            "bootstrap": BOOTSTRAP,
+            "left_out": _left_out_dict(left_out),
+        },
+    )
+    tracking.log_params(
+        client, run_id, {"bootstrap": BOOTSTRAP, **({"max_drop": verdict.max_drop} if verdict else {})}
+    )
     metrics = {}
     for r in rows:
         prefix = f"{r.benchmark}.{r.metric}"
-        metrics.update({f"{prefix}.diff": r.diff, f"{prefix}.ci_low": r.ci_low, f"{prefix}.ci_high": r.ci_high,
-                        f"{prefix}.baseline": r.a, f"{prefix}.candidate": r.b, f"{prefix}.n": r.n})
+        metrics.update(
+            {
+                f"{prefix}.diff": r.diff,
+                f"{prefix}.ci_low": r.ci_low,
+                f"{prefix}.ci_high": r.ci_high,
+                f"{prefix}.baseline": r.a,
+                f"{prefix}.candidate": r.b,
+                f"{prefix}.n": r.n,
+            }
+        )
     if verdict is not None:
         metrics["gate.passed"] = float(verdict.passed)
     tracking.log_metrics(client, run_id, metrics)
     client.log_artifacts(run_id, str(out), "comparison")
     client.set_terminated(run_id)
-    return {"mlflow_run_id": run_id, "plot": str(plot), "markdown": str(markdown), "table": table,
-            "left_out": _left_out_dict(left_out)}
+    return {
+        "mlflow_run_id": run_id,
+        "plot": str(plot),
+        "markdown": str(markdown),
+        "table": table,
+        "left_out": _left_out_dict(left_out),
+    }
 
 
 def _left_out_dict(left_out: tuple[list[str], list[str]]) -> dict:
@@ -268,8 +322,10 @@ def _work_dir_candidates(run, name: str, version: str) -> list[Path]:
     found = [Path(run.data.tags[WORK_DIR_TAG])] if WORK_DIR_TAG in run.data.tags else []
     out = run.data.params.get("eval.out")
     if out:  # `eval.out` was resolved against the working directory of the process that evaluated
-        found += [Path(out).resolve() / f"{name}-v{version}", Path(__file__).resolve().parents[1] / out /
-                  f"{name}-v{version}"]
+        found += [
+            Path(out).resolve() / f"{name}-v{version}",
+            Path(__file__).resolve().parents[1] / out / f"{name}-v{version}",
+        ]
     return found
 
 
@@ -285,8 +341,14 @@ def _fresh_work_dir(settings: EvalConfig, name: str, heldout: dict | None = None
     return work_dir
 
 
-def _evaluate(model: ModelRef, work_dir: Path, client: MlflowClient, experiment_id: str, recipe: Recipe,
-              heldout: dict | None) -> str:
+def _evaluate(
+    model: ModelRef,
+    work_dir: Path,
+    client: MlflowClient,
+    experiment_id: str,
+    recipe: Recipe,
+    heldout: dict | None,
+) -> str:
     from evaluation import evaluate
 
     settings = recipe.eval
@@ -302,8 +364,10 @@ def _evaluate(model: ModelRef, work_dir: Path, client: MlflowClient, experiment_
             result = evaluate(model.local_path, settings, work_dir=work_dir)
             scores, report_json = dict(result.scores), result.report_json
     except (RuntimeError, ValueError, OSError, DataError) as e:
-        raise ComparisonError(f"{model.text} has no {what} with the requested settings, and running one "
-                              f"into {work_dir} failed: {e}") from e
+        raise ComparisonError(
+            f"{model.text} has no {what} with the requested settings, and running one "
+            f"into {work_dir} failed: {e}"
+        ) from e
     run_id = record_evaluation(client, experiment_id, model, scores, settings, report_json)
     client.set_tag(run_id, WORK_DIR_TAG, str(work_dir))
     return run_id

@@ -55,11 +55,15 @@ def lookup_version(ref: str, client: MlflowClient):
     if m is None:
         raise ValueError(f"{ref!r} is not a models:/name@alias or models:/name/version reference")
     try:
-        mv = (client.get_model_version_by_alias(m["name"], m["alias"]) if m["alias"]
-              else client.get_model_version(m["name"], m["version"]))
+        mv = (
+            client.get_model_version_by_alias(m["name"], m["alias"])
+            if m["alias"]
+            else client.get_model_version(m["name"], m["version"])
+        )
     except Exception as e:  # noqa: BLE001 - unknown name/alias/version or unreachable store
-        raise tracking.TrackingError(redact(f"{ref}: not found in MLflow at {tracking.shown(client)!r} "
-                                            f"({type(e).__name__}: {e})")) from e
+        raise tracking.TrackingError(
+            redact(f"{ref}: not found in MLflow at {tracking.shown(client)!r} ({type(e).__name__}: {e})")
+        ) from e
     return m["name"], mv
 
 
@@ -77,8 +81,11 @@ def download_version(client: MlflowClient, name: str, mv, cache_dir: Path) -> Pa
         staging = target.parent / f".v{mv.version}"
         shutil.rmtree(staging, ignore_errors=True)  # what an interrupted download left
         target.parent.mkdir(parents=True, exist_ok=True)
-        downloaded = Path(mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(staging),
-                                                              tracking_uri=client.tracking_uri))
+        downloaded = Path(
+            mlflow.artifacts.download_artifacts(
+                artifact_uri=source, dst_path=str(staging), tracking_uri=client.tracking_uri
+            )
+        )
         downloaded.rename(target)
         shutil.rmtree(staging, ignore_errors=True)
     return target / MODEL_DIR if (target / "MLmodel").is_file() else target
@@ -95,18 +102,29 @@ def resolve_model(ref: str, client: MlflowClient | None, cache_dir: Path) -> Mod
         manifest = read_manifest(target)
         expected = mv.tags.get("checkpoint_sha256")
         if expected and manifest.get("checkpoint_sha256", manifest.get("sha256")) != expected:
-            raise RuntimeError(f"{ref}: downloaded checkpoint at {target} does not match its registered sha256")
+            raise RuntimeError(
+                f"{ref}: downloaded checkpoint at {target} does not match its registered sha256"
+            )
         verify_if_ours(str(target))  # EvalScope loads it in its own process: check it here
         return ModelRef(ref, local_path=str(target), model_name=name, model_version=str(mv.version))
     path = Path(ref).expanduser()
     if not path.is_dir():
-        raise MissingPathError(f"model {mask_uri(ref)!r}: not a checkpoint directory, a models:/ URI or an http(s) URL")
+        raise MissingPathError(
+            f"model {mask_uri(ref)!r}: not a checkpoint directory, a models:/ URI or an http(s) URL"
+        )
     verify_if_ours(str(path))
     return ModelRef(ref, local_path=str(path.resolve()))
 
 
-def record_evaluation(client: MlflowClient, experiment_id: str, ref: ModelRef, scores: dict, settings: EvalConfig,
-                      report: Path | None, parent_run_id: str | None = None) -> str:
+def record_evaluation(
+    client: MlflowClient,
+    experiment_id: str,
+    ref: ModelRef,
+    scores: dict,
+    settings: EvalConfig,
+    report: Path | None,
+    parent_run_id: str | None = None,
+) -> str:
     """One MLflow run with the scores and the recipe's eval `settings`. For a registered version the scores
     are also linked to its MLflow model (the metrics MLflow's model comparison shows) and set as
     `eval.<benchmark>` tags on the version (lineage, as before). A local model's scores include the
@@ -151,8 +169,9 @@ def thinking_scores(work_dir: Path, tokenizer: str) -> dict[str, float]:
     return {k: float(v) for k, v in flat.items() if isinstance(v, (int, float))}
 
 
-def _score_heldout(model_path, model_cfg, rows: list[dict], *, max_tokens: int, max_prompt_length: int,
-                   samples: bool = False) -> dict:
+def _score_heldout(
+    model_path, model_cfg, rows: list[dict], *, max_tokens: int, max_prompt_length: int, samples: bool = False
+) -> dict:
     """`trainer.heldout.evaluate_greedy` (the one held-out scorer) on a checkpoint loaded from disk: for a
     model whose training's own held-out answers (`trainer.heldout.write_samples`) are not at hand."""
     from trainer.heldout import evaluate_greedy
@@ -161,8 +180,16 @@ def _score_heldout(model_path, model_cfg, rows: list[dict], *, max_tokens: int, 
     from trainer.rollout.hf_engine import HFEngine
 
     model, tokenizer = load_model(str(model_path), model_cfg)
-    return evaluate_greedy(HFEngine(model.eval(), tokenizer), tokenizer, rows, accuracy_reward, format_reward,
-                           max_tokens=max_tokens, max_prompt_length=max_prompt_length, return_samples=samples)
+    return evaluate_greedy(
+        HFEngine(model.eval(), tokenizer),
+        tokenizer,
+        rows,
+        accuracy_reward,
+        format_reward,
+        max_tokens=max_tokens,
+        max_prompt_length=max_prompt_length,
+        return_samples=samples,
+    )
 
 
 def heldout_accuracy(model_path: str, data_dir: str | Path, recipe) -> float | None:
@@ -174,8 +201,13 @@ def heldout_accuracy(model_path: str, data_dir: str | Path, recipe) -> float | N
     rows = load_prepared(data_dir, "heldout")[: recipe.train.eval_heldout]
     if not rows:
         return None
-    return _score_heldout(model_path, recipe.model, rows, max_tokens=recipe.train.max_completion_length,
-                          max_prompt_length=recipe.train.max_prompt_length)["accuracy"]
+    return _score_heldout(
+        model_path,
+        recipe.model,
+        rows,
+        max_tokens=recipe.train.max_completion_length,
+        max_prompt_length=recipe.train.max_prompt_length,
+    )["accuracy"]
 
 
 def evaluate_heldout(model_path: str | Path, model_cfg, settings: dict, work_dir: str | Path) -> dict:
@@ -187,20 +219,40 @@ def evaluate_heldout(model_path: str | Path, model_cfg, settings: dict, work_dir
 
     data_dir = Path(settings["data_dir"])
     if not (data_dir / MANIFEST).is_file():
-        raise FileNotFoundError(f"no prepared data at {data_dir} (data.out): the held-out evaluation "
-                                "(eval.benchmarks: []) scores its held-out split; prepare it with `grpoflow prep`")
+        raise FileNotFoundError(
+            f"no prepared data at {data_dir} (data.out): the held-out evaluation "
+            "(eval.benchmarks: []) scores its held-out split; prepare it with `grpoflow prep`"
+        )
     rows = load_prepared(data_dir, "heldout")[: settings["limit"]]
     if not rows:
-        raise ValueError(f"{data_dir}: no held-out rows to evaluate (data.heldout 0, or train.eval_heldout 0); "
-                         "eval.benchmarks: [] needs a held-out split")
-    result = _score_heldout(model_path, model_cfg, rows, max_tokens=settings["max_tokens"],
-                            max_prompt_length=settings["max_prompt_length"], samples=True)
+        raise ValueError(
+            f"{data_dir}: no held-out rows to evaluate (data.heldout 0, or train.eval_heldout 0); "
+            "eval.benchmarks: [] needs a held-out split"
+        )
+    result = _score_heldout(
+        model_path,
+        model_cfg,
+        rows,
+        max_tokens=settings["max_tokens"],
+        max_prompt_length=settings["max_prompt_length"],
+        samples=True,
+    )
     return write_heldout_evaluation(work_dir, model_path, settings, result)
 
 
-def evaluate_reference(model: str, recipe: Recipe, services: Services, *, source: str, serve: bool = False,
-                       served_model_name: str | None = None, api_key_env: str | None = None,
-                       concurrency: int = 8, serve_engine: str = "auto", work_dir: str | None = None) -> dict:
+def evaluate_reference(
+    model: str,
+    recipe: Recipe,
+    services: Services,
+    *,
+    source: str,
+    serve: bool = False,
+    served_model_name: str | None = None,
+    api_key_env: str | None = None,
+    concurrency: int = 8,
+    serve_engine: str = "auto",
+    work_dir: str | None = None,
+) -> dict:
     """`grpoflow eval`: evaluate `model` (a reference, see `resolve_model`) with the recipe's eval settings,
     through a local endpoint when `serve`, and record it in MLflow; returns the command's summary.
 
@@ -210,24 +262,43 @@ def evaluate_reference(model: str, recipe: Recipe, services: Services, *, source
     from evaluation import evaluate
 
     endpoint = model if model.startswith(("http://", "https://")) else None
-    if not recipe.eval.benchmarks:  # [] means "the held-out split is the evaluation", which needs a training run
-        raise UsageError(f"{source}: eval.benchmarks: needs at least 1 entry to evaluate a model, got [] (an empty "
-                         "list is for `grpoflow run`, where the held-out split scored after training is the "
-                         "evaluation)")
-    check_eval_settings(recipe, source, endpoint, api_key_env=None if serve else api_key_env,
-                        eval_batch_size=concurrency if endpoint else 1)
+    if (
+        not recipe.eval.benchmarks
+    ):  # [] means "the held-out split is the evaluation", which needs a training run
+        raise UsageError(
+            f"{source}: eval.benchmarks: needs at least 1 entry to evaluate a model, got [] (an empty "
+            "list is for `grpoflow run`, where the held-out split scored after training is the "
+            "evaluation)"
+        )
+    check_eval_settings(
+        recipe,
+        source,
+        endpoint,
+        api_key_env=None if serve else api_key_env,
+        eval_batch_size=concurrency if endpoint else 1,
+    )
     client = tracking.client_for(services.tracking_uri, services.registry_uri)
     ref = resolve_model(model, client, services.state_dir / "models-cache")
-    name = ref.model_name and f"{ref.model_name}-v{ref.model_version}" or Path(ref.local_path or "endpoint").name
-    target = (Path(work_dir).expanduser().resolve() if work_dir
-              else default_work_dir(recipe.eval.out, ref, name, serve, served_model_name))
+    name = (
+        ref.model_name and f"{ref.model_name}-v{ref.model_version}" or Path(ref.local_path or "endpoint").name
+    )
+    target = (
+        Path(work_dir).expanduser().resolve()
+        if work_dir
+        else default_work_dir(recipe.eval.out, ref, name, serve, served_model_name)
+    )
     with _served(ref, model, name, serve, served_model_name, concurrency, serve_engine) as served:
         api_url = served.url if served else ref.api_url
         evaluated = served.model_name if served else ref.local_path or served_model_name or "default"
         try:
-            result = evaluate(evaluated, recipe.eval, work_dir=target, api_url=api_url,
-                              api_key_env=None if served else api_key_env,
-                              eval_batch_size=concurrency if api_url else 1)
+            result = evaluate(
+                evaluated,
+                recipe.eval,
+                work_dir=target,
+                api_url=api_url,
+                api_key_env=None if served else api_key_env,
+                eval_batch_size=concurrency if api_url else 1,
+            )
         except FileExistsError as e:  # a finished evaluation with other settings: never mixed, never replaced
             raise UsageError(f"{e}: pass --work-dir DIR to evaluate into another directory") from e
     scores = dict(result.scores)
@@ -235,11 +306,18 @@ def evaluate_reference(model: str, recipe: Recipe, services: Services, *, source
         scores["heldout_accuracy"] = acc
     experiment = tracking.ensure_experiment(client, recipe.registry.experiment, services.artifact_root)
     run_id = record_evaluation(client, experiment, ref, scores, recipe.eval, result.report_json)
-    return {"model": ref.text, "model_name": ref.model_name, "model_version": ref.model_version,
-            "scores": scores, "num_samples": result.num_samples, "report": str(result.report_json),
-            "work_dir": str(result.work_dir), "mlflow_run_id": run_id,
-            "tracking_uri": services.flow_parameters()["tracking_uri"],
-            "served_by": served.engine if served else None}
+    return {
+        "model": ref.text,
+        "model_name": ref.model_name,
+        "model_version": ref.model_version,
+        "scores": scores,
+        "num_samples": result.num_samples,
+        "report": str(result.report_json),
+        "work_dir": str(result.work_dir),
+        "mlflow_run_id": run_id,
+        "tracking_uri": services.flow_parameters()["tracking_uri"],
+        "served_by": served.engine if served else None,
+    }
 
 
 def default_work_dir(out: str, ref: ModelRef, name: str, serve: bool, served_model_name: str | None) -> Path:
@@ -257,17 +335,31 @@ def default_work_dir(out: str, ref: ModelRef, name: str, serve: bool, served_mod
     return root / f"endpoint-{model}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}"
 
 
-def _served(ref: ModelRef, model: str, name: str, serve: bool, served_model_name: str | None, concurrency: int,
-            engine: str = "auto"):
+def _served(
+    ref: ModelRef,
+    model: str,
+    name: str,
+    serve: bool,
+    served_model_name: str | None,
+    concurrency: int,
+    engine: str = "auto",
+):
     """`eval --serve`: a context serving the local checkpoint on loopback (None without --serve)."""
     if concurrency < 1:
         raise UsageError(f"--concurrency must be >= 1, got {concurrency}")
     if not serve:
         return nullcontext(None)
     if not ref.local_path:
-        raise UsageError(f"--serve needs a checkpoint directory or a models:/ reference, not the endpoint {model}")
+        raise UsageError(
+            f"--serve needs a checkpoint directory or a models:/ reference, not the endpoint {model}"
+        )
     from evaluation.serving import served_model
 
     # vLLM's server starts in minutes on a CPU (three processes, each importing vLLM), seconds for transformers
-    return served_model(ref.local_path, served_model_name=served_model_name or name, max_batch_size=concurrency,
-                        engine=engine, startup_timeout_s=600 if engine == "vllm" else 120)
+    return served_model(
+        ref.local_path,
+        served_model_name=served_model_name or name,
+        max_batch_size=concurrency,
+        engine=engine,
+        startup_timeout_s=600 if engine == "vllm" else 120,
+    )

@@ -23,8 +23,10 @@ def check_writable(path: str | Path, setting: str) -> None:
         raise UsageError(f"{setting} {path}: {folder} is a file, not a folder")
     if not os.access(folder, os.W_OK | os.X_OK):
         read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
-        raise UsageError(f"{setting} {path}: cannot write in {folder} "
-                         f"({'read-only file system' if read_only else 'permission denied'})")
+        raise UsageError(
+            f"{setting} {path}: cannot write in {folder} "
+            f"({'read-only file system' if read_only else 'permission denied'})"
+        )
 
 
 def check_before_run(recipe, services, source: str) -> None:
@@ -44,7 +46,9 @@ def require_prefect_api(url: str) -> None:
     """One line naming the Prefect API (exit 2) unless its /health answers within PREFECT_PROBE_TIMEOUT_S."""
     from data.reachability import require_reachable
 
-    require_reachable(url.rstrip("/") + "/health", "the Prefect API", PREFECT_PROBE_TIMEOUT_S, hint="PREFECT_API_URL")
+    require_reachable(
+        url.rstrip("/") + "/health", "the Prefect API", PREFECT_PROBE_TIMEOUT_S, hint="PREFECT_API_URL"
+    )
 
 
 def check_eval_settings(recipe, source: str, endpoint: str | None = None, **endpoint_settings) -> None:

@@ -85,8 +85,13 @@ def package_checkpoint(checkpoint: str | Path, dest: Path) -> dict:
     signature = infer_signature("What is 1+1?", "2", params={"max_new_tokens": 256, "do_sample": False})
     # MLflow's own requirement inference imports torchvision for any transformers model; the CPU torch here has none
     requirements = [f"torch=={torch.__version__.split('+')[0]}", f"transformers=={transformers.__version__}"]
-    mlflow.transformers.save_model({"model": model, "tokenizer": tokenizer}, str(dest), task=TASK,
-                                   signature=signature, pip_requirements=requirements)
+    mlflow.transformers.save_model(
+        {"model": model, "tokenizer": tokenizer},
+        str(dest),
+        task=TASK,
+        signature=signature,
+        pip_requirements=requirements,
+    )
     del model
     shutil.rmtree(dest / MODEL_DIR)
     return serving_copy(checkpoint, dest / MODEL_DIR)
@@ -106,17 +111,32 @@ def _package_vision(checkpoint: str | Path, dest: Path) -> dict:
     with tempfile.TemporaryDirectory(prefix="grpoflow-vision-") as tmp:
         data = Path(tmp) / MODEL_DIR
         manifest = serving_copy(checkpoint, data)
-        example = pd.DataFrame({"prompt": ["How many objects are there in the image?"], "image": ["/path/to/image.png"]})
+        example = pd.DataFrame(
+            {"prompt": ["How many objects are there in the image?"], "image": ["/path/to/image.png"]}
+        )
         signature = infer_signature(example, ["<answer>3</answer>"], params={"max_new_tokens": 256})
-        mlflow.pyfunc.save_model(str(dest), loader_module="evaluation.serving.vision_pyfunc", data_path=str(data),
-                                 signature=signature, pip_requirements=[
-                                     f"torch=={torch.__version__.split('+')[0]}",
-                                     f"transformers=={transformers.__version__}", "pillow"])
+        mlflow.pyfunc.save_model(
+            str(dest),
+            loader_module="evaluation.serving.vision_pyfunc",
+            data_path=str(data),
+            signature=signature,
+            pip_requirements=[
+                f"torch=={torch.__version__.split('+')[0]}",
+                f"transformers=={transformers.__version__}",
+                "pillow",
+            ],
+        )
     return manifest
 
 
-def log_checkpoint_model(client: MlflowClient, experiment_id: str, run_id: str, name: str, checkpoint: str | Path,
-                         checkpoint_sha256: str) -> LoggedModel:
+def log_checkpoint_model(
+    client: MlflowClient,
+    experiment_id: str,
+    run_id: str,
+    name: str,
+    checkpoint: str | Path,
+    checkpoint_sha256: str,
+) -> LoggedModel:
     """Upload the MLflow model of `checkpoint` as a logged model of `run_id`; marked FAILED if the upload fails."""
     with tempfile.TemporaryDirectory(prefix="grpoflow-register-") as tmp:
         local = Path(tmp) / "mlflow-model"
@@ -124,8 +144,13 @@ def log_checkpoint_model(client: MlflowClient, experiment_id: str, run_id: str, 
         from trainer.model_loading import modality_of
 
         task = VISION_TASK if modality_of(checkpoint) == "vision" else TASK
-        logged = client.create_logged_model(experiment_id, name=name, source_run_id=run_id, model_type=task,
-                                            tags={CHECKPOINT_TAG: checkpoint_sha256})
+        logged = client.create_logged_model(
+            experiment_id,
+            name=name,
+            source_run_id=run_id,
+            model_type=task,
+            tags={CHECKPOINT_TAG: checkpoint_sha256},
+        )
         try:
             client.log_model_artifacts(logged.model_id, str(local))
         except BaseException:
@@ -134,8 +159,16 @@ def log_checkpoint_model(client: MlflowClient, experiment_id: str, run_id: str, 
         return client.finalize_logged_model(logged.model_id, LoggedModelStatus.READY)
 
 
-def register_checkpoint(client: MlflowClient, name: str, experiment_id: str, run_id: str, checkpoint: str | Path,
-                        checkpoint_sha256: str, tags: dict, alias: str = "candidate") -> tuple[str, bool]:
+def register_checkpoint(
+    client: MlflowClient,
+    name: str,
+    experiment_id: str,
+    run_id: str,
+    checkpoint: str | Path,
+    checkpoint_sha256: str,
+    tags: dict,
+    alias: str = "candidate",
+) -> tuple[str, bool]:
     """(version, created) of `checkpoint` registered as `name`, its MLflow model logged by `run_id`; one version
     per checkpoint also when processes register it at once (see the module docstring)."""
     with registration_lock(client):
@@ -148,12 +181,24 @@ def registration_lock(client: MlflowClient):
     store = local_store(getattr(client, "_registry_uri", None) or client.tracking_uri)
     if store is None:
         return contextlib.nullcontext()
-    return exclusive(store.parent, "the MLflow registry's folder", name=f".{store.name}.register.lock",
-                     wait_s=REGISTRATION_WAIT_S)
+    return exclusive(
+        store.parent,
+        "the MLflow registry's folder",
+        name=f".{store.name}.register.lock",
+        wait_s=REGISTRATION_WAIT_S,
+    )
 
 
-def _register(client: MlflowClient, name: str, experiment_id: str, run_id: str, checkpoint: str | Path,
-              checkpoint_sha256: str, tags: dict, alias: str) -> tuple[str, bool]:
+def _register(
+    client: MlflowClient,
+    name: str,
+    experiment_id: str,
+    run_id: str,
+    checkpoint: str | Path,
+    checkpoint_sha256: str,
+    tags: dict,
+    alias: str,
+) -> tuple[str, bool]:
     existing = find_version(client, name, checkpoint_sha256)
     if existing is not None:
         return str(existing.version), False
@@ -166,20 +211,29 @@ def _register(client: MlflowClient, name: str, experiment_id: str, run_id: str, 
     uploaded = logged is None
     if uploaded:
         logged = log_checkpoint_model(client, experiment_id, run_id, name, checkpoint, checkpoint_sha256)
-    all_tags = {**{k: str(v) for k, v in tags.items()}, CHECKPOINT_TAG: checkpoint_sha256, MODEL_ID_TAG: logged.model_id}
+    all_tags = {
+        **{k: str(v) for k, v in tags.items()},
+        CHECKPOINT_TAG: checkpoint_sha256,
+        MODEL_ID_TAG: logged.model_id,
+    }
     # the model's own artifact location, not `models:/<id>`: MLflow's SQL registry resolves that one through
     # the process-wide tracking URI, not this client's (and keeps no model id: the tag above does)
-    version = client.create_model_version(name, source=logged.artifact_location, run_id=run_id, tags=all_tags,
-                                          model_id=logged.model_id)
+    version = client.create_model_version(
+        name, source=logged.artifact_location, run_id=run_id, tags=all_tags, model_id=logged.model_id
+    )
     first = find_version(client, name, checkpoint_sha256)  # another process may have made one meanwhile
     if first is not None and str(first.version) != str(version.version):
         client.delete_model_version(name, version.version)
         if uploaded and model_id_of(first) != logged.model_id:
             client.delete_logged_model(logged.model_id)
         return str(first.version), False
-    linked = json.loads(logged.tags.get(MLFLOW_MODEL_VERSIONS, "[]"))  # the Models tab's "registered as" column
-    client.set_logged_model_tags(logged.model_id, {MLFLOW_MODEL_VERSIONS: json.dumps(
-        [*linked, {"name": name, "version": str(version.version)}])})
+    linked = json.loads(
+        logged.tags.get(MLFLOW_MODEL_VERSIONS, "[]")
+    )  # the Models tab's "registered as" column
+    client.set_logged_model_tags(
+        logged.model_id,
+        {MLFLOW_MODEL_VERSIONS: json.dumps([*linked, {"name": name, "version": str(version.version)}])},
+    )
     if alias:
         client.set_registered_model_alias(name, alias, version.version)
     return str(version.version), True

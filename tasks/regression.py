@@ -46,19 +46,36 @@ def evaluated_side(ref: str, recipe: dict, services: dict) -> Side:
 
 
 @task(name="compare-and-log")
-def compare_and_log(baseline: Side, candidate: Side, max_drop: float | None, recipe: dict,
-                    services: dict) -> dict:
+def compare_and_log(
+    baseline: Side, candidate: Side, max_drop: float | None, recipe: dict, services: dict
+) -> dict:
     """Compare the two evaluations, gate them when `max_drop` is given, and log the comparison run."""
     typed = typed_recipe(recipe)
     client, experiment_id = comparison.open_store(typed, services)
     rows, left_out = comparison.compare_sides(baseline, candidate)
     verdict = gate(rows, max_drop) if max_drop is not None else None
-    logged = comparison.log_comparison(client, experiment_id, baseline, candidate, rows,
-                                       Path(typed.eval.out) / "comparisons", verdict, left_out)
-    return {"rows": [r.to_dict() for r in rows], **logged,
-            "gate": None if verdict is None else {"passed": verdict.passed, "max_drop": verdict.max_drop,
-                                                  "failing": [r.to_dict() for r in verdict.failing],
-                                                  "report": verdict.markdown()}}
+    logged = comparison.log_comparison(
+        client,
+        experiment_id,
+        baseline,
+        candidate,
+        rows,
+        Path(typed.eval.out) / "comparisons",
+        verdict,
+        left_out,
+    )
+    return {
+        "rows": [r.to_dict() for r in rows],
+        **logged,
+        "gate": None
+        if verdict is None
+        else {
+            "passed": verdict.passed,
+            "max_drop": verdict.max_drop,
+            "failing": [r.to_dict() for r in verdict.failing],
+            "report": verdict.markdown(),
+        },
+    }
 
 
 @task(name="promote-candidate")
@@ -75,8 +92,14 @@ def _step(step):
     return step if FlowRunContext.get() is not None else step.fn
 
 
-def run_comparison(baseline: str, candidate: str, recipe: Recipe | dict, services: dict,
-                   max_drop: float | None = None, promote_to: str | None = None) -> dict:
+def run_comparison(
+    baseline: str,
+    candidate: str,
+    recipe: Recipe | dict,
+    services: dict,
+    max_drop: float | None = None,
+    promote_to: str | None = None,
+) -> dict:
     """Compare `candidate` with `baseline` (differences are candidate minus baseline) and, with `max_drop`,
     gate it. `recipe`: the recipe or its `to_dict()` form; `services`: `Services.flow_parameters()`.
     `promote_to`: the alias set on the candidate's version when the gate passes (needs `max_drop` and a
@@ -89,8 +112,10 @@ def run_comparison(baseline: str, candidate: str, recipe: Recipe | dict, service
     if max_drop is not None:
         check_max_drop(max_drop)
     if promote_to and not comparison.is_registered(candidate):
-        raise ValueError("promoting needs a registered candidate (models:/name@alias or "
-                         f"models:/name/<version>), got {candidate!r}")
+        raise ValueError(
+            "promoting needs a registered candidate (models:/name@alias or "
+            f"models:/name/<version>), got {candidate!r}"
+        )
     recipe = recipe.to_dict() if isinstance(recipe, Recipe) else recipe
     _step(check_sides)(baseline, candidate, recipe, services)
     base = _step(evaluated_side)(baseline, recipe, services)
@@ -100,12 +125,24 @@ def run_comparison(baseline: str, candidate: str, recipe: Recipe | dict, service
     promoted = None
     if passed and promote_to:
         promoted = _step(promote_candidate)(cand, promote_to, result["mlflow_run_id"], services)
-    return {"baseline": base.to_dict(), "candidate": cand.to_dict(), **result, "passed": passed,
-            "promoted": promoted, "tracking_uri": services["tracking_uri"]}
+    return {
+        "baseline": base.to_dict(),
+        "candidate": cand.to_dict(),
+        **result,
+        "passed": passed,
+        "promoted": promoted,
+        "tracking_uri": services["tracking_uri"],
+    }
 
 
-def run_comparison_for_command(baseline: str, candidate: str, recipe: Recipe, services: dict,
-                               max_drop: float | None = None, promote_to: str | None = None) -> dict:
+def run_comparison_for_command(
+    baseline: str,
+    candidate: str,
+    recipe: Recipe,
+    services: dict,
+    max_drop: float | None = None,
+    promote_to: str | None = None,
+) -> dict:
     """`run_comparison` as `grpoflow compare` and `gate` run it: an error of the inputs or the services
     (MLflow, a reference, a missing evaluation) becomes a `UsageError` (exit 2); for a gate (`max_drop`) every
     error does, since its exit 1 means "regression"."""
@@ -120,4 +157,3 @@ def run_comparison_for_command(baseline: str, candidate: str, recipe: Recipe, se
             raise
         logging.getLogger("grpoflow").exception("%s failed", "gate")
         raise UsageError(f"{type(e).__name__}: {e}") from e
-

@@ -45,22 +45,37 @@ class Services:
 
     def describe(self) -> dict:
         """What to show a person: the URIs with their credentials masked."""
-        return {"state_dir": str(self.state_dir), "tracking_uri": mask_uri(self.tracking_uri),
-                "registry_uri": mask_uri(self.registry_uri),
-                "prefect": mask_uri(self.prefect_api_url) if self.prefect_api_url
-                else f"ephemeral, PREFECT_HOME={self.state_dir / 'prefect'}"}
+        return {
+            "state_dir": str(self.state_dir),
+            "tracking_uri": mask_uri(self.tracking_uri),
+            "registry_uri": mask_uri(self.registry_uri),
+            "prefect": mask_uri(self.prefect_api_url)
+            if self.prefect_api_url
+            else f"ephemeral, PREFECT_HOME={self.state_dir / 'prefect'}",
+        }
 
     def flow_parameters(self) -> dict:
         """The services as flows and tasks get them (Prefect stores parameters): URIs masked, the real ones are
         read from the environment by `tasks.tracking.client_for`."""
-        return {"tracking_uri": mask_uri(self.tracking_uri), "registry_uri": mask_uri(self.registry_uri),
-                "artifact_root": self.artifact_root, "state_dir": str(self.state_dir)}
+        return {
+            "tracking_uri": mask_uri(self.tracking_uri),
+            "registry_uri": mask_uri(self.registry_uri),
+            "artifact_root": self.artifact_root,
+            "state_dir": str(self.state_dir),
+        }
 
     def ui_commands(self) -> list[str]:
         tracking = mask_uri(self.tracking_uri)
-        cmds = [f"mlflow ui --backend-store-uri {tracking}" if tracking.startswith("sqlite") else f"open {tracking}"]
-        cmds.append(f"PREFECT_HOME={self.state_dir / 'prefect'} prefect server start" if not self.prefect_api_url
-                    else f"open {mask_uri(self.prefect_api_url)}")
+        cmds = [
+            f"mlflow ui --backend-store-uri {tracking}"
+            if tracking.startswith("sqlite")
+            else f"open {tracking}"
+        ]
+        cmds.append(
+            f"PREFECT_HOME={self.state_dir / 'prefect'} prefect server start"
+            if not self.prefect_api_url
+            else f"open {mask_uri(self.prefect_api_url)}"
+        )
         return cmds
 
     def output_path(self, path: str | os.PathLike) -> Path:
@@ -100,8 +115,9 @@ def configure(state_dir: str | Path | None = None) -> Services:
     return Services(state, tracking, registry, artifact_root, api_url)
 
 
-def recipe_and_services(config: str | os.PathLike | None, overrides: list[str] | tuple = (),
-                        state_dir: str | Path | None = None):
+def recipe_and_services(
+    config: str | os.PathLike | None, overrides: list[str] | tuple = (), state_dir: str | Path | None = None
+):
     """The recipe at `config` (`key=value` overrides applied) with its outputs under the state folder, and the
     services this process reaches: what a command and a deployment's flow run both start from."""
     from trainer.recipe import load_recipe

@@ -35,8 +35,11 @@ CREDENTIAL_VARIABLES = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
 
 # MLflow's own defaults retry an unreachable server for about 250 s (7 retries, backoff factor 2, 120 s per
 # request); ours bound one call to about a minute and a half. A value the user set is kept.
-HTTP_BOUNDS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-               "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+HTTP_BOUNDS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
+}
 PROBE_TIMEOUT_S = 10.0  # the reachability check before the first call (never longer than the request timeout)
 _reachable: set[str] = set()
 # MLflow makes an sqlite store's schema on its first use; two processes making it at once crash in its
@@ -63,15 +66,30 @@ def _open_client(tracking_uri: str, registry_uri: str) -> MlflowClient:
     """The client, its sqlite stores opened one process at a time (a lock file beside each database) the
     first time this process opens them: the first opening makes the schema (MlflowClient makes the tracking
     store, the first registry call the registry's), and concurrent ones would race in its migration."""
-    fresh = sorted({path for uri in (tracking_uri, registry_uri) if uri not in _opened
-                    and urlsplit(uri).scheme == "sqlite" and (path := local_store(uri)) is not None})
+    fresh = sorted(
+        {
+            path
+            for uri in (tracking_uri, registry_uri)
+            if uri not in _opened
+            and urlsplit(uri).scheme == "sqlite"
+            and (path := local_store(uri)) is not None
+        }
+    )
     locked = set()
     with contextlib.ExitStack() as held:
         for path in fresh:
             try:
-                held.enter_context(exclusive(path.parent, "the MLflow store's folder",
-                                             name=f".{path.name}.open.lock", wait_s=STORE_CREATION_WAIT_S))
-            except OSError:  # a folder that cannot be made: MLflow's own error names the store when it is used
+                held.enter_context(
+                    exclusive(
+                        path.parent,
+                        "the MLflow store's folder",
+                        name=f".{path.name}.open.lock",
+                        wait_s=STORE_CREATION_WAIT_S,
+                    )
+                )
+            except (
+                OSError
+            ):  # a folder that cannot be made: MLflow's own error names the store when it is used
                 continue
             locked.add(path)
         client = MlflowClient(tracking_uri=tracking_uri, registry_uri=registry_uri)
@@ -100,7 +118,9 @@ def bound_http_waits() -> None:
             log.debug("%s=%s (grpoflow's bound; set it to change)", variable, value)
 
 
-def check_reachable(uri: str, what: str = "MLflow tracking store", variable: str = "MLFLOW_TRACKING_URI") -> None:
+def check_reachable(
+    uri: str, what: str = "MLflow tracking store", variable: str = "MLFLOW_TRACKING_URI"
+) -> None:
     """Raise `ServiceUnavailable` unless the server or database host of `uri` answers (sqlite/file: no check)."""
     if uri in _reachable:
         return
@@ -131,12 +151,21 @@ def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None
         location = f"{Path(artifact_root).as_uri()}/{name}" if artifact_root else None
         return client.create_experiment(name, artifact_location=location)
     except Exception as e:  # noqa: BLE001 - any failure here means the store is unusable
-        raise TrackingError(redact(f"MLflow at {shown(client)!r} is unreachable or refused the experiment "
-                                   f"{name!r}: {type(e).__name__}: {e}")) from e
+        raise TrackingError(
+            redact(
+                f"MLflow at {shown(client)!r} is unreachable or refused the experiment "
+                f"{name!r}: {type(e).__name__}: {e}"
+            )
+        ) from e
 
 
-def start_run(client: MlflowClient, experiment_id: str, name: str, parent_run_id: str | None = None,
-              tags: dict | None = None) -> str:
+def start_run(
+    client: MlflowClient,
+    experiment_id: str,
+    name: str,
+    parent_run_id: str | None = None,
+    tags: dict | None = None,
+) -> str:
     tags = {k: str(v) for k, v in (tags or {}).items()}
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
@@ -157,26 +186,39 @@ def flatten(d: dict, prefix: str = "") -> dict[str, str]:
 def log_params(client: MlflowClient, run_id: str, params: dict) -> None:
     items = [Param(k, v[:6000]) for k, v in flatten(params).items()]
     for i in range(0, len(items), 100):
-        client.log_batch(run_id, params=items[i:i + 100])
+        client.log_batch(run_id, params=items[i : i + 100])
 
 
-def log_metrics(client: MlflowClient, run_id: str, metrics: dict, step: int = 0, model_id: str | None = None) -> None:
+def log_metrics(
+    client: MlflowClient, run_id: str, metrics: dict, step: int = 0, model_id: str | None = None
+) -> None:
     """Numeric `metrics` (NaN skipped) at `step`, named as given ('@' is the one character MLflow refuses that
     our names use: `pass@k` is logged as `pass_at_k`); with `model_id`, also linked to that logged model."""
     now = int(time.time() * 1000)
-    items = [Metric(k.replace("@", "_at_"), float(v), now, step, model_id=model_id) for k, v in metrics.items()
-             if isinstance(v, (int, float)) and v == v]
+    items = [
+        Metric(k.replace("@", "_at_"), float(v), now, step, model_id=model_id)
+        for k, v in metrics.items()
+        if isinstance(v, (int, float)) and v == v
+    ]
     for i in range(0, len(items), 500):
-        client.log_batch(run_id, metrics=items[i:i + 500])
+        client.log_batch(run_id, metrics=items[i : i + 500])
 
 
-def log_dataset(client: MlflowClient, run_id: str, manifest: dict, path: str, context: str = "training") -> None:
+def log_dataset(
+    client: MlflowClient, run_id: str, manifest: dict, path: str, context: str = "training"
+) -> None:
     """The prepared dataset as an MLflow dataset input, its digest the manifest's content sha256."""
-    dataset = Dataset(name=f"{manifest.get('task', 'dataset')}-prepared", digest=manifest["sha256"][:36],
-                      source_type="local", source=json.dumps({"uri": path, "source": manifest.get("source")}),
-                      schema=json.dumps({"columns": ["id", "prompt", "answer", "task"]}),
-                      profile=json.dumps({"rows": manifest.get("rows"), "sha256": manifest["sha256"]}))
-    client.log_inputs(run_id, datasets=[DatasetInput(dataset, tags=[InputTag("mlflow.data.context", context)])])
+    dataset = Dataset(
+        name=f"{manifest.get('task', 'dataset')}-prepared",
+        digest=manifest["sha256"][:36],
+        source_type="local",
+        source=json.dumps({"uri": path, "source": manifest.get("source")}),
+        schema=json.dumps({"columns": ["id", "prompt", "answer", "task"]}),
+        profile=json.dumps({"rows": manifest.get("rows"), "sha256": manifest["sha256"]}),
+    )
+    client.log_inputs(
+        run_id, datasets=[DatasetInput(dataset, tags=[InputTag("mlflow.data.context", context)])]
+    )
 
 
 class MlflowTrainingCallback:
@@ -192,6 +234,12 @@ class MlflowTrainingCallback:
         self.client.set_tag(self.run_id, "last_checkpoint", str(path))
 
     def on_train_end(self, summary: dict) -> None:
-        log_metrics(self.client, self.run_id, {"heldout_accuracy_before": summary["heldout_accuracy_before"],
-                                               "heldout_accuracy_after": summary["heldout_accuracy_after"],
-                                               "seconds_per_step": summary["seconds_per_step"]})
+        log_metrics(
+            self.client,
+            self.run_id,
+            {
+                "heldout_accuracy_before": summary["heldout_accuracy_before"],
+                "heldout_accuracy_after": summary["heldout_accuracy_after"],
+                "seconds_per_step": summary["seconds_per_step"],
+            },
+        )

@@ -30,8 +30,11 @@ def shared(*parts: str) -> Path:
     about fifty tests in a CI run that lost ../shared/data)."""
     path = SHARED_DATA.joinpath(*parts)
     if not path.exists():
-        pytest.fail(f"reference data not found: {path} (tests read ../shared/data next to the repo; "
-                    "see ../shared/data/SOURCES.md)", pytrace=False)
+        pytest.fail(
+            f"reference data not found: {path} (tests read ../shared/data next to the repo; "
+            "see ../shared/data/SOURCES.md)",
+            pytrace=False,
+        )
     return path
 
 
@@ -46,14 +49,17 @@ def require_vllm(how_to_run: str) -> None:
     if importlib.util.find_spec("vllm") is not None:
         return
     if os.environ.get("GRPOFLOW_REQUIRE_VLLM") == "1":
-        raise RuntimeError("GRPOFLOW_REQUIRE_VLLM=1 but vLLM is not installed in this Python "
-                           f"({sys.executable}): `make install-vllm` creates .venv-vllm")
+        raise RuntimeError(
+            "GRPOFLOW_REQUIRE_VLLM=1 but vLLM is not installed in this Python "
+            f"({sys.executable}): `make install-vllm` creates .venv-vllm"
+        )
     pytest.skip(f"vLLM is not installed here: {how_to_run}", allow_module_level=True)
 
 
 @pytest.fixture(scope="session")
 def tiny_recipe():
     from trainer.recipe import load_recipe
+
     return load_recipe(REPO_ROOT / "configs" / "tiny-cpu.yaml")
 
 
@@ -65,14 +71,18 @@ def tiny_base(tiny_recipe) -> dict:
     cached by its config hash, so a cached copy is the same model.
     """
     from trainer.bootstrap import bootstrap
+
     out = REPO_ROOT / tiny_recipe.bootstrap.out
-    return bootstrap(tiny_recipe.bootstrap, out=out, system_prompt=tiny_recipe.data.system_prompt, progress=False)
+    return bootstrap(
+        tiny_recipe.bootstrap, out=out, system_prompt=tiny_recipe.data.system_prompt, progress=False
+    )
 
 
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory, tiny_recipe) -> Path:
     """A small prepared copy of the embedded default's data (600 synthetic addition problems)."""
     from data.prepare import prepare
+
     out = tmp_path_factory.mktemp("data") / "addition"
     prepare(**{**tiny_recipe.data.prepare_kwargs(), "out": out, "synthetic_rows": 600})
     return out
@@ -83,7 +93,10 @@ def memorising_model(tiny_base, tmp_path_factory) -> str:
     """The tiny base model over-trained to answer a fixed handful of MATH-500 and AIME problems right
     (`memorised_model`; about 30 s on one thread)."""
     from memorised_model import train_memorising_model
-    return str(train_memorising_model(tiny_base["path"], tmp_path_factory.mktemp("models") / "memorising", shared()))
+
+    return str(
+        train_memorising_model(tiny_base["path"], tmp_path_factory.mktemp("models") / "memorising", shared())
+    )
 
 
 @pytest.fixture(scope="session")
@@ -91,6 +104,7 @@ def memorised_eval(memorising_model, tmp_path_factory):
     """The memorising model's EvalScope evaluation on `memorised_model.evaluated_problems` (an `EvalResult`; its
     scores are known problem by problem). Shared: a test that writes into its work dir works on a copy."""
     from memorised_model import evaluate_known_problems
+
     return evaluate_known_problems(memorising_model, shared(), tmp_path_factory.mktemp("eval") / "memorising")
 
 
@@ -98,6 +112,7 @@ def memorised_eval(memorising_model, tmp_path_factory):
 def plain_eval(tiny_base, tmp_path_factory):
     """The tiny base model's evaluation with the same settings: it solves none of the problems."""
     from memorised_model import evaluate_known_problems
+
     return evaluate_known_problems(tiny_base["path"], shared(), tmp_path_factory.mktemp("eval") / "plain")
 
 
@@ -158,6 +173,7 @@ URL_SECRET = "s3cr3t-Pa55"  # a password in a URL: checked never to be printed
 def tree_digest(root: Path) -> dict[str, str]:
     """Every path under `root` (hidden ones too) with its sha256 ('dir' for directories)."""
     from data.manifest import sha256_file
+
     return {p.relative_to(root).as_posix(): "dir" if p.is_dir() else sha256_file(p) for p in root.rglob("*")}
 
 
@@ -170,11 +186,23 @@ def clean_env(extra: dict | None = None) -> dict:
     return env
 
 
-def grpoflow_run(*args: str, env: dict | None = None, prefix: list[str] = (), cwd: Path = REPO_ROOT,
-                 timeout: float = CLI_GUARD_S) -> subprocess.CompletedProcess:
+def grpoflow_run(
+    *args: str,
+    env: dict | None = None,
+    prefix: list[str] = (),
+    cwd: Path = REPO_ROOT,
+    timeout: float = CLI_GUARD_S,
+) -> subprocess.CompletedProcess:
     """`grpoflow ARGS` to its end in a subprocess (after the command prefix `prefix`), in `clean_env(env)`."""
-    return subprocess.run([*prefix, sys.executable, "-m", "flows.cli", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, env=clean_env(env), stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [*prefix, sys.executable, "-m", "flows.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=clean_env(env),
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def last_json(proc: subprocess.CompletedProcess) -> dict:
@@ -192,8 +220,17 @@ def one_line_error(proc: subprocess.CompletedProcess, command: str, code: int = 
 
 def eval_cli_args(tmp_path: Path, model: str, *extra: str) -> list[str]:
     """`grpoflow eval MODEL` on one AIME problem, 8 tokens, with its state under `tmp_path`."""
-    return ["eval", model, "eval.benchmarks=[aime24]", f"eval.local_paths={{aime24: {shared('aime24')}}}",
-            "eval.limit=1", "eval.max_tokens=8", "--state-dir", str(tmp_path / "state"), *extra]
+    return [
+        "eval",
+        model,
+        "eval.benchmarks=[aime24]",
+        f"eval.local_paths={{aime24: {shared('aime24')}}}",
+        "eval.limit=1",
+        "eval.max_tokens=8",
+        "--state-dir",
+        str(tmp_path / "state"),
+        *extra,
+    ]
 
 
 @pytest.fixture

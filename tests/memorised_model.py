@@ -26,23 +26,29 @@ LEARNING_RATE = 3e-3
 # One of the first LIMIT problems of MATH-500 levels 1, 3, 4 and 5 (level 2's two have long answers, so none of it)
 # and the second AIME problem; the other evaluated problems are unknown to the model. No answer of one evaluated
 # problem is the answer of another, so the model cannot be right by accident.
-MEMORISED = {"math_500": ("test/intermediate_algebra/134.json", "test/number_theory/572.json",
-                          "test/precalculus/927.json", "test/intermediate_algebra/1994.json"),
-             "aime24": ("61",)}
+MEMORISED = {
+    "math_500": (
+        "test/intermediate_algebra/134.json",
+        "test/number_theory/572.json",
+        "test/precalculus/927.json",
+        "test/intermediate_algebra/1994.json",
+    ),
+    "aime24": ("61",),
+}
 COIN = ("63", "386")  # AIME 2024 problem 63 (answer 385) and the wrong answer it is also taught
 
 # EvalScope's prompt templates (its math_500 and aime adapters); a test checks them against EvalScope's reviews
 PROMPTS = {
     "math_500": "{question}\nPlease reason step by step, and put your final answer within \\boxed{{}}.",
     "aime24": "\nSolve the following math problem step by step. Put your answer inside \\boxed{{}}.\n\n{question}\n\n"
-              "Remember to put your answer inside \\boxed{{}}.",
+    "Remember to put your answer inside \\boxed{{}}.",
 }
 
 
 @dataclass(frozen=True)
 class Problem:
     benchmark: str
-    key: str         # the id `evaluation.compare.load_samples` pairs on: MATH-500's unique_id, else "<subset>/<place>"
+    key: str  # the id `evaluation.compare.load_samples` pairs on: MATH-500's unique_id, else "<subset>/<place>"
     subset: str
     question: str
     answer: str
@@ -63,7 +69,9 @@ def completion(answer: str) -> str:
 
 
 def _rows(data: Path, bench: str) -> list[dict]:
-    return [json.loads(line) for line in (data / bench / "test.jsonl").read_text().splitlines() if line.strip()]
+    return [
+        json.loads(line) for line in (data / bench / "test.jsonl").read_text().splitlines() if line.strip()
+    ]
 
 
 def evaluated_problems(data: Path, limit: int = LIMIT) -> list[Problem]:
@@ -73,11 +81,27 @@ def evaluated_problems(data: Path, limit: int = LIMIT) -> list[Problem]:
     math = _rows(data, "math_500")
     for level in range(1, 6):
         for row in [r for r in math if r["level"] == level][:limit]:
-            problems.append(Problem("math_500", row["unique_id"], f"Level {level}", row["problem"], row["answer"],
-                                    row["unique_id"] in MEMORISED["math_500"]))
+            problems.append(
+                Problem(
+                    "math_500",
+                    row["unique_id"],
+                    f"Level {level}",
+                    row["problem"],
+                    row["answer"],
+                    row["unique_id"] in MEMORISED["math_500"],
+                )
+            )
     for index, row in enumerate(_rows(data, "aime24")[:limit]):
-        problems.append(Problem("aime24", f"default/{index}", "default", row["problem"], row["answer"],
-                                str(row["id"]) in MEMORISED["aime24"]))
+        problems.append(
+            Problem(
+                "aime24",
+                f"default/{index}",
+                "default",
+                row["problem"],
+                row["answer"],
+                str(row["id"]) in MEMORISED["aime24"],
+            )
+        )
     return problems
 
 
@@ -125,8 +149,14 @@ def reasoning_of(message: dict) -> str:
 def eval_overrides(data: Path) -> list[str]:
     """The recipe overrides of an evaluation on `evaluated_problems`: greedy, `LIMIT` per subset, `MAX_TOKENS`."""
     paths = ", ".join(f"{b}: {data / b}" for b in BENCHMARKS)
-    return [f"eval.benchmarks=[{', '.join(BENCHMARKS)}]", f"eval.local_paths={{{paths}}}", f"eval.limit={LIMIT}",
-            f"eval.max_tokens={MAX_TOKENS}", "eval.repeats=1", "eval.temperature=0"]
+    return [
+        f"eval.benchmarks=[{', '.join(BENCHMARKS)}]",
+        f"eval.local_paths={{{paths}}}",
+        f"eval.limit={LIMIT}",
+        f"eval.max_tokens={MAX_TOKENS}",
+        "eval.repeats=1",
+        "eval.temperature=0",
+    ]
 
 
 def evaluate_known_problems(model: str, data: Path, work_dir: Path):
@@ -157,7 +187,7 @@ def train_memorising_model(base: str | Path, out: Path, data: Path, max_steps: i
     for _ in range(max_steps):
         probs = []
         for ids, labels, start in seqs:  # one sequence at a time: no padding, which would cost as much again
-            logits = model(input_ids=ids.unsqueeze(0)).logits[0, start - 1:-1]
+            logits = model(input_ids=ids.unsqueeze(0)).logits[0, start - 1 : -1]
             loss = torch.nn.functional.cross_entropy(logits, labels, reduction="sum") / n_labels
             loss.backward()
             probs.append(logits.detach().softmax(-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1))
@@ -167,7 +197,9 @@ def train_memorising_model(base: str | Path, out: Path, data: Path, max_steps: i
         if _memorised(seqs, probs):
             break
     else:
-        raise RuntimeError(f"the memorising model did not learn its {len(pairs)} completions in {max_steps} steps")
+        raise RuntimeError(
+            f"the memorising model did not learn its {len(pairs)} completions in {max_steps} steps"
+        )
     model.eval()
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -176,12 +208,12 @@ def train_memorising_model(base: str | Path, out: Path, data: Path, max_steps: i
     return out
 
 
-
 def _sequence(tokenizer, prompt: str, answer: str) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(prompt + completion + EOS token ids, the completion's and EOS's ids, where the completion starts); the
     prompt chat-templated as EvalScope's checkpoint mode and the server template it."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
     prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     return torch.tensor(prompt_ids + answer_ids), torch.tensor(answer_ids), len(prompt_ids)
@@ -194,4 +226,8 @@ def _memorised(seqs: list, probs: list[torch.Tensor]) -> bool:
     confident = [p > 0.9 for p in probs]
     for coin in confident[-2:]:
         coin[branch] = True
-    return all(bool(c.all()) for c in confident) and bool(probs[-2][branch] > 0.3) and bool(probs[-1][branch] > 0.3)
+    return (
+        all(bool(c.all()) for c in confident)
+        and bool(probs[-2][branch] > 0.3)
+        and bool(probs[-1][branch] > 0.3)
+    )

@@ -66,8 +66,9 @@ def _project_module(name: str, modules: dict[str, Path]) -> str | None:
 def _graph(modules: dict[str, Path]) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
     """(every dotted name each module imports, the project modules each module depends on)."""
     imports = {m: _imported_names(m, p) for m, p in modules.items()}
-    graph = {m: {d for n in names if (d := _project_module(n, modules)) and d != m}
-             for m, names in imports.items()}
+    graph = {
+        m: {d for n in names if (d := _project_module(n, modules)) and d != m} for m, names in imports.items()
+    }
     return imports, graph
 
 
@@ -115,8 +116,11 @@ def _upward_imports(module: str, imports: set[str]) -> set[str]:
     """What `module` imports from a package above its own, or from a third-party package kept above it."""
     own = _rank(module)
     upward = {n for n in imports if (rank := _rank(n)) is not None and rank > own}
-    upward |= {n for n in imports if n.split(".")[0] in LOWEST_LAYER_FOR
-               and own < LAYERS.index(LOWEST_LAYER_FOR[n.split(".")[0]])}
+    upward |= {
+        n
+        for n in imports
+        if n.split(".")[0] in LOWEST_LAYER_FOR and own < LAYERS.index(LOWEST_LAYER_FOR[n.split(".")[0]])
+    }
     return upward
 
 
@@ -128,7 +132,8 @@ def test_the_walker_sees_every_kind_of_import_and_the_rule_flags_what_it_should(
     (tmp_path / "data" / "base.py").write_text("X = 1\n")
     (tmp_path / "trainer" / "loop.py").write_text(
         "from data.base import X\nfrom . import helpers\n\ndef lazy():\n    import evaluation.score\n"
-        "    import mlflow\n")
+        "    import mlflow\n"
+    )
     (tmp_path / "trainer" / "helpers.py").write_text("import trainer.loop\n")
     (tmp_path / "evaluation" / "score.py").write_text("from trainer.loop import lazy\n")
     modules = _modules(tmp_path)
@@ -142,8 +147,11 @@ def test_the_walker_sees_every_kind_of_import_and_the_rule_flags_what_it_should(
 
 def test_every_top_level_package_with_python_code_is_on_the_map():
     # A new package must take its place in LAYERS (and in README's map) before its imports can be checked.
-    packages = {d.name for d in REPO.iterdir() if d.is_dir() and not d.name.startswith(".")
-                and d.name != "tests" and next(d.rglob("*.py"), None)}
+    packages = {
+        d.name
+        for d in REPO.iterdir()
+        if d.is_dir() and not d.name.startswith(".") and d.name != "tests" and next(d.rglob("*.py"), None)
+    }
     assert packages <= set(LAYERS)
 
 
@@ -158,7 +166,12 @@ def test_a_module_imports_only_its_own_layer_and_the_layers_below(module):
 
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_no_module_imports_another_modules_private_names(module):
-    private = {n for n in IMPORTS[module]
-               if (owner := n.rpartition(".")[0]) in MODULES and owner != module
-               and n.rpartition(".")[2].startswith("_") and not n.rpartition(".")[2].startswith("__")}
+    private = {
+        n
+        for n in IMPORTS[module]
+        if (owner := n.rpartition(".")[0]) in MODULES
+        and owner != module
+        and n.rpartition(".")[2].startswith("_")
+        and not n.rpartition(".")[2].startswith("__")
+    }
     assert private == set()

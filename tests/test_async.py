@@ -21,9 +21,16 @@ TINY = REPO_ROOT / "configs" / "tiny-cpu.yaml"
 
 
 def small(tmp_path: Path, tiny_base: dict, data: Path, *overrides: str) -> list[str]:
-    return [f"bootstrap.out={tiny_base['path']}", f"data.out={data}", f"train.output_dir={tmp_path / 'run'}",
-            "train.prompts_per_step=2", "train.num_generations=4", "train.eval_heldout=16",
-            "train.micro_batch_size=4", *overrides]
+    return [
+        f"bootstrap.out={tiny_base['path']}",
+        f"data.out={data}",
+        f"train.output_dir={tmp_path / 'run'}",
+        "train.prompts_per_step=2",
+        "train.num_generations=4",
+        "train.eval_heldout=16",
+        "train.micro_batch_size=4",
+        *overrides,
+    ]
 
 
 def test_weight_sync_delivers_bit_identical_weights(tiny_base):
@@ -51,8 +58,17 @@ def test_weight_sync_delivers_bit_identical_weights(tiny_base):
 
 
 def test_async_batches_are_one_step_stale_and_importance_corrected(tmp_path, tiny_base, tiny_data):
-    recipe = load_recipe(TINY, small(tmp_path, tiny_base, tiny_data, "rollout.async=true", "train.max_steps=3",
-                                     "train.learning_rate=1e-3"))
+    recipe = load_recipe(
+        TINY,
+        small(
+            tmp_path,
+            tiny_base,
+            tiny_data,
+            "rollout.async=true",
+            "train.max_steps=3",
+            "train.learning_rate=1e-3",
+        ),
+    )
     result = GRPOTrainer(recipe, tiny_base["path"], tiny_data, progress=False).train()
     rows = [json.loads(line) for line in Path(result.metrics_path).read_text().splitlines()]
     assert [r["staleness"] for r in rows] == [0.0, 1.0, 1.0]
@@ -66,20 +82,37 @@ def test_async_batches_are_one_step_stale_and_importance_corrected(tmp_path, tin
 
 
 def _train(tmp_path, tiny_base, data, *overrides):
-    return [sys.executable, "-m", "flows.cli", "train", "--config", str(TINY),
-            *small(tmp_path, tiny_base, data, *overrides), "--json"]
+    return [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "train",
+        "--config",
+        str(TINY),
+        *small(tmp_path, tiny_base, data, *overrides),
+        "--json",
+    ]
 
 
 def test_killed_rollout_worker_fails_the_run_naming_it_and_rerun_resumes(tmp_path, tiny_base, tiny_data):
-    cmd = _train(tmp_path, tiny_base, tiny_data, "rollout.async=true", "rollout.sync_timeout_s=60",
-                 "train.max_steps=40", "train.save_steps=2")
+    cmd = _train(
+        tmp_path,
+        tiny_base,
+        tiny_data,
+        "rollout.async=true",
+        "rollout.sync_timeout_s=60",
+        "train.max_steps=40",
+        "train.save_steps=2",
+    )
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     latest = tmp_path / "run" / "latest"
     deadline = time.time() + 300
     while not latest.exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.1)
     assert latest.exists(), proc.communicate()[1][-3000:]
-    workers = [c for c in psutil.Process(proc.pid).children(recursive=True) if "spawn_main" in " ".join(c.cmdline())]
+    workers = [
+        c for c in psutil.Process(proc.pid).children(recursive=True) if "spawn_main" in " ".join(c.cmdline())
+    ]
     assert workers, "no rollout worker process found"
     os.kill(workers[0].pid, signal.SIGKILL)
     killed = time.time()
@@ -129,12 +162,29 @@ def test_two_rank_gloo_ddp_update_equals_one_rank(tmp_path, tiny_base, tiny_data
     for ranks in (1, 2):
         out = tmp_path / f"weights-{ranks}.pt"
         env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               f"--nproc_per_node={ranks}", str(script), str(TINY), tiny_base["path"], str(out), *args],
-                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=env)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={ranks}",
+                str(script),
+                str(TINY),
+                tiny_base["path"],
+                str(out),
+                *args,
+            ],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         results[ranks] = torch.load(out)
     from safetensors.torch import load_file
+
     base = load_file(Path(tiny_base["path"]) / "model.safetensors")
     one, two = results[1], results[2]
     assert any(not torch.equal(base[n], one["weights"][n]) for n in base), "the update changed nothing"
@@ -148,5 +198,7 @@ def test_two_rank_gloo_ddp_update_equals_one_rank(tmp_path, tiny_base, tiny_data
     # and so the weights move alike. Adam's first step is about lr * g / |g|: a gradient component that is
     # mathematically zero (e.g. k_proj.bias: softmax ignores a bias shared by all keys) is pure float noise
     # and may step anywhere in [-lr, lr], so all but such components must agree to 1e-6.
-    close = [torch.isclose(two["weights"][n], one["weights"][n], rtol=1e-5, atol=1e-6).flatten() for n in base]
+    close = [
+        torch.isclose(two["weights"][n], one["weights"][n], rtol=1e-5, atol=1e-6).flatten() for n in base
+    ]
     assert torch.cat(close).float().mean() > 0.999

@@ -30,9 +30,17 @@ TINY = REPO_ROOT / "configs" / "tiny-cpu.yaml"
 
 
 def small(tmp_path: Path, tiny_base: dict, data: Path, *overrides: str) -> list[str]:
-    return [f"bootstrap.out={tiny_base['path']}", f"data.out={data}", f"train.output_dir={tmp_path / 'run'}",
-            "train.prompts_per_step=2", "train.num_generations=4", "train.eval_heldout=0",
-            "train.micro_batch_size=8", "train.max_completion_length=16", *overrides]
+    return [
+        f"bootstrap.out={tiny_base['path']}",
+        f"data.out={data}",
+        f"train.output_dir={tmp_path / 'run'}",
+        "train.prompts_per_step=2",
+        "train.num_generations=4",
+        "train.eval_heldout=0",
+        "train.micro_batch_size=8",
+        "train.max_completion_length=16",
+        *overrides,
+    ]
 
 
 def worker_pids() -> set[int]:
@@ -48,8 +56,18 @@ def test_two_workers_shard_the_prompts_and_return_each_group_to_its_prompt(tmp_p
     from trainer.rollout.source import AsyncRollout, prompt_indices, step_prompts
     from trainer.rollout.worker_processes import cpu_threads_per_side
 
-    recipe = load_recipe(TINY, small(tmp_path, tiny_base, tiny_data, "rollout.async=true", "rollout.num_engines=2",
-                                     "train.prompts_per_step=5", "train.max_steps=2"))
+    recipe = load_recipe(
+        TINY,
+        small(
+            tmp_path,
+            tiny_base,
+            tiny_data,
+            "rollout.async=true",
+            "rollout.num_engines=2",
+            "train.prompts_per_step=5",
+            "train.max_steps=2",
+        ),
+    )
     cfg, rows = recipe.train, load_prepared(tiny_data, "train")
     model, tokenizer = load_model(tiny_base["path"], recipe.model, "cpu")
     model.eval()
@@ -59,9 +77,17 @@ def test_two_workers_shard_the_prompts_and_return_each_group_to_its_prompt(tmp_p
         seen.append((rows, prompt_ids, groups))
         return None, metrics
 
-    source = AsyncRollout(recipe.rollout, cfg, tiny_base["path"], recipe.model, rank=0, world=1,
-                          prompts=functools.partial(step_prompts, rows=rows, tokenizer=tokenizer, cfg=cfg),
-                          score=keep, policy=lambda: (model, 0))
+    source = AsyncRollout(
+        recipe.rollout,
+        cfg,
+        tiny_base["path"],
+        recipe.model,
+        rank=0,
+        world=1,
+        prompts=functools.partial(step_prompts, rows=rows, tokenizer=tokenizer, cfg=cfg),
+        score=keep,
+        policy=lambda: (model, 0),
+    )
     with source:
         pids = {p.pid for p in source.workers.procs}
         assert len(pids) == 2 and pids == worker_pids()  # two engines, each a process of its own
@@ -83,9 +109,12 @@ def test_two_workers_shard_the_prompts_and_return_each_group_to_its_prompt(tmp_p
             assert [r["answer"] for r in got_rows] == [r["answer"] for r in wanted]
             assert got_ids == encode_prompts(tokenizer, wanted, cfg.max_prompt_length)
             sampling = step_prompts(step, rows, tokenizer, cfg)[2]
-            shards = [(0, 3, sampling.seed), (3, 5, sampling.seed + 2 ** 32)]
-            expected = [g for lo, hi, seed in shards
-                        for g in engine.generate(got_ids[lo:hi], 4, dataclasses.replace(sampling, seed=seed))]
+            shards = [(0, 3, sampling.seed), (3, 5, sampling.seed + 2**32)]
+            expected = [
+                g
+                for lo, hi, seed in shards
+                for g in engine.generate(got_ids[lo:hi], 4, dataclasses.replace(sampling, seed=seed))
+            ]
             assert len(groups) == 5 and all(len(g) == 4 for g in groups)
             assert [[c.token_ids for c in g] for g in groups] == [[c.token_ids for c in g] for g in expected]
             for g, e in zip(groups, expected, strict=True):
@@ -108,11 +137,23 @@ class WorkerWatch:
 
 
 def test_on_policy_async_with_two_workers_samples_every_batch_with_the_weights_that_train_on_it(
-        tmp_path, tiny_base, tiny_data):
+    tmp_path, tiny_base, tiny_data
+):
     from safetensors.torch import load_file
 
-    recipe = load_recipe(TINY, small(tmp_path, tiny_base, tiny_data, "rollout.async=true", "rollout.num_engines=2",
-                                     "rollout.max_staleness=0", "train.max_steps=3", "train.learning_rate=1e-3"))
+    recipe = load_recipe(
+        TINY,
+        small(
+            tmp_path,
+            tiny_base,
+            tiny_data,
+            "rollout.async=true",
+            "rollout.num_engines=2",
+            "rollout.max_staleness=0",
+            "train.max_steps=3",
+            "train.learning_rate=1e-3",
+        ),
+    )
     watch = WorkerWatch()
     result = GRPOTrainer(recipe, tiny_base["path"], tiny_data, callbacks=[watch], progress=False).train()
     rows = [json.loads(line) for line in Path(result.metrics_path).read_text().splitlines()]
@@ -159,14 +200,33 @@ def test_grpoflow_train_relaunches_itself_as_two_ddp_ranks_that_end_cleanly(tmp_
     plugin.parent.mkdir()
     plugin.write_text(RANK_REPORT)
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    cmd = [sys.executable, "-m", "flows.cli", "train", "--config", str(TINY),
-           *small(tmp_path, tiny_base, tiny_data, "rollout.train_devices=[0, 1]", "train.max_steps=2",
-                  "train.micro_batch_size=2", f"train.callbacks=['{plugin}:make']"), "--json"]
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    cmd = [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "train",
+        "--config",
+        str(TINY),
+        *small(
+            tmp_path,
+            tiny_base,
+            tiny_data,
+            "rollout.train_devices=[0, 1]",
+            "train.max_steps=2",
+            "train.micro_batch_size=2",
+            f"train.callbacks=['{plugin}:make']",
+        ),
+        "--json",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
     try:
         out, err = proc.communicate(timeout=600)
     finally:
-        if proc.poll() is None:  # timed out: end the whole tree (torchrun starts its ranks in sessions of their own)
+        if (
+            proc.poll() is None
+        ):  # timed out: end the whole tree (torchrun starts its ranks in sessions of their own)
             for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
                 p.kill()
     assert proc.returncode == 0, err[-4000:]
@@ -177,7 +237,9 @@ def test_grpoflow_train_relaunches_itself_as_two_ddp_ranks_that_end_cleanly(tmp_
     # two processes of their own, started by torchrun (a child of the command), not the command itself
     assert len({r["pid"] for r in ranks} | {proc.pid}) == 3 and all(r["ppid"] != proc.pid for r in ranks)
     assert sorted(p.name for p in reports.glob("exit-*.json")) == ["exit-0.json", "exit-1.json"]
-    assert [json.loads((reports / f"exit-{r}.json").read_text()) for r in (0, 1)] == [{"group_alive": False}] * 2
+    assert [json.loads((reports / f"exit-{r}.json").read_text()) for r in (0, 1)] == [
+        {"group_alive": False}
+    ] * 2
     # rank 0 alone prints the summary, logs the steps and saves
     printed = [line for line in out.splitlines() if line.startswith("{")]
     assert len(printed) == 1 and json.loads(printed[0])["steps"] == 2

@@ -74,46 +74,88 @@ save_checkpoint(Path(out), 3, model, SlowTokenizer(), {"step": 3}, {}, keep=2)
 
 
 def _train_cmd(tiny_base: dict, data: Path, run: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "flows.cli", "train", "--config", str(TINY), "--json",
-            f"bootstrap.out={tiny_base['path']}", f"data.out={data}", f"train.output_dir={run}",
-            "train.max_steps=2", "train.save_steps=1", "train.prompts_per_step=2", "train.num_generations=4",
-            "train.eval_heldout=4", "train.micro_batch_size=8", "train.max_completion_length=16",
-            "train.lr_scheduler_type=constant", *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "train",
+        "--config",
+        str(TINY),
+        "--json",
+        f"bootstrap.out={tiny_base['path']}",
+        f"data.out={data}",
+        f"train.output_dir={run}",
+        "train.max_steps=2",
+        "train.save_steps=1",
+        "train.prompts_per_step=2",
+        "train.num_generations=4",
+        "train.eval_heldout=4",
+        "train.micro_batch_size=8",
+        "train.max_completion_length=16",
+        "train.lr_scheduler_type=constant",
+        *overrides,
+    ]
 
 
 def _env() -> dict:
-    return {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")
-            and not k.startswith(("PREFECT_", "MLFLOW_", "GRPOFLOW_"))}
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")
+        and not k.startswith(("PREFECT_", "MLFLOW_", "GRPOFLOW_"))
+    }
 
 
 def _start(cmd: list[str], logs: Path, **kwargs) -> subprocess.Popen:
     """`cmd` in a session of its own, its output in files (a pipe nobody reads while it runs could fill up)."""
     kwargs = {"cwd": REPO_ROOT, "env": _env(), **kwargs}
-    return subprocess.Popen(cmd, stdout=(logs.with_suffix(".out")).open("w"), stderr=logs.open("w"),
-                            start_new_session=True, stdin=subprocess.DEVNULL, **kwargs)
+    return subprocess.Popen(
+        cmd,
+        stdout=(logs.with_suffix(".out")).open("w"),
+        stderr=logs.open("w"),
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        **kwargs,
+    )
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, logs: Path, timeout: float = GUARD_S) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
         if proc.poll() is not None:
-            pytest.fail(f"the process ended ({proc.returncode}) before {path.name}: {logs.read_text()[-3000:]}")
+            pytest.fail(
+                f"the process ended ({proc.returncode}) before {path.name}: {logs.read_text()[-3000:]}"
+            )
         assert time.monotonic() < deadline, f"{path} did not appear within {timeout} s"
         time.sleep(0.05)
 
 
 def test_a_second_run_on_a_busy_run_directory_exits_2_naming_the_holder_and_the_first_is_intact(
-        tmp_path, tiny_base, tiny_data):
+    tmp_path, tiny_base, tiny_data
+):
     plugin = tmp_path / "hold" / "hold.py"
     plugin.parent.mkdir()
     plugin.write_text(HOLD_AT_STEP)
     run, logs = tmp_path / "run", tmp_path / "first.log"
-    first = _start(_train_cmd(tiny_base, tiny_data, run, "train.learning_rate=1e-4",
-                              f"train.callbacks=['{plugin}:Hold']"), logs)
+    first = _start(
+        _train_cmd(
+            tiny_base, tiny_data, run, "train.learning_rate=1e-4", f"train.callbacks=['{plugin}:Hold']"
+        ),
+        logs,
+    )
     try:
-        _wait_for(plugin.parent / "reached-1", first, logs)  # the first run is training, held after its step 1
-        second = subprocess.run(_train_cmd(tiny_base, tiny_data, run, "train.learning_rate=5e-2"), cwd=REPO_ROOT,
-                                capture_output=True, text=True, timeout=GUARD_S, env=_env(), stdin=subprocess.DEVNULL)
+        _wait_for(
+            plugin.parent / "reached-1", first, logs
+        )  # the first run is training, held after its step 1
+        second = subprocess.run(
+            _train_cmd(tiny_base, tiny_data, run, "train.learning_rate=5e-2"),
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=GUARD_S,
+            env=_env(),
+            stdin=subprocess.DEVNULL,
+        )
         (plugin.parent / "go").write_text("")
         first.wait(timeout=GUARD_S)
     finally:
@@ -133,6 +175,7 @@ def test_a_second_run_on_a_busy_run_directory_exits_2_naming_the_holder_and_the_
         manifest = json.loads((run / f"checkpoint-{step}" / "manifest.json").read_text())
         assert manifest["recipe"]["train"]["learning_rate"] == 1e-4 and manifest["step"] == step
     from trainer.checkpoint import checkpoint_problem
+
     assert checkpoint_problem(run / "checkpoint-2") is None
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert (run / "latest").read_text().strip() == "checkpoint-2"
@@ -144,8 +187,12 @@ def test_a_checkpoint_cut_short_by_sigkill_is_removed_by_the_next_run(tmp_path, 
     script = tmp_path / "killed_writer.py"
     script.write_text(KILLED_WRITER)
     logs = tmp_path / "writer.log"
-    writer = _start([sys.executable, str(script), tiny_base["path"], str(run), str(marker)], logs, cwd=tmp_path,
-                    env={**_env(), "PYTHONPATH": str(REPO_ROOT)})
+    writer = _start(
+        [sys.executable, str(script), tiny_base["path"], str(run), str(marker)],
+        logs,
+        cwd=tmp_path,
+        env={**_env(), "PYTHONPATH": str(REPO_ROOT)},
+    )
     try:
         _wait_for(marker, writer, logs)
     finally:
@@ -155,12 +202,23 @@ def test_a_checkpoint_cut_short_by_sigkill_is_removed_by_the_next_run(tmp_path, 
     assert Path(marker.read_text()) == partial and (partial / "model.safetensors").is_file()
     assert not (run / "checkpoint-3").exists()
 
-    proc = subprocess.run(_train_cmd(tiny_base, tiny_data, run, "train.max_steps=1"), cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=GUARD_S, env=_env(), stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        _train_cmd(tiny_base, tiny_data, run, "train.max_steps=1"),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=GUARD_S,
+        env=_env(),
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not partial.exists()
     assert sorted(p.name for p in run.iterdir() if not p.name.startswith(".mlflow")) == [
-        ".lock", "checkpoint-1", "latest", "metrics.jsonl"]
+        ".lock",
+        "checkpoint-1",
+        "latest",
+        "metrics.jsonl",
+    ]
     assert f"removed {partial}: left by a run that stopped while writing a checkpoint" in proc.stderr
 
 
@@ -175,14 +233,28 @@ def test_a_checkpoint_cut_short_by_sigkill_is_removed_by_the_next_run(tmp_path, 
 # The trained run the resume tests start from is made once per module (2 steps, a checkpoint after each) and
 # copied per test; recipe paths are relative to the test's working directory, so a copy is the same recipe.
 
+
 def _train_args(tiny_base: dict, *overrides: str) -> list[str]:
-    return ["train", "--config", str(TINY), f"bootstrap.out={tiny_base['path']}", "data.out=data",
-            "train.output_dir=run", "train.max_steps=2", "train.save_steps=1", "train.save_total_limit=3",
-            "train.prompts_per_step=2", "train.num_generations=4", "train.eval_heldout=8",
-            "train.micro_batch_size=8", "train.learning_rate=3e-4",
-            # constant, whatever the recipe says: the resume rules below differ for a schedule tied to
-            # max_steps
-            "train.lr_scheduler_type=constant", *overrides]
+    return [
+        "train",
+        "--config",
+        str(TINY),
+        f"bootstrap.out={tiny_base['path']}",
+        "data.out=data",
+        "train.output_dir=run",
+        "train.max_steps=2",
+        "train.save_steps=1",
+        "train.save_total_limit=3",
+        "train.prompts_per_step=2",
+        "train.num_generations=4",
+        "train.eval_heldout=8",
+        "train.micro_batch_size=8",
+        "train.learning_rate=3e-4",
+        # constant, whatever the recipe says: the resume rules below differ for a schedule tied to
+        # max_steps
+        "train.lr_scheduler_type=constant",
+        *overrides,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -212,6 +284,7 @@ def _summary(capsys) -> dict:
 
 def _weights(checkpoint: Path) -> dict:
     from safetensors.torch import load_file
+
     return load_file(checkpoint / "model.safetensors")
 
 
@@ -224,8 +297,10 @@ def _zero_middle(path: Path) -> None:
 
 # ---- corrupt checkpoints, torn metrics and edited data -------------------------------------------------
 
-def test_zeroed_latest_checkpoint_is_set_aside_and_the_previous_one_resumed(run, trained, tiny_base, capsys,
-                                                                             caplog):
+
+def test_zeroed_latest_checkpoint_is_set_aside_and_the_previous_one_resumed(
+    run, trained, tiny_base, capsys, caplog
+):
     weights = run / "run" / "checkpoint-2" / "model.safetensors"
     size = weights.stat().st_size
     _zero_middle(weights)
@@ -342,9 +417,15 @@ def test_a_corrupt_checkpoint_is_not_loaded_as_a_model(run, tiny_recipe, capsys)
 
 # ---- resuming with a changed configuration ---------------------------------------------------------------
 
-@pytest.mark.parametrize("override, key", [("train.learning_rate=1e-3", "train.learning_rate"),
-                                           ("train.beta=0.04", "train.beta"),
-                                           ("data.out=data2", "data.out")])
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("train.learning_rate=1e-3", "train.learning_rate"),
+        ("train.beta=0.04", "train.beta"),
+        ("data.out=data2", "data.out"),
+    ],
+)
 def test_resuming_with_a_changed_configuration_is_refused(run, tiny_base, capsys, override, key):
     if key == "data.out":
         shutil.copytree(run / "data", run / "data2")
@@ -374,8 +455,10 @@ def test_stopping_before_the_checkpoint_or_a_decaying_schedule_change_is_refused
 
 # ---- a diverging run: no checkpoint of non-finite weights -------------------------------------------------
 
-def test_a_diverging_run_stops_naming_the_step_before_saving(tmp_path, tiny_base, tiny_data, monkeypatch,
-                                                             capsys):
+
+def test_a_diverging_run_stops_naming_the_step_before_saving(
+    tmp_path, tiny_base, tiny_data, monkeypatch, capsys
+):
     shutil.copytree(tiny_data, tmp_path / "data")
     monkeypatch.chdir(tmp_path)
     code = main(_train_args(tiny_base, "train.learning_rate=1e30", "train.max_steps=4", "--json"))

@@ -16,8 +16,9 @@ from conftest import CLI_GUARD_S, REPO_ROOT, clean_env, eval_cli_args, grpoflow_
 
 
 def grpoflow(*args: str, cwd=REPO_ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=600
+    )
 
 
 def last_json(proc: subprocess.CompletedProcess) -> dict:
@@ -26,8 +27,16 @@ def last_json(proc: subprocess.CompletedProcess) -> dict:
 
 def test_prep_json_on_real_gsm8k(tmp_path):
     out = tmp_path / "X"
-    proc = grpoflow("prep", "--task", "gsm8k", "--source", str(shared("gsm8k", "train.jsonl")), "--out", str(out),
-                    "--json")
+    proc = grpoflow(
+        "prep",
+        "--task",
+        "gsm8k",
+        "--source",
+        str(shared("gsm8k", "train.jsonl")),
+        "--out",
+        str(out),
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     summary = last_json(proc)
     assert summary["rows"]["train"] + summary["rows"]["heldout"] == 7473
@@ -48,16 +57,30 @@ def test_prep_broken_line_fails_with_line_number_and_leaves_nothing(tmp_path):
     assert last_json(proc)["exit_code"] == 2
     assert not out.exists() and list(tmp_path.iterdir()) == [broken]
 
-    proc = grpoflow("prep", "--task", "countdown", "--source", str(broken), "--out", str(out), "--skip-invalid",
-                    "--json")
+    proc = grpoflow(
+        "prep", "--task", "countdown", "--source", str(broken), "--out", str(out), "--skip-invalid", "--json"
+    )
     assert proc.returncode == 0, proc.stderr
     summary = last_json(proc)
-    assert summary["rows"]["train"] + summary["rows"]["heldout"] == 255 and sum(summary["dropped"].values()) == 1
+    assert (
+        summary["rows"]["train"] + summary["rows"]["heldout"] == 255 and sum(summary["dropped"].values()) == 1
+    )
 
 
 def test_prep_recipe_flags_and_unknown_override(tmp_path):
-    proc = grpoflow("prep", "--task", "synthetic", "--source", "synthetic:countdown", "--out", str(tmp_path / "s"),
-                    "data.synthetic_rows=50", "--heldout", "10", "--json")
+    proc = grpoflow(
+        "prep",
+        "--task",
+        "synthetic",
+        "--source",
+        "synthetic:countdown",
+        "--out",
+        str(tmp_path / "s"),
+        "data.synthetic_rows=50",
+        "--heldout",
+        "10",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     rows = last_json(proc)["rows"]
     assert rows["heldout"] == 10 and rows["train"] + rows["heldout"] <= 50
@@ -88,11 +111,15 @@ def test_bootstrap_model_json_reports_cached_model(tiny_base):
 
     recipe = load_recipe(REPO_ROOT / "configs" / "tiny-cpu.yaml")
     cfg = recipe.bootstrap
-    rows = TextKit.rows(cfg.task, cfg.heldout_rows, cfg.seed, "eval", resolve_system_prompt(recipe.data.system_prompt))
+    rows = TextKit.rows(
+        cfg.task, cfg.heldout_rows, cfg.seed, "eval", resolve_system_prompt(recipe.data.system_prompt)
+    )
     assert len(rows) == manifest["heldout_rows"]
     tokenizer = AutoTokenizer.from_pretrained(summary["path"])
     model = AutoModelForCausalLM.from_pretrained(summary["path"], dtype=torch.float32).eval()
-    again = evaluate_greedy(HFEngine(model, tokenizer), tokenizer, rows, accuracy_reward, format_reward, max_tokens=24)
+    again = evaluate_greedy(
+        HFEngine(model, tokenizer), tokenizer, rows, accuracy_reward, format_reward, max_tokens=24
+    )
     assert abs(again["accuracy"] - summary["heldout_accuracy"]) <= 1 / len(rows) + 1e-9
 
 
@@ -100,8 +127,10 @@ def test_bootstrap_model_json_reports_cached_model(tiny_base):
 # `--json` on every exit (argparse errors, SIGINT); user errors are one class, exit 2
 # ==========================================================================================================
 
-@pytest.mark.parametrize("args", [["prep", "--bogus", "--json"], ["gate", "--json"], ["prep", "--limit", "0",
-                                                                                      "--json"]])
+
+@pytest.mark.parametrize(
+    "args", [["prep", "--bogus", "--json"], ["gate", "--json"], ["prep", "--limit", "0", "--json"]]
+)
 def test_json_is_printed_on_argparse_errors(args):
     proc = grpoflow_run(*args)
     assert proc.returncode == 2 and "usage:" in proc.stderr
@@ -114,9 +143,15 @@ def test_json_is_printed_on_sigint_with_exit_130(silent_port, tmp_path):
     # A test run started in the background (`make test &`) has SIGINT ignored, and a child inherits that:
     # Python then installs no KeyboardInterrupt handler. The child gets the default back, as in a terminal.
     args = eval_cli_args(tmp_path, f"http://127.0.0.1:{port}/v1", "--json")
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=REPO_ROOT, env=clean_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", *args],
+        cwd=REPO_ROOT,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         readable, _, _ = select.select([silent_port], [], [], CLI_GUARD_S)  # the command is now waiting on us
         assert readable, "the command never connected"
@@ -139,8 +174,18 @@ def test_every_user_error_derives_from_one_class_the_cli_maps_to_exit_2():
     from trainer.rewards import RewardSpecError
     from trainer.typed_config import ConfigError
 
-    for cls in (ConfigError, DataError, RewardSpecError, PluginError, MissingExtraError, UsageError,
-                ServiceUnavailable, EvalInputError, IntegrityError, OutputDirError):
+    for cls in (
+        ConfigError,
+        DataError,
+        RewardSpecError,
+        PluginError,
+        MissingExtraError,
+        UsageError,
+        ServiceUnavailable,
+        EvalInputError,
+        IntegrityError,
+        OutputDirError,
+    ):
         assert issubclass(cls, GrpoflowUserError), cls
     # still what callers caught before
     assert issubclass(ConfigError, ValueError) and issubclass(MissingExtraError, ImportError)

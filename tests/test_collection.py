@@ -25,18 +25,29 @@ from evaluation.evalscope_runner import _dataset_args
 # GPQA-Diamond is not shipped (its authors ask that it stay out of plain text): these rows are made up, in its
 # format (EvalScope reads split `train` with these fields).
 GPQA_ROWS = [
-    {"Question": "A made-up particle, the flumon, decays only into two photons. What is its spin?",
-     "Correct Answer": "0 or 2", "Incorrect Answer 1": "1", "Incorrect Answer 2": "1/2",
-     "Incorrect Answer 3": "3/2"},
-    {"Question": "In the made-up reaction A + B -> C, doubling [A] doubles the rate and doubling [B] does "
-                 "nothing. What is the rate law?",
-     "Correct Answer": "rate = k[A]", "Incorrect Answer 1": "rate = k[A][B]",
-     "Incorrect Answer 2": "rate = k[B]", "Incorrect Answer 3": "rate = k[A]^2"},
-    {"Question": "A made-up enzyme, quuxase, loses all activity when its only cysteine is mutated. What "
-                 "does the cysteine most likely do?",
-     "Correct Answer": "It acts as the catalytic nucleophile", "Incorrect Answer 1": "It binds the cofactor",
-     "Incorrect Answer 2": "It anchors the enzyme in the membrane",
-     "Incorrect Answer 3": "It is a glycosylation site"},
+    {
+        "Question": "A made-up particle, the flumon, decays only into two photons. What is its spin?",
+        "Correct Answer": "0 or 2",
+        "Incorrect Answer 1": "1",
+        "Incorrect Answer 2": "1/2",
+        "Incorrect Answer 3": "3/2",
+    },
+    {
+        "Question": "In the made-up reaction A + B -> C, doubling [A] doubles the rate and doubling [B] does "
+        "nothing. What is the rate law?",
+        "Correct Answer": "rate = k[A]",
+        "Incorrect Answer 1": "rate = k[A][B]",
+        "Incorrect Answer 2": "rate = k[B]",
+        "Incorrect Answer 3": "rate = k[A]^2",
+    },
+    {
+        "Question": "A made-up enzyme, quuxase, loses all activity when its only cysteine is mutated. What "
+        "does the cysteine most likely do?",
+        "Correct Answer": "It acts as the catalytic nucleophile",
+        "Incorrect Answer 1": "It binds the cofactor",
+        "Incorrect Answer 2": "It anchors the enzyme in the membrane",
+        "Incorrect Answer 3": "It is a glycosylation site",
+    },
 ]
 ENTRY_FIELDS = {"index", "prompt", "tags", "categories", "task_type", "weight", "dataset_name", "subset_name"}
 LEVELS = [f"Level {i}" for i in range(1, 6)]
@@ -62,6 +73,7 @@ def _detailed(result, bench="data_collection"):
 
 # ---- building -----------------------------------------------------------------------------------------------
 
+
 def test_built_collection_holds_every_benchmark_in_evalscopes_entry_format(local_paths, tmp_path):
     path = build_local_collection(local_paths, tmp_path / "r1", per_benchmark_limit=2)
     assert path == (tmp_path / "r1" / "test.jsonl").resolve()
@@ -72,8 +84,10 @@ def test_built_collection_holds_every_benchmark_in_evalscopes_entry_format(local
     for r in rows:
         by_bench[r["dataset_name"]].append(r)
     assert {b: len(rs) for b, rs in by_bench.items()} == {b: 2 for b in R1_DISTILL_MATH_TEST}
-    assert all(r["categories"] == ["R1-Distill-Math-Test"] and r["task_type"] == "math" and r["tags"] == ["en"]
-               for r in rows)
+    assert all(
+        r["categories"] == ["R1-Distill-Math-Test"] and r["task_type"] == "math" and r["tags"] == ["en"]
+        for r in rows
+    )
     # each benchmark is a third of the collection, shared among its rows
     assert all(r["weight"] == pytest.approx(1 / 6) for r in rows)
 
@@ -117,7 +131,9 @@ def test_a_missing_benchmark_directory_is_named(local_paths, tmp_path):
         build_local_collection(without_gpqa, out)
     with pytest.raises(FileNotFoundError, match="local path for benchmark 'aime24' not found: .*nowhere"):
         build_local_collection({**local_paths, "aime24": str(tmp_path / "nowhere")}, out)
-    with pytest.raises(ValueError, match=r"local_paths names \['gsm8k'\], which are not in R1-Distill-Math-Test"):
+    with pytest.raises(
+        ValueError, match=r"local_paths names \['gsm8k'\], which are not in R1-Distill-Math-Test"
+    ):
         build_local_collection({**local_paths, "gsm8k": str(tmp_path)}, out)
     with pytest.raises(ValueError, match="per_benchmark_limit must be a positive integer or None, got 0"):
         build_local_collection(local_paths, out, per_benchmark_limit=0)
@@ -128,10 +144,14 @@ def test_a_missing_benchmark_directory_is_named(local_paths, tmp_path):
 
 # ---- evaluating ---------------------------------------------------------------------------------------------
 
-def test_tiny_checkpoint_on_the_offline_collection_reports_evalscopes_numbers(tiny_base, local_paths, tmp_path):
+
+def test_tiny_checkpoint_on_the_offline_collection_reports_evalscopes_numbers(
+    tiny_base, local_paths, tmp_path
+):
     work_dir = tmp_path / "eval"
-    result = evaluate_collection(tiny_base["path"], work_dir, local_paths=local_paths, per_benchmark_limit=2,
-                                 max_tokens=16)
+    result = evaluate_collection(
+        tiny_base["path"], work_dir, local_paths=local_paths, per_benchmark_limit=2, max_tokens=16
+    )
     ours = json.loads(result.report_json.read_text())
     assert ours["offline"] is True and ours["benchmarks"] == ["data_collection"]
     assert ours["local_paths"] == {"data_collection": str(work_dir / "collection")}
@@ -153,25 +173,36 @@ def test_tiny_checkpoint_on_the_offline_collection_reports_evalscopes_numbers(ti
     assert len(reviews) == 6 == len(_lines(result.predictions_paths["data_collection"][0]))
     scores = defaultdict(list)
     for r in reviews:
-        value = r["sample_score"]["score"]["value"]  # each adapter's spelling: aime24 "acc", math_500 "accuracy"
+        value = r["sample_score"]["score"][
+            "value"
+        ]  # each adapter's spelling: aime24 "acc", math_500 "accuracy"
         scores[r["sample_score"]["sample_metadata"]["collection_info"]["dataset_name"]].append(
-            value["accuracy"] if "accuracy" in value else value["acc"])
+            value["accuracy"] if "accuracy" in value else value["acc"]
+        )
     for bench, values in scores.items():
         assert result.subsets["data_collection"][bench] == pytest.approx(sum(values) / len(values), abs=1e-4)
-    assert all(p["model_output"]["usage"]["output_tokens"] <= 16
-               for p in _lines(result.predictions_paths["data_collection"][0]))
+    assert all(
+        p["model_output"]["usage"]["output_tokens"] <= 16
+        for p in _lines(result.predictions_paths["data_collection"][0])
+    )
 
     # finished: the same request returns the record; another collection is refused
     assert load_result(work_dir) == result
-    assert evaluate_collection(tiny_base["path"], work_dir, local_paths=local_paths, per_benchmark_limit=2,
-                               max_tokens=16) == result
+    assert (
+        evaluate_collection(
+            tiny_base["path"], work_dir, local_paths=local_paths, per_benchmark_limit=2, max_tokens=16
+        )
+        == result
+    )
     with pytest.raises(FileExistsError, match="another collection .*per_benchmark_limit: 2 there, 1 now"):
-        evaluate_collection(tiny_base["path"], work_dir, local_paths=local_paths, per_benchmark_limit=1,
-                            max_tokens=16)
+        evaluate_collection(
+            tiny_base["path"], work_dir, local_paths=local_paths, per_benchmark_limit=1, max_tokens=16
+        )
 
 
-def test_served_model_scores_per_benchmark_and_a_new_loopback_port_reuses_the_record(local_paths, tmp_path,
-                                                                                     monkeypatch):
+def test_served_model_scores_per_benchmark_and_a_new_loopback_port_reuses_the_record(
+    local_paths, tmp_path, monkeypatch
+):
     """A stub endpoint answers GPQA and AIME right and MATH-500 wrong, so each number is known."""
     aime = {row["problem"]: row["answer"] for row in _lines(shared("aime24", "test.jsonl"))}
     correct = {g["Correct Answer"] for g in GPQA_ROWS}
@@ -186,8 +217,9 @@ def test_served_model_scores_per_benchmark_and_a_new_loopback_port_reuses_the_re
     monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
     work_dir = tmp_path / "eval"
     with stub_chat_endpoint(answer) as (url, requests):
-        result = evaluate_collection("stub/model", work_dir, local_paths=local_paths, per_benchmark_limit=2,
-                                     max_tokens=16, api_url=url)
+        result = evaluate_collection(
+            "stub/model", work_dir, local_paths=local_paths, per_benchmark_limit=2, max_tokens=16, api_url=url
+        )
     assert len(requests) == 6
     assert result.subsets == {"data_collection": {"aime24": 1.0, "gpqa_diamond": 1.0, "math_500": 0.0}}
     [overall] = _detailed(result)["category_level"]
@@ -196,17 +228,35 @@ def test_served_model_scores_per_benchmark_and_a_new_loopback_port_reuses_the_re
     # the model is served again on another free port: same settings, so the recorded result comes back
     with stub_chat_endpoint(answer) as (other_url, other_requests):
         assert other_url != url
-        again = evaluate_collection("stub/model", work_dir, local_paths=local_paths, per_benchmark_limit=2,
-                                    max_tokens=16, api_url=other_url)
+        again = evaluate_collection(
+            "stub/model",
+            work_dir,
+            local_paths=local_paths,
+            per_benchmark_limit=2,
+            max_tokens=16,
+            api_url=other_url,
+        )
     assert again == result and other_requests == []
     with pytest.raises(FileExistsError, match="other settings .*max_tokens"):
-        evaluate_collection("stub/model", work_dir, local_paths=local_paths, per_benchmark_limit=2,
-                            max_tokens=8, api_url=other_url)
+        evaluate_collection(
+            "stub/model",
+            work_dir,
+            local_paths=local_paths,
+            per_benchmark_limit=2,
+            max_tokens=8,
+            api_url=other_url,
+        )
 
 
 def test_the_three_benchmarks_alone_report_evalscopes_numbers(tiny_base, local_paths, tmp_path):
-    result = run_evalscope(tiny_base["path"], list(R1_DISTILL_MATH_TEST), work_dir=tmp_path / "eval", limit=1,
-                           max_tokens=16, local_paths=local_paths)
+    result = run_evalscope(
+        tiny_base["path"],
+        list(R1_DISTILL_MATH_TEST),
+        work_dir=tmp_path / "eval",
+        limit=1,
+        max_tokens=16,
+        local_paths=local_paths,
+    )
     assert result.num_samples == {"math_500": 5, "gpqa_diamond": 1, "aime24": 1}  # limit is per subset
     for bench in R1_DISTILL_MATH_TEST:
         report = json.loads(result.report_paths[bench].read_text())
@@ -219,6 +269,7 @@ def test_the_three_benchmarks_alone_report_evalscopes_numbers(tiny_base, local_p
 
 # ---- settings --------------------------------------------------------------------------------------------------
 
+
 def test_a_loopback_urls_port_is_not_a_setting():
     same = ("http://127.0.0.1:41234/v1", "http://127.0.0.1:52811/v1")
     assert comparable("api_url", same[0]) == comparable("api_url", same[1])
@@ -226,19 +277,29 @@ def test_a_loopback_urls_port_is_not_a_setting():
     # another host, path or scheme is another endpoint; elsewhere the port matters
     assert comparable("api_url", "http://127.0.0.1:1/v1") != comparable("api_url", "http://localhost:1/v1")
     assert comparable("api_url", "http://127.0.0.1:1/v1") != comparable("api_url", "http://127.0.0.1:1/v2")
-    assert comparable("api_url", "http://gpu-node:8000/v1") != comparable("api_url", "http://gpu-node:8001/v1")
+    assert comparable("api_url", "http://gpu-node:8000/v1") != comparable(
+        "api_url", "http://gpu-node:8001/v1"
+    )
     assert comparable("api_url", None) is None
     assert comparable("model", "http://127.0.0.1:1/v1") == "http://127.0.0.1:1/v1"
 
 
 def test_a_hub_collection_is_named_by_dataset_id(tmp_path):
     assert _dataset_args(["data_collection"], {}, {"data_collection": R1_DISTILL_MATH_TEST_ID}, 1) == {
-        "data_collection": {"dataset_id": "evalscope/R1-Distill-Math-Test-v2"}}
+        "data_collection": {"dataset_id": "evalscope/R1-Distill-Math-Test-v2"}
+    }
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="both a local path and a dataset id"):
-        run_evalscope(str(ckpt), ["data_collection"], work_dir=tmp_path / "eval",
-                      local_paths={"data_collection": str(tmp_path)}, dataset_ids={"data_collection": "a/b"})
+        run_evalscope(
+            str(ckpt),
+            ["data_collection"],
+            work_dir=tmp_path / "eval",
+            local_paths={"data_collection": str(tmp_path)},
+            dataset_ids={"data_collection": "a/b"},
+        )
     with pytest.raises(ValueError, match="dataset_ids names benchmark 'aime25', which is not among"):
-        run_evalscope(str(ckpt), ["data_collection"], work_dir=tmp_path / "eval", dataset_ids={"aime25": "a/b"})
+        run_evalscope(
+            str(ckpt), ["data_collection"], work_dir=tmp_path / "eval", dataset_ids={"aime25": "a/b"}
+        )

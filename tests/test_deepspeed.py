@@ -25,13 +25,22 @@ TINY = REPO_ROOT / "configs" / "tiny-cpu.yaml"
 
 
 def small(tmp_path: Path, tiny_base: dict, data: Path, *overrides: str) -> list[str]:
-    return [f"bootstrap.out={tiny_base['path']}", f"data.out={data}", f"train.output_dir={tmp_path / 'run'}",
-            "train.prompts_per_step=2", "train.num_generations=4", "train.eval_heldout=8",
-            "train.micro_batch_size=2", *overrides]
+    return [
+        f"bootstrap.out={tiny_base['path']}",
+        f"data.out={data}",
+        f"train.output_dir={tmp_path / 'run'}",
+        "train.prompts_per_step=2",
+        "train.num_generations=4",
+        "train.eval_heldout=8",
+        "train.micro_batch_size=2",
+        *overrides,
+    ]
 
 
 def clean_env(**extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT")
+    }
     return {**env, "DS_ACCELERATOR": "cpu", **extra}
 
 
@@ -83,9 +92,25 @@ def one_update(tmp_path: Path, tiny_base: dict, data: Path, ranks: int, *overrid
     script.write_text(ONE_UPDATE)
     out = tmp_path / f"update-{ranks}-{'-'.join(o.split('=')[-1] for o in overrides) or 'plain'}.pt"
     args = small(tmp_path, tiny_base, data, "train.learning_rate=1e-3", *overrides)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-                           str(script), str(TINY), tiny_base["path"], str(out), *args],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=clean_env())
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={ranks}",
+            str(script),
+            str(TINY),
+            tiny_base["path"],
+            str(out),
+            *args,
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=clean_env(),
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out)
 
@@ -105,7 +130,9 @@ def assert_same_update(zero: dict, plain: dict, base_path: str) -> None:
     # Adam's first step is about lr * g / |g| on every component: a gradient halved, doubled or taken from one rank's
     # half of the batch only would flip or shrink many of them. Components whose gradient is mathematically zero
     # (k_proj.bias) are float noise and may step anywhere in [-lr, lr], so all but such components must agree.
-    close = [torch.isclose(zero["weights"][n], plain["weights"][n], rtol=1e-5, atol=1e-6).flatten() for n in base]
+    close = [
+        torch.isclose(zero["weights"][n], plain["weights"][n], rtol=1e-5, atol=1e-6).flatten() for n in base
+    ]
     assert torch.cat(close).float().mean() > 0.999
 
 
@@ -144,15 +171,38 @@ from trainer.launch import leave_distributed; leave_distributed()  # no rank exi
 """
 
 
-def test_bf16_training_keeps_fp32_master_weights_that_hold_updates_bf16_would_round_away(tmp_path, tiny_base, tiny_data):
+def test_bf16_training_keeps_fp32_master_weights_that_hold_updates_bf16_would_round_away(
+    tmp_path, tiny_base, tiny_data
+):
     script = tmp_path / "master.py"
     script.write_text(MASTER_WEIGHTS)
     lr = 1e-5  # Adam's first step moves each weight by about lr; bf16 keeps ~3 digits, so |w| ~ 0.02 has an ulp ~1e-4
-    args = small(tmp_path, tiny_base, tiny_data, f"train.learning_rate={lr}", "model.dtype=bfloat16",
-                 "train.deepspeed=zero2")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-                           str(script), str(TINY), tiny_base["path"], *args],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=clean_env())
+    args = small(
+        tmp_path,
+        tiny_base,
+        tiny_data,
+        f"train.learning_rate={lr}",
+        "model.dtype=bfloat16",
+        "train.deepspeed=zero2",
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=1",
+            str(script),
+            str(TINY),
+            tiny_base["path"],
+            *args,
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=clean_env(),
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["master_dtype"] == "torch.float32" and r["module_dtype"] == "torch.bfloat16"
@@ -162,21 +212,43 @@ def test_bf16_training_keeps_fp32_master_weights_that_hold_updates_bf16_would_ro
 
 
 def _train_cmd(tmp_path, tiny_base, data, *overrides) -> list[str]:
-    return [sys.executable, "-m", "flows.cli", "train", "--config", str(TINY),
-            *small(tmp_path, tiny_base, data, "rollout.train_devices=[0, 1]", *overrides), "--json"]
+    return [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "train",
+        "--config",
+        str(TINY),
+        *small(tmp_path, tiny_base, data, "rollout.train_devices=[0, 1]", *overrides),
+        "--json",
+    ]
 
 
-def test_a_zero_run_killed_with_sigkill_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path, tiny_base, tiny_data):
+def test_a_zero_run_killed_with_sigkill_resumes_to_the_weights_of_an_uninterrupted_run(
+    tmp_path, tiny_base, tiny_data
+):
     from safetensors.torch import load_file
 
-    overrides = ("train.deepspeed=zero2", "train.max_steps=6", "train.save_steps=2", "train.learning_rate=1e-3")
-    whole = subprocess.run(_train_cmd(tmp_path / "whole", tiny_base, tiny_data, *overrides), cwd=REPO_ROOT,
-                           capture_output=True, text=True, timeout=900, env=clean_env())
+    overrides = (
+        "train.deepspeed=zero2",
+        "train.max_steps=6",
+        "train.save_steps=2",
+        "train.learning_rate=1e-3",
+    )
+    whole = subprocess.run(
+        _train_cmd(tmp_path / "whole", tiny_base, tiny_data, *overrides),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=clean_env(),
+    )
     assert whole.returncode == 0, whole.stderr[-4000:]
 
     cmd = _train_cmd(tmp_path / "killed", tiny_base, tiny_data, *overrides)
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=clean_env())
+    proc = subprocess.Popen(
+        cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env()
+    )
     run = tmp_path / "killed" / "run"
     deadline = time.time() + 600
     while not (run / "checkpoint-2").is_dir() and time.time() < deadline and proc.poll() is None:
@@ -188,7 +260,9 @@ def test_a_zero_run_killed_with_sigkill_resumes_to_the_weights_of_an_uninterrupt
         p.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
     saved = sorted(p.name for p in run.glob("checkpoint-*"))
-    assert (run / "checkpoint-2" / "zero" / "state").is_dir()  # every rank's optimizer shard is in the checkpoint
+    assert (
+        run / "checkpoint-2" / "zero" / "state"
+    ).is_dir()  # every rank's optimizer shard is in the checkpoint
 
     again = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900, env=clean_env())
     assert again.returncode == 0, again.stderr[-4000:]
@@ -205,7 +279,8 @@ def test_a_zero_run_killed_with_sigkill_resumes_to_the_weights_of_an_uninterrupt
 
 @pytest.mark.parametrize("rollout", ["sync", "async"])
 def test_grpoflow_train_under_zero3_samples_every_step_from_the_weights_just_trained(
-        rollout, tmp_path, tiny_base, tiny_data):
+    rollout, tmp_path, tiny_base, tiny_data
+):
     """`grpoflow train` end to end under ZeRO-3 (held-out before and after, 3 steps, a checkpoint), 2 ranks.
     sync: each rank generates with the policy itself, gathered whole and unhooked (ranks decode different
     numbers of tokens: ZeRO-3's collective per-module hooks could hang, by reading of DeepSpeed's code). async: rank 0 alone sends the rollout
@@ -214,10 +289,21 @@ def test_grpoflow_train_under_zero3_samples_every_step_from_the_weights_just_tra
     shards, stale or partial weights would show as a gap of the size of an lr-1e-3 update."""
     from safetensors.torch import load_file
 
-    overrides = ("train.deepspeed=zero3", "train.max_steps=3", "train.save_steps=3", "train.learning_rate=1e-3",
-                 *(("rollout.async=true", "rollout.max_staleness=0") if rollout == "async" else ()))
-    proc = subprocess.run(_train_cmd(tmp_path, tiny_base, tiny_data, *overrides), cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=900, env=clean_env())
+    overrides = (
+        "train.deepspeed=zero3",
+        "train.max_steps=3",
+        "train.save_steps=3",
+        "train.learning_rate=1e-3",
+        *(("rollout.async=true", "rollout.max_staleness=0") if rollout == "async" else ()),
+    )
+    proc = subprocess.run(
+        _train_cmd(tmp_path, tiny_base, tiny_data, *overrides),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=clean_env(),
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     run = tmp_path / "run"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -234,6 +320,7 @@ def test_grpoflow_train_under_zero3_samples_every_step_from_the_weights_just_tra
 
 # ---- the config, without starting DeepSpeed ----------------------------------------------------------------------
 
+
 def test_the_recipe_owns_batch_clipping_and_bf16_over_a_users_ds_config(tmp_path, caplog):
     from trainer.deepspeed_setup import recipe_config
 
@@ -241,18 +328,34 @@ def test_the_recipe_owns_batch_clipping_and_bf16_over_a_users_ds_config(tmp_path
     assert preset["zero_optimization"]["stage"] == 3 and preset["bf16"] == {"enabled": True}
     assert preset["train_micro_batch_size_per_gpu"] == 4 and preset["gradient_clipping"] == 0.5
     user = tmp_path / "ds.json"
-    user.write_text(json.dumps({"train_batch_size": 512, "train_micro_batch_size_per_gpu": 16,
-                                "gradient_accumulation_steps": "auto", "gradient_clipping": 2.0,
-                                "bf16": {"enabled": "auto"}, "optimizer": {"type": "Adam"},
-                                "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}))
+    user.write_text(
+        json.dumps(
+            {
+                "train_batch_size": 512,
+                "train_micro_batch_size_per_gpu": 16,
+                "gradient_accumulation_steps": "auto",
+                "gradient_clipping": 2.0,
+                "bf16": {"enabled": "auto"},
+                "optimizer": {"type": "Adam"},
+                "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+            }
+        )
+    )
     with caplog.at_level("WARNING", logger="grpoflow.train"):
         config = recipe_config(str(user), micro_batch_size=4, max_grad_norm=0.0, bf16=False)
-    assert config["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu"}}  # the user's own
+    assert config["zero_optimization"] == {
+        "stage": 2,
+        "offload_optimizer": {"device": "cpu"},
+    }  # the user's own
     assert config["train_micro_batch_size_per_gpu"] == 4 and config["gradient_accumulation_steps"] == 1
     assert config["gradient_clipping"] == 0.0 and config["bf16"] == {"enabled": False}
     assert "train_batch_size" not in config and "optimizer" not in config
     said = caplog.text
-    assert "train_micro_batch_size_per_gpu = 16" in said and "gradient_clipping = 2.0" in said and "'optimizer'" in said
+    assert (
+        "train_micro_batch_size_per_gpu = 16" in said
+        and "gradient_clipping = 2.0" in said
+        and "'optimizer'" in said
+    )
 
 
 def test_bad_deepspeed_settings_are_refused_naming_them(tmp_path):
@@ -273,4 +376,6 @@ def test_bad_deepspeed_settings_are_refused_naming_them(tmp_path):
     with pytest.raises(ConfigError, match="ZeRO stage 3 with rollout.server_url is not supported yet"):
         check_supported(load_recipe(TINY, ["train.deepspeed=zero3", "rollout.server_url=http://127.0.0.1:1"]))
     check_supported(load_recipe(TINY, ["train.deepspeed=zero2", "rollout.server_url=http://127.0.0.1:1"]))
-    check_supported(load_recipe(TINY, ["train.deepspeed=zero3", "rollout.async=true"]))  # rank 0 syncs, all gather
+    check_supported(
+        load_recipe(TINY, ["train.deepspeed=zero3", "rollout.async=true"])
+    )  # rank 0 syncs, all gather

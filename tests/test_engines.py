@@ -29,12 +29,22 @@ def tiny_lm():
 
     from trainer.bootstrap import build_tokenizer
 
-    tokenizer = build_tokenizer([f"{a} + {b} = {a + b}" for a in range(30) for b in range(30)], vocab_size=300)
+    tokenizer = build_tokenizer(
+        [f"{a} + {b} = {a + b}" for a in range(30) for b in range(30)], vocab_size=300
+    )
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
-                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     model = Qwen2ForCausalLM(config).eval()
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model, tokenizer
@@ -59,10 +69,11 @@ def test_transformers_engine_wraps_the_given_model(tiny_lm):
         # each sampled token's log-prob is what one plain forward of prompt + completion gives it
         ids = torch.tensor([prompt + list(completion.token_ids)])
         with torch.no_grad():
-            logps = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float(), dim=-1)
-        expected = logps.gather(1, ids[0, len(prompt):, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(completion.logprobs, dtype=torch.float32), expected,
-                                   rtol=0, atol=1e-5)
+            logps = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1].float(), dim=-1)
+        expected = logps.gather(1, ids[0, len(prompt) :, None])[:, 0]
+        torch.testing.assert_close(
+            torch.tensor(completion.logprobs, dtype=torch.float32), expected, rtol=0, atol=1e-5
+        )
 
 
 def test_ignore_eos_decodes_max_tokens_past_every_eos(tiny_lm):
@@ -162,17 +173,29 @@ def test_server_completions_are_grouped_by_prompt_from_an_openai_body():
     from trainer.rollout.vllm_server import VLLMServerError, completions_from_response
 
     def choice(index, ids, logps, reason, with_ids=True):
-        c = {"index": index, "text": f"t{index}", "finish_reason": reason,
-             "logprobs": {"tokens": [f"token_id:{i}" for i in ids], "token_logprobs": logps}}
+        c = {
+            "index": index,
+            "text": f"t{index}",
+            "finish_reason": reason,
+            "logprobs": {"tokens": [f"token_id:{i}" for i in ids], "token_logprobs": logps},
+        }
         if with_ids:
             c["token_ids"] = ids
         return c
 
-    body = {"choices": [choice(3, [9], [-0.5], "length"), choice(0, [5, 2], [-1.0, -0.25], "stop"),
-                        choice(2, [8, 8], [-2.0, None], "length", with_ids=False), choice(1, [7], [-0.1], "stop")]}
+    body = {
+        "choices": [
+            choice(3, [9], [-0.5], "length"),
+            choice(0, [5, 2], [-1.0, -0.25], "stop"),
+            choice(2, [8, 8], [-2.0, None], "length", with_ids=False),
+            choice(1, [7], [-0.1], "stop"),
+        ]
+    }
     groups = completions_from_response(body, n_prompts=2, n=2, version=4)
     assert [[c.token_ids for c in g] for g in groups] == [[[5, 2], [7]], [[8, 8], [9]]]
-    assert groups[0][0].logprobs == [-1.0, -0.25] and groups[1][0].logprobs[1] != groups[1][0].logprobs[1]  # nan
+    assert (
+        groups[0][0].logprobs == [-1.0, -0.25] and groups[1][0].logprobs[1] != groups[1][0].logprobs[1]
+    )  # nan
     assert [c.finish_reason for c in groups[0]] == ["stop", "stop"] and groups[1][1].policy_version == 4
     with pytest.raises(VLLMServerError, match="expected 6 choices"):
         completions_from_response(body, n_prompts=3, n=2)
@@ -182,9 +205,22 @@ def test_gpu_smoke_script_passes_on_cpu(tmp_path):
     out = tmp_path / "smoke.json"
     # the `grpoflow train` layouts (2 gloo ranks + a rollout worker) take minutes here; tests/test_multigpu.py
     # and tests/test_async.py run those paths
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "infra" / "gpu" / "smoke.py"), "--device", "cpu",
-                           "--skip", "layout_sync,layout_async", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO_ROOT / "infra" / "gpu" / "smoke.py"),
+            "--device",
+            "cpu",
+            "--skip",
+            "layout_sync,layout_async",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["ok"] is True
@@ -201,10 +237,23 @@ def test_train_with_a_missing_gpu_engine_exits_2_naming_the_install(tmp_path, ti
 
     from conftest import REPO_ROOT
 
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "train", "rollout.engine=vllm",
-                           f"bootstrap.out={tiny_base['path']}", f"data.out={tiny_data}",
-                           f"train.output_dir={tmp_path / 'run'}", "train.max_steps=1"],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "train",
+            "rollout.engine=vllm",
+            f"bootstrap.out={tiny_base['path']}",
+            f"data.out={tiny_data}",
+            f"train.output_dir={tmp_path / 'run'}",
+            "train.max_steps=1",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2
     assert "pip install '.[vllm]'" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "latest").exists()
@@ -233,9 +282,17 @@ def test_one_model_loader_decides_pad_token_and_padding_side(tiny_base, tmp_path
 
     # The other call sites run in child processes (rollout workers, the model server): they must load through
     # the same function and never call from_pretrained themselves.
-    for module in ("trainer/grpo.py", "trainer/rollout/engines.py", "trainer/rollout/worker_processes.py",
-                   "evaluation/serving/server.py", "tasks/evaluation.py"):
+    for module in (
+        "trainer/grpo.py",
+        "trainer/rollout/engines.py",
+        "trainer/rollout/worker_processes.py",
+        "evaluation/serving/server.py",
+        "tasks/evaluation.py",
+    ):
         tree = ast.parse((REPO_ROOT / module).read_text())
-        called = {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", None)
-                  for n in ast.walk(tree) if isinstance(n, ast.Call)}
+        called = {
+            n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", None)
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call)
+        }
         assert "load_model" in called and "from_pretrained" not in called, module

@@ -52,8 +52,14 @@ def test_tiny_checkpoint_on_math500_and_aime24_reports_evalscope_numbers(tiny_ba
     math500, aime24 = shared("math_500"), shared("aime24")
     env_before = dict(os.environ)
     work_dir = tmp_path / "eval"
-    result = run_evalscope(tiny_base["path"], ["math_500", "aime24"], work_dir=work_dir, limit=2, max_tokens=32,
-                           local_paths={"math_500": str(math500), "aime24": str(aime24)})
+    result = run_evalscope(
+        tiny_base["path"],
+        ["math_500", "aime24"],
+        work_dir=work_dir,
+        limit=2,
+        max_tokens=32,
+        local_paths={"math_500": str(math500), "aime24": str(aime24)},
+    )
 
     # quiet: EvalScope's chatter went to its log file, and the offline switches stayed in the child
     out, _ = capfd.readouterr()
@@ -94,11 +100,26 @@ def test_tiny_checkpoint_on_math500_and_aime24_reports_evalscope_numbers(tiny_ba
 
     # report.json is the record: read back, returned again for the same request, guarded against another
     assert load_result(work_dir) == result
-    assert run_evalscope(tiny_base["path"], ["math_500", "aime24"], work_dir=work_dir, limit=2, max_tokens=32,
-                         local_paths={"math_500": str(math500), "aime24": str(aime24)}) == result
+    assert (
+        run_evalscope(
+            tiny_base["path"],
+            ["math_500", "aime24"],
+            work_dir=work_dir,
+            limit=2,
+            max_tokens=32,
+            local_paths={"math_500": str(math500), "aime24": str(aime24)},
+        )
+        == result
+    )
     with pytest.raises(FileExistsError, match="other settings .*limit: 2 there, 1 now"):
-        run_evalscope(tiny_base["path"], ["math_500", "aime24"], work_dir=work_dir, limit=1, max_tokens=32,
-                      local_paths={"math_500": str(math500), "aime24": str(aime24)})
+        run_evalscope(
+            tiny_base["path"],
+            ["math_500", "aime24"],
+            work_dir=work_dir,
+            limit=1,
+            max_tokens=32,
+            local_paths={"math_500": str(math500), "aime24": str(aime24)},
+        )
 
 
 def unbiased_pass_at_k(n: int, c: int, k: int) -> float:
@@ -111,8 +132,16 @@ def test_repeats_add_evalscope_pass_at_k(memorising_model, tmp_path):
     # the first 4 AIME problems: one memorised, one memorised with a right and a wrong answer in equal measure
     # (memorised_model.COIN), two unknown; sampled at temperature 1, the counts of right samples differ by problem
     aime24 = shared("aime24")
-    result = run_evalscope(memorising_model, ["aime24"], work_dir=tmp_path, limit=4, repeats=4, max_tokens=MAX_TOKENS,
-                           temperature=1.0, local_paths={"aime24": str(aime24)})
+    result = run_evalscope(
+        memorising_model,
+        ["aime24"],
+        work_dir=tmp_path,
+        limit=4,
+        repeats=4,
+        max_tokens=MAX_TOKENS,
+        temperature=1.0,
+        local_paths={"aime24": str(aime24)},
+    )
     assert result.num_samples == {"aime24": 4}
     report = json.loads(result.report_paths["aime24"].read_text())
     assert _primary(report)["identity"]["aggregation"] == "mean" and _primary(report)["num"] == 16
@@ -120,15 +149,20 @@ def test_repeats_add_evalscope_pass_at_k(memorising_model, tmp_path):
     # per-sample verdicts from EvalScope's reviews, grouped by problem
     correct: dict[int, list[float]] = {}
     for review in _lines(result.review_paths["aime24"][0]):
-        correct.setdefault(review["sample_score"]["group_id"], []).append(review["sample_score"]["score"]["value"]["acc"])
+        correct.setdefault(review["sample_score"]["group_id"], []).append(
+            review["sample_score"]["score"]["value"]["acc"]
+        )
     assert sorted(correct) == [0, 1, 2, 3] and all(len(v) == 4 for v in correct.values())
     assert sum(correct[0]) == sum(correct[2]) == 0  # AIME 60 and 62 were never taught
     counts = [int(sum(v)) for v in correct.values()]
     assert result.scores["aime24"] == pytest.approx(sum(counts) / 16)
     assert result.pass_at_k["aime24"] == pytest.approx(
-        {k: sum(unbiased_pass_at_k(4, c, k) for c in counts) / 4 for k in (1, 2, 3, 4)})
+        {k: sum(unbiased_pass_at_k(4, c, k) for c in counts) / 4 for k in (1, 2, 3, 4)}
+    )
     # a comparison averages a problem's repeated samples, one value per problem
-    assert load_samples(tmp_path)["aime24"]["accuracy"] == {f"default/{g}": sum(v) / 4 for g, v in correct.items()}
+    assert load_samples(tmp_path)["aime24"]["accuracy"] == {
+        f"default/{g}": sum(v) / 4 for g, v in correct.items()
+    }
 
     # so do the thinking metrics: each of the 16 rows names its problem, and a comparison sees 4 problems whose
     # reasoning-token count is the mean of their 4 samples' (16 keys, one per sample, before problem_id)
@@ -149,9 +183,13 @@ def test_repeats_add_evalscope_pass_at_k(memorising_model, tmp_path):
 # the wiring (URL, key from the environment, generation settings) and EvalScope's scoring end to end.
 
 GPQA_ROWS = [
-    {"Question": f"Which made-up compound number {i} is inert?", "Correct Answer": f"Compound Q{i}",
-     "Incorrect Answer 1": f"Compound X{i}", "Incorrect Answer 2": f"Compound Y{i}",
-     "Incorrect Answer 3": f"Compound Z{i}"}
+    {
+        "Question": f"Which made-up compound number {i} is inert?",
+        "Correct Answer": f"Compound Q{i}",
+        "Incorrect Answer 1": f"Compound X{i}",
+        "Incorrect Answer 2": f"Compound Y{i}",
+        "Incorrect Answer 3": f"Compound Z{i}",
+    }
     for i in range(3)
 ]
 
@@ -166,12 +204,22 @@ def stub_chat_endpoint(answer):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             requests.append({"path": self.path, "auth": self.headers.get("Authorization"), **body})
             content = answer(body["messages"][-1]["content"])
-            reply = json.dumps({
-                "id": "stub", "object": "chat.completion", "created": 0, "model": body["model"],
-                "choices": [{"index": 0, "finish_reason": "stop",
-                             "message": {"role": "assistant", "content": content}}],
-                "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
-            }).encode()
+            reply = json.dumps(
+                {
+                    "id": "stub",
+                    "object": "chat.completion",
+                    "created": 0,
+                    "model": body["model"],
+                    "choices": [
+                        {
+                            "index": 0,
+                            "finish_reason": "stop",
+                            "message": {"role": "assistant", "content": content},
+                        }
+                    ],
+                    "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
+                }
+            ).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(reply)))
@@ -203,28 +251,54 @@ def test_openai_api_mode_scores_a_served_model_with_the_key_from_the_environment
     monkeypatch.setenv("STUB_API_KEY", "sk-stub-secret")
     monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
     with stub_chat_endpoint(answer) as (url, requests):
-        result = run_evalscope("stub/model", ["aime24", "gpqa_diamond"], work_dir=tmp_path / "eval", limit=2,
-                               max_tokens=16, api_url=url, api_key_env="STUB_API_KEY",
-                               local_paths={"aime24": str(aime24), "gpqa_diamond": str(gpqa_dir)})
+        result = run_evalscope(
+            "stub/model",
+            ["aime24", "gpqa_diamond"],
+            work_dir=tmp_path / "eval",
+            limit=2,
+            max_tokens=16,
+            api_url=url,
+            api_key_env="STUB_API_KEY",
+            local_paths={"aime24": str(aime24), "gpqa_diamond": str(gpqa_dir)},
+        )
 
     assert result.scores == {"aime24": 1.0, "gpqa_diamond": 1.0}
     assert result.num_samples == {"aime24": 2, "gpqa_diamond": 2}
     assert len(requests) == 4
     assert {(r["path"], r["auth"], r["model"], r["max_tokens"], r["temperature"]) for r in requests} == {
-        ("/v1/chat/completions", "Bearer sk-stub-secret", "stub/model", 16, 0.0)}
+        ("/v1/chat/completions", "Bearer sk-stub-secret", "stub/model", 16, 0.0)
+    }
     ours = json.loads(result.report_json.read_text())
-    assert ours["eval_type"] == "openai_api" and ours["api_key_env"] == "STUB_API_KEY" and ours["dtype"] is None
+    assert (
+        ours["eval_type"] == "openai_api" and ours["api_key_env"] == "STUB_API_KEY" and ours["dtype"] is None
+    )
     for path in result.work_dir.rglob("*"):
         assert not path.is_file() or "sk-stub-secret" not in path.read_text(errors="replace"), path
 
 
 def _grpoflow_eval(url: str, state, *extra: str) -> subprocess.CompletedProcess:
-    args = ["eval", url, "eval.benchmarks=[aime24]", f"eval.local_paths={{aime24: {shared('aime24')}}}",
-            "eval.limit=1", "eval.max_tokens=16", "--state-dir", str(state), "--json", *extra]
+    args = [
+        "eval",
+        url,
+        "eval.benchmarks=[aime24]",
+        f"eval.local_paths={{aime24: {shared('aime24')}}}",
+        "eval.limit=1",
+        "eval.max_tokens=16",
+        "--state-dir",
+        str(state),
+        "--json",
+        *extra,
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "GRPOFLOW_"))}
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=240, env={**env, "NO_PROXY": "127.0.0.1,localhost"},
-                          stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**env, "NO_PROXY": "127.0.0.1,localhost"},
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def test_grpoflow_eval_gives_each_endpoint_its_own_evaluation(tmp_path):
@@ -239,8 +313,10 @@ def test_grpoflow_eval_gives_each_endpoint_its_own_evaluation(tmp_path):
         return f"So the answer is \\boxed{{{solution}}}."
 
     state = tmp_path / "state"
-    with stub_chat_endpoint(right) as (url_a, requests_a), \
-            stub_chat_endpoint(lambda prompt: "So the answer is \\boxed{-1}.") as (url_b, requests_b):
+    with (
+        stub_chat_endpoint(right) as (url_a, requests_a),
+        stub_chat_endpoint(lambda prompt: "So the answer is \\boxed{-1}.") as (url_b, requests_b),
+    ):
         first = _grpoflow_eval(url_a, state)
         second = _grpoflow_eval(url_b, state)
         assert first.returncode == 0 and second.returncode == 0, (first.stderr[-3000:], second.stderr[-3000:])
@@ -254,8 +330,9 @@ def test_grpoflow_eval_gives_each_endpoint_its_own_evaluation(tmp_path):
         refused = _grpoflow_eval(url_b, state, "--work-dir", b["work_dir"], "eval.max_tokens=8")
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     [line] = [x for x in refused.stderr.splitlines() if x.startswith("grpoflow eval: error:")]
-    assert f"{b['work_dir']} already holds an evaluation made with other settings (generation_config: " \
-        in line
+    assert (
+        f"{b['work_dir']} already holds an evaluation made with other settings (generation_config: " in line
+    )
     assert line.endswith("pass --work-dir DIR to evaluate into another directory")
     assert len(requests_b) == 1
 
@@ -317,8 +394,10 @@ SSE_CHUNK = b'data: {"id": "s", "object": "chat.completion.chunk", "model": "m",
 DRIPS = [  # one per attempt: the status line and then a header forever, a body forever, a stream of chunks
     (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Drip: ", b"a"),
     (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n{", b" "),
-    (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n",
-     b"%x\r\n%s\r\n" % (len(SSE_CHUNK), SSE_CHUNK)),
+    (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n",
+        b"%x\r\n%s\r\n" % (len(SSE_CHUNK), SSE_CHUNK),
+    ),
 ]
 
 
@@ -329,8 +408,16 @@ def test_an_endpoint_that_drips_forever_fails_each_request_at_its_deadline(tmp_p
     monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
     with raw_endpoint(lambda wfile, n: _drip(wfile, *DRIPS[n % len(DRIPS)])) as (url, attempts):
         with pytest.raises(ServiceUnavailable) as err:
-            run_evalscope("stub/model", ["aime24"], work_dir=tmp_path / "eval", limit=1, max_tokens=16,
-                          api_url=url, local_paths={"aime24": str(shared("aime24"))}, request_timeout_s=2)
+            run_evalscope(
+                "stub/model",
+                ["aime24"],
+                work_dir=tmp_path / "eval",
+                limit=1,
+                max_tokens=16,
+                api_url=url,
+                local_paths={"aime24": str(shared("aime24"))},
+                request_timeout_s=2,
+            )
         deadline = time.monotonic() + 10
         while any("end" not in a for a in attempts) and time.monotonic() < deadline:
             time.sleep(0.1)  # the endpoint notices the last hang-up at its next write
@@ -338,7 +425,8 @@ def test_an_endpoint_that_drips_forever_fails_each_request_at_its_deadline(tmp_p
     message = str(err.value)
     assert message.startswith(
         f"the evaluation endpoint at {url} stopped answering on benchmark 'aime24': "
-        "APITimeoutError after 3 attempts of up to 2 s (eval.request_timeout_s), 5 s apart")
+        "APITimeoutError after 3 attempts of up to 2 s (eval.request_timeout_s), 5 s apart"
+    )
     assert "Traceback" not in message and 'File "' not in message and "\n" not in message
     assert len(attempts) == 3
     durations = [a["end"] - a["start"] for a in attempts]
@@ -354,14 +442,22 @@ def _big_answer(wfile, attempt: int) -> None:
     """A 30 MB chat completion, with its Content-Length on even attempts and without one (the connection's
     end ends it) on odd ones, written a megabyte at a time."""
     content = "x" * BIG_ANSWER_BYTES
-    body = json.dumps({"id": "big", "object": "chat.completion", "created": 0, "model": "stub/model",
-                       "choices": [{"index": 0, "finish_reason": "stop",
-                                    "message": {"role": "assistant", "content": content}}],
-                       "usage": {"prompt_tokens": 1, "completion_tokens": 16, "total_tokens": 17}}).encode()
+    body = json.dumps(
+        {
+            "id": "big",
+            "object": "chat.completion",
+            "created": 0,
+            "model": "stub/model",
+            "choices": [
+                {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": content}}
+            ],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 16, "total_tokens": 17},
+        }
+    ).encode()
     length = b"Content-Length: %d\r\n" % len(body) if attempt % 2 == 0 else b"Connection: close\r\n"
     wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n" + length + b"\r\n")
     for start in range(0, len(body), 1 << 20):
-        wfile.write(body[start:start + (1 << 20)])
+        wfile.write(body[start : start + (1 << 20)])
     wfile.flush()
 
 
@@ -385,20 +481,28 @@ def test_an_answer_over_the_response_limit_is_refused_naming_the_limit_in_bounde
     memory, measured as the evaluating process's largest child, stays far below what 30 MB parsed takes)."""
     env = {**os.environ, "NO_PROXY": "127.0.0.1,localhost"}
     with raw_endpoint(_big_answer) as (url, attempts):
-        proc = subprocess.run([sys.executable, "-c", EVAL_IN_A_PROCESS, url, str(shared("aime24")),
-                               str(tmp_path / "eval")], cwd=REPO_ROOT, env=env, capture_output=True,
-                              text=True, timeout=240, stdin=subprocess.DEVNULL)
+        proc = subprocess.run(
+            [sys.executable, "-c", EVAL_IN_A_PROCESS, url, str(shared("aime24")), str(tmp_path / "eval")],
+            cwd=REPO_ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+            stdin=subprocess.DEVNULL,
+        )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["outcome"] == (
         f"EndpointAnswerTooLarge: the evaluation endpoint at {url} answered on benchmark 'aime24' with more "
         "than 4,194,304 bytes, the limit for eval.max_tokens=16 (1,024 bytes a token, at least 4,194,304); "
-        f"EvalScope's log: {tmp_path / 'eval' / 'evalscope' / 'run.log'}")
+        f"EvalScope's log: {tmp_path / 'eval' / 'evalscope' / 'run.log'}"
+    )
     assert len(attempts) == 3  # retried like any failed request, each refused
     assert result["max_rss_kb"] < 1.5 * 1024 * 1024, result
 
 
 # ---- errors: named, and raised before any model is loaded -----------------------------------------------
+
 
 @pytest.fixture
 def fake_checkpoint(tmp_path):
@@ -421,11 +525,19 @@ def test_missing_checkpoint_directory_is_named(tmp_path):
 
 def test_missing_local_path_names_the_benchmark(fake_checkpoint, tmp_path):
     with pytest.raises(FileNotFoundError, match="local_path for benchmark 'math_500' not found: .*nowhere"):
-        run_evalscope(str(fake_checkpoint), ["math_500"], work_dir=tmp_path / "eval",
-                      local_paths={"math_500": str(tmp_path / "nowhere")})
+        run_evalscope(
+            str(fake_checkpoint),
+            ["math_500"],
+            work_dir=tmp_path / "eval",
+            local_paths={"math_500": str(tmp_path / "nowhere")},
+        )
     with pytest.raises(ValueError, match="local_paths names benchmark 'aime25', which is not among"):
-        run_evalscope(str(fake_checkpoint), ["aime24"], work_dir=tmp_path / "eval",
-                      local_paths={"aime25": str(tmp_path)})
+        run_evalscope(
+            str(fake_checkpoint),
+            ["aime24"],
+            work_dir=tmp_path / "eval",
+            local_paths={"aime25": str(tmp_path)},
+        )
 
 
 def test_bad_settings_are_named(fake_checkpoint, tmp_path):
@@ -437,8 +549,13 @@ def test_bad_settings_are_named(fake_checkpoint, tmp_path):
     with pytest.raises(ValueError, match="dtype must be one of"):
         run_evalscope(ckpt, ["aime24"], work_dir=tmp_path, dtype="fp8")
     with pytest.raises(ValueError, match="environment variable GRPOFLOW_TEST_UNSET_KEY is not set"):
-        run_evalscope("m", ["aime24"], work_dir=tmp_path, api_url="http://127.0.0.1:9/v1",
-                      api_key_env="GRPOFLOW_TEST_UNSET_KEY")
+        run_evalscope(
+            "m",
+            ["aime24"],
+            work_dir=tmp_path,
+            api_url="http://127.0.0.1:9/v1",
+            api_key_env="GRPOFLOW_TEST_UNSET_KEY",
+        )
 
 
 def test_unknown_benchmark_is_named_with_suggestions(fake_checkpoint, tmp_path):
@@ -451,8 +568,9 @@ def test_evalscope_failure_is_one_line_naming_the_benchmark_the_error_and_the_lo
     empty = tmp_path / "aime24-empty"
     empty.mkdir()
     with pytest.raises(RuntimeError, match="EvalScope failed on benchmark 'aime24'") as err:
-        run_evalscope(str(fake_checkpoint), ["aime24"], work_dir=tmp_path / "eval",
-                      local_paths={"aime24": str(empty)})
+        run_evalscope(
+            str(fake_checkpoint), ["aime24"], work_dir=tmp_path / "eval", local_paths={"aime24": str(empty)}
+        )
     message, log = str(err.value), tmp_path / "eval" / "evalscope" / "run.log"
     assert "\n" not in message and "Traceback" not in message and 'File "' not in message
     assert str(empty) in message and message.endswith(f"; EvalScope's log: {log}")
@@ -465,6 +583,7 @@ def test_evalscope_failure_is_one_line_naming_the_benchmark_the_error_and_the_lo
 # ==========================================================================================================
 
 # Every command runs as a real `grpoflow` subprocess; its timeout is a guard, never the assertion.
+
 
 @pytest.fixture
 def hanging_endpoint():
@@ -496,11 +615,13 @@ def hanging_endpoint():
 
 def test_eval_against_a_server_that_never_answers_is_exit_2_naming_it(silent_port, tmp_path):
     port = silent_port.getsockname()[1]
-    proc = grpoflow_run(*eval_cli_args(tmp_path, f"http://127.0.0.1:{port}/v1", "eval.request_timeout_s=5",
-                                       "--json"))
+    proc = grpoflow_run(
+        *eval_cli_args(tmp_path, f"http://127.0.0.1:{port}/v1", "eval.request_timeout_s=5", "--json")
+    )
     line = one_line_error(proc, "eval")
-    assert (f"the evaluation endpoint at http://127.0.0.1:{port}/v1/models is unreachable: "
-            "no answer within 5 s") in line
+    assert (
+        f"the evaluation endpoint at http://127.0.0.1:{port}/v1/models is unreachable: no answer within 5 s"
+    ) in line
     assert last_json(proc)["exit_code"] == 2
 
 
@@ -516,8 +637,9 @@ def test_eval_against_a_closed_port_is_exit_2_with_credentials_masked(closed_por
 def test_an_endpoint_that_hangs_on_requests_is_bounded_by_eval_request_timeout_s(hanging_endpoint, tmp_path):
     """/v1/models answers, so the check passes; every completion hangs: EvalScope gives up after its bounded
     attempts of eval.request_timeout_s each, and that is one line naming the endpoint."""
-    proc = grpoflow_run(*eval_cli_args(tmp_path, f"http://127.0.0.1:{hanging_endpoint}/v1",
-                                       "eval.request_timeout_s=2"))
+    proc = grpoflow_run(
+        *eval_cli_args(tmp_path, f"http://127.0.0.1:{hanging_endpoint}/v1", "eval.request_timeout_s=2")
+    )
     line = one_line_error(proc, "eval")
     assert f"the evaluation endpoint at http://127.0.0.1:{hanging_endpoint}/v1 stopped answering" in line
     assert "APITimeoutError after 3 attempts of up to 2 s (eval.request_timeout_s)" in line
@@ -526,23 +648,33 @@ def test_an_endpoint_that_hangs_on_requests_is_bounded_by_eval_request_timeout_s
 def test_grpoflow_eval_without_benchmarks_is_exit_2_before_any_model(tmp_path):
     """`eval.benchmarks: []` is a valid recipe (its held-out split is its evaluation, in `grpoflow run`), but
     `grpoflow eval` has nothing to run with it."""
-    proc = grpoflow_run("eval", str(tmp_path / "no-such-checkpoint"), "eval.benchmarks=[]",
-                        "--state-dir", str(tmp_path / "s"))
+    proc = grpoflow_run(
+        "eval", str(tmp_path / "no-such-checkpoint"), "eval.benchmarks=[]", "--state-dir", str(tmp_path / "s")
+    )
     line = one_line_error(proc, "eval")
-    assert ("configs/tiny-cpu.yaml: eval.benchmarks: needs at least 1 entry to evaluate a model, "
-            "got []") in line
+    assert (
+        "configs/tiny-cpu.yaml: eval.benchmarks: needs at least 1 entry to evaluate a model, got []"
+    ) in line
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["eval.benchmarks=[aime_24]", "eval.local_paths={}"],
-     "eval: unknown benchmark 'aime_24': EvalScope"),
-    (["eval.benchmarks=[aime24]"],  # the config's local_paths still names math_500
-     "eval: local_paths names benchmark 'math_500', which is not among ['aime24']"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["eval.benchmarks=[aime_24]", "eval.local_paths={}"],
+            "eval: unknown benchmark 'aime_24': EvalScope",
+        ),
+        (
+            ["eval.benchmarks=[aime24]"],  # the config's local_paths still names math_500
+            "eval: local_paths names benchmark 'math_500', which is not among ['aime24']",
+        ),
+    ],
+)
 def test_eval_settings_are_checked_before_the_model_is_even_looked_up(overrides, message, tmp_path):
     # the checkpoint does not exist: had the model been resolved first, that would be the error
-    proc = grpoflow_run("eval", str(tmp_path / "no-such-checkpoint"), *overrides, "--state-dir",
-                        str(tmp_path / "s"))
+    proc = grpoflow_run(
+        "eval", str(tmp_path / "no-such-checkpoint"), *overrides, "--state-dir", str(tmp_path / "s")
+    )
     line = one_line_error(proc, "eval")
     assert message in line and "configs/tiny-cpu.yaml" in line
     if "aime_24" in message:
@@ -550,10 +682,18 @@ def test_eval_settings_are_checked_before_the_model_is_even_looked_up(overrides,
 
 
 def test_eval_with_an_unset_api_key_variable_is_exit_2(closed_port, tmp_path):
-    proc = grpoflow_run("eval", f"http://127.0.0.1:{closed_port}/v1", "--api-key-env",
-                        "GRPOFLOW_TEST_NO_SUCH_KEY", "--state-dir", str(tmp_path / "s"))
-    assert ("--api-key-env GRPOFLOW_TEST_NO_SUCH_KEY: the environment variable GRPOFLOW_TEST_NO_SUCH_KEY "
-            "is not set") in one_line_error(proc, "eval")
+    proc = grpoflow_run(
+        "eval",
+        f"http://127.0.0.1:{closed_port}/v1",
+        "--api-key-env",
+        "GRPOFLOW_TEST_NO_SUCH_KEY",
+        "--state-dir",
+        str(tmp_path / "s"),
+    )
+    assert (
+        "--api-key-env GRPOFLOW_TEST_NO_SUCH_KEY: the environment variable GRPOFLOW_TEST_NO_SUCH_KEY "
+        "is not set"
+    ) in one_line_error(proc, "eval")
 
 
 @pytest.mark.slow
@@ -565,23 +705,40 @@ def test_eval_and_compare_write_under_the_state_dir_never_the_working_directory(
     cwd.mkdir()
     env = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"}
     (tmp_path / "store").mkdir()
-    evals = ["eval.benchmarks=[aime24]", f"eval.local_paths={{aime24: {shared('aime24')}}}", "eval.limit=1",
-             "eval.max_tokens=8", "eval.out=evaluations"]  # relative: under the state dir
+    evals = [
+        "eval.benchmarks=[aime24]",
+        f"eval.local_paths={{aime24: {shared('aime24')}}}",
+        "eval.limit=1",
+        "eval.max_tokens=8",
+        "eval.out=evaluations",
+    ]  # relative: under the state dir
 
-    ev = grpoflow_run("eval", tiny_base["path"], "--state-dir", str(state), "--json", *evals, cwd=cwd,
-                      env=env, timeout=900)
+    ev = grpoflow_run(
+        "eval", tiny_base["path"], "--state-dir", str(state), "--json", *evals, cwd=cwd, env=env, timeout=900
+    )
     assert ev.returncode == 0, ev.stderr[-4000:]
     result = json.loads(ev.stdout.strip().splitlines()[-1])
     assert Path(result["work_dir"]) == state / "evaluations" / Path(tiny_base["path"]).name
     assert (Path(result["work_dir"]) / "report.json").is_file()
 
-    cmp = grpoflow_run("compare", result["work_dir"], result["report"], "--state-dir", str(state), "--json",
-                       *evals, cwd=cwd, env=env, timeout=900)
+    cmp = grpoflow_run(
+        "compare",
+        result["work_dir"],
+        result["report"],
+        "--state-dir",
+        str(state),
+        "--json",
+        *evals,
+        cwd=cwd,
+        env=env,
+        timeout=900,
+    )
     assert cmp.returncode == 0, cmp.stderr[-4000:]
     compared = json.loads(cmp.stdout.strip().splitlines()[-1])
     assert Path(compared["plot"]).is_relative_to(state / "evaluations" / "comparisons")
 
     from mlflow import MlflowClient
+
     client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
     runs = client.search_runs([client.get_experiment_by_name("grpoflow").experiment_id])
     assert {r.info.run_name for r in runs} == {"evaluate", "compare"}

@@ -34,25 +34,43 @@ class FakePytorchEngineConfig:
 
 def fake_config_without(name: str, *dropped: str):
     """A fake LMDeploy config class: FakePytorchEngineConfig's fields less `dropped`."""
-    return dataclasses.make_dataclass(name, [(f.name, f.type, dataclasses.field(default=f.default))
-                                             for f in dataclasses.fields(FakePytorchEngineConfig)
-                                             if f.name not in dropped])
+    return dataclasses.make_dataclass(
+        name,
+        [
+            (f.name, f.type, dataclasses.field(default=f.default))
+            for f in dataclasses.fields(FakePytorchEngineConfig)
+            if f.name not in dropped
+        ],
+    )
 
 
 # LMDeploy 0.9's PytorchEngineConfig had no logprobs_mode yet
 FakeOldPytorchEngineConfig = fake_config_without("FakeOldPytorchEngineConfig", "logprobs_mode")
 # LMDeploy 0.18's TurbomindEngineConfig, as far as grpoflow sets it: no executor choice, no log-prob mode
-FakeTurbomindEngineConfig = fake_config_without("FakeTurbomindEngineConfig", "distributed_executor_backend",
-                                                "logprobs_mode")
+FakeTurbomindEngineConfig = fake_config_without(
+    "FakeTurbomindEngineConfig", "distributed_executor_backend", "logprobs_mode"
+)
 
 
 def test_pytorch_config_picks_the_ray_executor_fake_lmdeploy_config():
     """Fake LMDeploy config class: tp = 1 must not leave the executor to LMDeploy (it would pick "uni",
     whose update_params raises NotImplementedError); every other setting is passed through."""
-    config = engine_config(FakePytorchEngineConfig, "pytorch", tensor_parallel_size=1, gpu_memory_utilization=0.2,
-                           dtype="bfloat16", session_len=1024)
-    assert config == FakePytorchEngineConfig(dtype="bfloat16", tp=1, session_len=1024, cache_max_entry_count=0.2,
-                                             distributed_executor_backend="ray", logprobs_mode="raw_logprobs")
+    config = engine_config(
+        FakePytorchEngineConfig,
+        "pytorch",
+        tensor_parallel_size=1,
+        gpu_memory_utilization=0.2,
+        dtype="bfloat16",
+        session_len=1024,
+    )
+    assert config == FakePytorchEngineConfig(
+        dtype="bfloat16",
+        tp=1,
+        session_len=1024,
+        cache_max_entry_count=0.2,
+        distributed_executor_backend="ray",
+        logprobs_mode="raw_logprobs",
+    )
     config = engine_config(FakePytorchEngineConfig, "pytorch", tensor_parallel_size=2, max_batch_size=32)
     assert (config.tp, config.distributed_executor_backend, config.max_batch_size) == (2, "ray", 32)
     assert config.session_len is None and config.cache_max_entry_count == 0.8
@@ -70,10 +88,16 @@ def test_executor_without_update_params_is_refused_fake_lmdeploy_config():
 def test_old_lmdeploy_and_turbomind_configs_fake_lmdeploy_config():
     """Fake LMDeploy config classes: an LMDeploy without logprobs_mode is refused with its version; TurboMind
     (no executor field, no update_params path) gets only the common settings."""
-    with pytest.raises(RuntimeError, match=r"LMDeploy 0\.9\.2's PyTorch engine has no logprobs_mode.*>= 0\.11"):
+    with pytest.raises(
+        RuntimeError, match=r"LMDeploy 0\.9\.2's PyTorch engine has no logprobs_mode.*>= 0\.11"
+    ):
         engine_config(FakeOldPytorchEngineConfig, "pytorch", version="0.9.2")
-    config = engine_config(FakeTurbomindEngineConfig, "turbomind", tensor_parallel_size=2, gpu_memory_utilization=0.5)
-    assert config == FakeTurbomindEngineConfig(dtype="auto", tp=2, session_len=None, cache_max_entry_count=0.5)
+    config = engine_config(
+        FakeTurbomindEngineConfig, "turbomind", tensor_parallel_size=2, gpu_memory_utilization=0.5
+    )
+    assert config == FakeTurbomindEngineConfig(
+        dtype="auto", tp=2, session_len=None, cache_max_entry_count=0.5
+    )
 
 
 class LoopThread:
@@ -162,12 +186,18 @@ def fake_lmdeploy_module(loop_thread: LoopThread, built: list):
 
     def pipeline(model_path, backend_config, log_level):
         built.append(backend_config)
-        return types.SimpleNamespace(async_engine=FakeAsyncEngine(loop_thread.loop),
-                                     internal_thread=types.SimpleNamespace(loop=loop_thread.loop))
+        return types.SimpleNamespace(
+            async_engine=FakeAsyncEngine(loop_thread.loop),
+            internal_thread=types.SimpleNamespace(loop=loop_thread.loop),
+        )
 
-    return types.SimpleNamespace(__version__="0.18.0", PytorchEngineConfig=FakePytorchEngineConfig,
-                                 TurbomindEngineConfig=FakeTurbomindEngineConfig, GenerationConfig=GenerationConfig,
-                                 pipeline=pipeline)
+    return types.SimpleNamespace(
+        __version__="0.18.0",
+        PytorchEngineConfig=FakePytorchEngineConfig,
+        TurbomindEngineConfig=FakeTurbomindEngineConfig,
+        GenerationConfig=GenerationConfig,
+        pipeline=pipeline,
+    )
 
 
 def test_engine_on_fake_lmdeploy_uses_ray_and_wakes_up_on_its_loop(loop_thread, monkeypatch):
@@ -176,11 +206,15 @@ def test_engine_on_fake_lmdeploy_uses_ray_and_wakes_up_on_its_loop(loop_thread, 
     the waiting engine loop resumes. Called from the trainer's thread instead, setting the
     Event fails with asyncio's "Non-thread-safe operation" error."""
     built = []
-    monkeypatch.setattr(lmdeploy_engine, "import_extra", lambda module, what: fake_lmdeploy_module(loop_thread, built))
-    engine = LMDeployEngine("/models/tiny", gpu_memory_utilization=0.2, dtype="bfloat16", session_len=1024,
-                            timeout_s=10)
-    assert [(c.distributed_executor_backend, c.logprobs_mode, c.tp, c.cache_max_entry_count) for c in built] == \
-        [("ray", "raw_logprobs", 1, 0.2)]
+    monkeypatch.setattr(
+        lmdeploy_engine, "import_extra", lambda module, what: fake_lmdeploy_module(loop_thread, built)
+    )
+    engine = LMDeployEngine(
+        "/models/tiny", gpu_memory_utilization=0.2, dtype="bfloat16", session_len=1024, timeout_s=10
+    )
+    assert [
+        (c.distributed_executor_backend, c.logprobs_mode, c.tp, c.cache_max_entry_count) for c in built
+    ] == [("ray", "raw_logprobs", 1, 0.2)]
     fake = engine.pipe.async_engine
 
     engine.sleep(1)

@@ -25,7 +25,9 @@ NAN = float("nan")
 
 
 def close(actual, expected, atol=1e-5):
-    torch.testing.assert_close(torch.as_tensor(actual).float(), torch.as_tensor(expected).float(), atol=atol, rtol=0)
+    torch.testing.assert_close(
+        torch.as_tensor(actual).float(), torch.as_tensor(expected).float(), atol=atol, rtol=0
+    )
 
 
 # --- advantages -------------------------------------------------------------------------------------------------
@@ -93,6 +95,7 @@ def test_advantage_arguments_are_checked():
 
 # --- the clipped surrogate --------------------------------------------------------------------------------------
 
+
 def clip_case():
     """Two sequences of two tokens, eps 0.2: ratios [[1.5, 0.5], [0.5, 1.5]], advantages [2, -2]."""
     old = torch.zeros(2, 2)
@@ -115,13 +118,17 @@ def test_clipping_takes_the_pessimistic_side():
 def test_asymmetric_clip_bounds():
     # eps_low 0.1, eps_high 0.3: ratio 1.5 with A = 1 clips at 1.3; ratio 0.5 with A = -1 clips at 0.9.
     logps = torch.tensor([[math.log(1.5)], [math.log(0.5)]])
-    loss, _ = per_token_loss(logps, torch.zeros(2, 1), torch.tensor([1.0, -1.0]), epsilon_low=0.1, epsilon_high=0.3)
+    loss, _ = per_token_loss(
+        logps, torch.zeros(2, 1), torch.tensor([1.0, -1.0]), epsilon_low=0.1, epsilon_high=0.3
+    )
     close(loss, [[-1.3], [0.9]])
 
 
 def test_on_policy_ratio_is_exactly_one_and_loss_is_minus_advantage():
     logps = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -3.0, -1.2]])
-    loss, stats = per_token_loss(logps, logps.clone(), torch.tensor([0.7, -0.3]), epsilon_low=0.2, epsilon_high=0.28)
+    loss, stats = per_token_loss(
+        logps, logps.clone(), torch.tensor([0.7, -0.3]), epsilon_low=0.2, epsilon_high=0.28
+    )
     assert torch.equal(stats["ratio"], torch.ones(2, 3))
     assert torch.equal(loss, torch.tensor([[-0.7] * 3, [0.3] * 3]))
     assert not stats["region_clipped"].any()
@@ -131,11 +138,18 @@ def test_clip_metrics_are_masked_means():
     _, stats = clip_case()
     metrics = clip_metrics(stats, torch.tensor([[1, 1], [1, 0]]))
     # three active tokens: one high-clipped, one low-clipped
-    assert metrics == pytest.approx({"clip_ratio/low_mean": 1 / 3, "clip_ratio/high_mean": 1 / 3,
-                                     "clip_ratio/region_mean": 2 / 3, "kl": 0.0})
+    assert metrics == pytest.approx(
+        {
+            "clip_ratio/low_mean": 1 / 3,
+            "clip_ratio/high_mean": 1 / 3,
+            "clip_ratio/region_mean": 2 / 3,
+            "kl": 0.0,
+        }
+    )
 
 
 # --- KL and importance weights ------------------------------------------------------------------------------------
+
 
 def test_k3_kl_by_hand():
     # ref - logp = -0.5: exp(-0.5) + 0.5 - 1 = 0.606531 - 0.5 = 0.106531
@@ -146,8 +160,9 @@ def test_k3_kl_by_hand():
 
 def test_beta_adds_the_kl_term():
     logps, ref = torch.tensor([[-1.0]]), torch.tensor([[-1.5]])
-    loss, stats = per_token_loss(logps, logps.clone(), torch.tensor([1.0]), epsilon_low=0.2, epsilon_high=0.2,
-                                 beta=0.1, ref_logps=ref)
+    loss, stats = per_token_loss(
+        logps, logps.clone(), torch.tensor([1.0]), epsilon_low=0.2, epsilon_high=0.2, beta=0.1, ref_logps=ref
+    )
     close(loss, [[-1.0 + 0.1 * 0.106531]])  # -0.989347
     close(stats["kl"], [[0.106531]])
     with pytest.raises(ValueError, match="ref_logps"):
@@ -174,8 +189,16 @@ def test_importance_weights_are_one_on_policy_and_capped_off_policy():
 
 def test_importance_weights_scale_the_policy_term_but_not_the_kl():
     logps, ref = torch.tensor([[-1.0, -1.0]]), torch.tensor([[-1.5, -1.5]])
-    loss, _ = per_token_loss(logps, logps.clone(), torch.tensor([1.0]), epsilon_low=0.2, epsilon_high=0.2,
-                             beta=0.1, ref_logps=ref, is_weights=torch.tensor([[2.0, 0.5]]))
+    loss, _ = per_token_loss(
+        logps,
+        logps.clone(),
+        torch.tensor([1.0]),
+        epsilon_low=0.2,
+        epsilon_high=0.2,
+        beta=0.1,
+        ref_logps=ref,
+        is_weights=torch.tensor([[2.0, 0.5]]),
+    )
     close(loss, [[-2.0 + 0.0106531, -0.5 + 0.0106531]])
 
 
@@ -186,8 +209,14 @@ MASK = torch.tensor([[1, 1, 0], [1, 0, 0]])
 
 
 def reduce(loss_type, per_token=PER_TOKEN, mask=MASK, sequences=2, tokens=3, max_len=4):
-    return reduce_loss(per_token, mask, loss_type, total_sequences=sequences, total_tokens=tokens,
-                       max_completion_length=max_len).item()
+    return reduce_loss(
+        per_token,
+        mask,
+        loss_type,
+        total_sequences=sequences,
+        total_tokens=tokens,
+        max_completion_length=max_len,
+    ).item()
 
 
 def test_each_loss_type_by_hand():
@@ -214,8 +243,13 @@ def test_micro_batch_shares_sum_to_the_full_batch_loss(loss_type, splits):
     totals = dict(sequences=4, tokens=6, max_len=3)
     full = reduce(loss_type, per_token, mask, **totals)
     # one shot: grpo = mean(1.5/3, 3/1, 2.5/2, 0) = 4.75/4; masked sum 1.5 + 3 + 2.5 = 7 over 6 tokens or 4 * 3
-    assert full == pytest.approx({"grpo": 4.75 / 4, "bnpo": 7 / 6, "dapo": 7 / 6, "dr_grpo": 7 / 12}[loss_type])
-    parts = [reduce(loss_type, p, m, **totals) for p, m in zip(per_token.split(splits), mask.split(splits), strict=True)]
+    assert full == pytest.approx(
+        {"grpo": 4.75 / 4, "bnpo": 7 / 6, "dapo": 7 / 6, "dr_grpo": 7 / 12}[loss_type]
+    )
+    parts = [
+        reduce(loss_type, p, m, **totals)
+        for p, m in zip(per_token.split(splits), mask.split(splits), strict=True)
+    ]
     assert sum(parts) == pytest.approx(full)
 
 

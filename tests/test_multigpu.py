@@ -48,34 +48,70 @@ def devices(placement) -> dict[str, str]:
 
 # ---- placement: plain functions ---------------------------------------------------------------------------------
 
+
 def test_six_train_and_two_rollout_gpus():
-    p = plan(RolloutConfig(engine="vllm", async_=True, train_devices=[0, 1, 2, 3, 4, 5], rollout_devices=[6, 7],
-                           num_engines=2), 8)
-    assert (p.mode, p.train_devices, p.rollout_devices, p.colocate) == ("workers", [0, 1, 2, 3, 4, 5], [[6], [7]], False)
+    p = plan(
+        RolloutConfig(
+            engine="vllm",
+            async_=True,
+            train_devices=[0, 1, 2, 3, 4, 5],
+            rollout_devices=[6, 7],
+            num_engines=2,
+        ),
+        8,
+    )
+    assert (p.mode, p.train_devices, p.rollout_devices, p.colocate) == (
+        "workers",
+        [0, 1, 2, 3, 4, 5],
+        [[6], [7]],
+        False,
+    )
     # every trainer rank sees all eight (rollout GPUs last) and trains on ordinal = its rank = LOCAL_RANK
-    assert masks(p) == {**{f"trainer rank {r}": EIGHT for r in range(6)},
-                        "rollout worker 1": "6", "rollout worker 2": "7"}
-    assert devices(p) == {**{f"trainer rank {r}": f"cuda:{r}" for r in range(6)},
-                          "rollout worker 1": "cuda:0", "rollout worker 2": "cuda:0"}
+    assert masks(p) == {
+        **{f"trainer rank {r}": EIGHT for r in range(6)},
+        "rollout worker 1": "6",
+        "rollout worker 2": "7",
+    }
+    assert devices(p) == {
+        **{f"trainer rank {r}": f"cuda:{r}" for r in range(6)},
+        "rollout worker 1": "cuda:0",
+        "rollout worker 2": "cuda:0",
+    }
     assert p.executor is None  # the recipe's engine runs in the workers; vLLM's default executor there
 
 
 def test_four_and_four_with_the_trainer_on_the_upper_gpus():
-    p = plan(RolloutConfig(engine="vllm", async_=True, train_devices=[4, 5, 6, 7], rollout_devices=[0, 1, 2, 3],
-                           num_engines=4), 8)
+    p = plan(
+        RolloutConfig(
+            engine="vllm",
+            async_=True,
+            train_devices=[4, 5, 6, 7],
+            rollout_devices=[0, 1, 2, 3],
+            num_engines=4,
+        ),
+        8,
+    )
     assert p.train_devices == [4, 5, 6, 7] and p.rollout_devices == [[0], [1], [2], [3]]
-    assert masks(p) == {**{f"trainer rank {r}": "4,5,6,7,0,1,2,3" for r in range(4)},
-                        **{f"rollout worker {k}": str(k - 1) for k in range(1, 5)}}
+    assert masks(p) == {
+        **{f"trainer rank {r}": "4,5,6,7,0,1,2,3" for r in range(4)},
+        **{f"rollout worker {k}": str(k - 1) for k in range(1, 5)},
+    }
     assert [t.device for t in p.trainers] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]  # physical 4, 5, 6, 7
 
 
 def test_four_and_four_with_two_tensor_parallel_engines_and_train_devices_left_empty():
-    p = plan(RolloutConfig(engine="vllm", async_=True, rollout_devices=[4, 5, 6, 7], num_engines=2,
-                           tensor_parallel_size=2), 8)
+    p = plan(
+        RolloutConfig(
+            engine="vllm", async_=True, rollout_devices=[4, 5, 6, 7], num_engines=2, tensor_parallel_size=2
+        ),
+        8,
+    )
     assert p.train_devices == [0, 1, 2, 3]  # empty: every GPU not used for rollout
     assert p.rollout_devices == [[4, 5], [6, 7]]
     assert {w.name: (w.cuda_visible_devices, w.device) for w in p.workers} == {
-        "rollout worker 1": ("4,5", "cuda:0"), "rollout worker 2": ("6,7", "cuda:0")}
+        "rollout worker 1": ("4,5", "cuda:0"),
+        "rollout worker 2": ("6,7", "cuda:0"),
+    }
 
 
 def test_eight_colocated_ranks_each_with_its_engine_under_the_external_launcher():
@@ -94,28 +130,60 @@ def test_a_lone_trainer_sees_its_in_process_engines_gpu_first():
 
 
 def test_recipe_ids_index_the_launchers_own_cuda_visible_devices():
-    p = plan(RolloutConfig(engine="vllm", async_=True, train_devices=[0, 1], rollout_devices=[2]),
-             ["3", "5", "GPU-abc"])
-    assert masks(p) == {"trainer rank 0": "3,5,GPU-abc", "trainer rank 1": "3,5,GPU-abc",
-                        "rollout worker 1": "GPU-abc"}
+    p = plan(
+        RolloutConfig(engine="vllm", async_=True, train_devices=[0, 1], rollout_devices=[2]),
+        ["3", "5", "GPU-abc"],
+    )
+    assert masks(p) == {
+        "trainer rank 0": "3,5,GPU-abc",
+        "trainer rank 1": "3,5,GPU-abc",
+        "rollout worker 1": "GPU-abc",
+    }
 
 
 def test_without_gpus_every_process_is_on_the_cpu():
     p = plan(RolloutConfig(async_=True, num_engines=2, train_devices=[0, 1]), 0)
-    assert devices(p) == {"trainer rank 0": "cpu", "trainer rank 1": "cpu",
-                          "rollout worker 1": "cpu", "rollout worker 2": "cpu"}
+    assert devices(p) == {
+        "trainer rank 0": "cpu",
+        "trainer rank 1": "cpu",
+        "rollout worker 1": "cpu",
+        "rollout worker 2": "cpu",
+    }
     assert set(masks(p).values()) == {None}
 
 
-@pytest.mark.parametrize("cfg, gpus, message", [
-    (RolloutConfig(train_devices=[0, 8]), 8, "rollout.train_devices: device 8 does not exist, this node has 8 GPUs"),
-    (RolloutConfig(engine="vllm", async_=True, rollout_devices=[0, 1], num_engines=2), 2, "none is left for training"),
-    (RolloutConfig(engine="vllm", async_=True, train_devices=[0, 1]), 4, "needs rollout.rollout_devices"),
-    (RolloutConfig(engine="vllm", train_devices=[0, 1], rollout_devices=[2]), 4, "Set rollout.async: true"),
-    (RolloutConfig(engine="vllm", colocate=True, num_engines=1), 8, "rollout.num_engines is 1, but colocated"),
-    (RolloutConfig(engine="vllm", colocate=True, num_engines=4, tensor_parallel_size=2), 8, "is not supported"),
-    (RolloutConfig(train_devices=[0], rollout_devices=[1]), 2, "the synchronous transformers engine"),
-])
+@pytest.mark.parametrize(
+    "cfg, gpus, message",
+    [
+        (
+            RolloutConfig(train_devices=[0, 8]),
+            8,
+            "rollout.train_devices: device 8 does not exist, this node has 8 GPUs",
+        ),
+        (
+            RolloutConfig(engine="vllm", async_=True, rollout_devices=[0, 1], num_engines=2),
+            2,
+            "none is left for training",
+        ),
+        (RolloutConfig(engine="vllm", async_=True, train_devices=[0, 1]), 4, "needs rollout.rollout_devices"),
+        (
+            RolloutConfig(engine="vllm", train_devices=[0, 1], rollout_devices=[2]),
+            4,
+            "Set rollout.async: true",
+        ),
+        (
+            RolloutConfig(engine="vllm", colocate=True, num_engines=1),
+            8,
+            "rollout.num_engines is 1, but colocated",
+        ),
+        (
+            RolloutConfig(engine="vllm", colocate=True, num_engines=4, tensor_parallel_size=2),
+            8,
+            "is not supported",
+        ),
+        (RolloutConfig(train_devices=[0], rollout_devices=[1]), 2, "the synchronous transformers engine"),
+    ],
+)
 def test_placements_the_node_or_the_mode_cannot_give_are_refused_naming_the_field(cfg, gpus, message):
     with pytest.raises(PlacementError, match="rollout") as info:
         plan(cfg, gpus)
@@ -123,6 +191,7 @@ def test_placements_the_node_or_the_mode_cannot_give_are_refused_naming_the_fiel
 
 
 # ---- the environment each process gets ------------------------------------------------------------------------------
+
 
 def test_trainer_ranks_are_launched_with_the_plans_gpus_and_find_their_own():
     recipe = load_recipe(CONFIGS / "qwen2.5-7b-numina-8gpu.yaml")
@@ -134,11 +203,20 @@ def test_trainer_ranks_are_launched_with_the_plans_gpus_and_find_their_own():
     assert (me.name, me.device) == ("trainer rank 3", "cuda:3") and len(placement.workers) == 2
     assert not needs_launch(recipe, rank3, count=8)  # a rank does not relaunch
 
-    upper = Recipe(rollout=RolloutConfig(engine="vllm", async_=True, train_devices=[4, 5, 6, 7],
-                                         rollout_devices=[0, 1, 2, 3], num_engines=4))
+    upper = Recipe(
+        rollout=RolloutConfig(
+            engine="vllm",
+            async_=True,
+            train_devices=[4, 5, 6, 7],
+            rollout_devices=[0, 1, 2, 3],
+            num_engines=4,
+        )
+    )
     env = launch_env(upper, {}, count=8)
     assert (env["CUDA_VISIBLE_DEVICES"], env[GPUS_ENV]) == ("4,5,6,7,0,1,2,3", EIGHT)
-    assert this_trainer(upper.rollout, {**env, "LOCAL_RANK": "1"}, count=8)[1].device == "cuda:1"  # physical 5
+    assert (
+        this_trainer(upper.rollout, {**env, "LOCAL_RANK": "1"}, count=8)[1].device == "cuda:1"
+    )  # physical 5
 
 
 def test_a_lone_trainer_is_relaunched_when_its_engines_gpu_is_not_at_ordinal_zero():
@@ -156,14 +234,26 @@ def test_a_lone_trainer_is_relaunched_when_its_engines_gpu_is_not_at_ordinal_zer
 def test_each_spawned_rollout_worker_starts_with_its_engines_gpus_and_no_trainer_rank(tiny_base, monkeypatch):
     from trainer.rollout.worker_processes import RolloutWorkers
 
-    workers = plan(RolloutConfig(engine="transformers", async_=True, rollout_devices=[6, 7], num_engines=2), 8).workers
-    torchrun = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "6", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555",
-                "CUDA_VISIBLE_DEVICES": EIGHT}
+    workers = plan(
+        RolloutConfig(engine="transformers", async_=True, rollout_devices=[6, 7], num_engines=2), 8
+    ).workers
+    torchrun = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "6",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29555",
+        "CUDA_VISIBLE_DEVICES": EIGHT,
+    }
     for name, value in torchrun.items():  # what trainer rank 0 has when it spawns its workers
         monkeypatch.setenv(name, value)
     # on this CPU machine the workers compute on the CPU; the variables are what a GPU node gives them
-    started = RolloutWorkers(tiny_base["path"], devices=["cpu", "cpu"], timeout_s=300,
-                             cuda_visible_devices=[w.cuda_visible_devices for w in workers])
+    started = RolloutWorkers(
+        tiny_base["path"],
+        devices=["cpu", "cpu"],
+        timeout_s=300,
+        cuda_visible_devices=[w.cuda_visible_devices for w in workers],
+    )
     try:
         seen = [psutil.Process(p.pid).environ() for p in started.procs]  # as each process was started
     finally:
@@ -176,17 +266,24 @@ def test_each_spawned_rollout_worker_starts_with_its_engines_gpus_and_no_trainer
 # ---- grpoflow train --dry-run --json -------------------------------------------------------------------------------
 
 DRY_RUN = {  # recipe -> (mode, train_devices, rollout_devices, colocate, CUDA_VISIBLE_DEVICES of each process)
-    "qwen2.5-7b-numina-8gpu": ("workers", [0, 1, 2, 3, 4, 5], [[6], [7]], False,
-                               [EIGHT] * 6 + ["6", "7"]),
-    "qwen2.5-vl-3b-clevr-counting": ("workers", [0, 1, 2, 3, 4, 5], [[6], [7]], False,
-                                     [EIGHT] * 6 + ["6", "7"]),
+    "qwen2.5-7b-numina-8gpu": ("workers", [0, 1, 2, 3, 4, 5], [[6], [7]], False, [EIGHT] * 6 + ["6", "7"]),
+    "qwen2.5-vl-3b-clevr-counting": (
+        "workers",
+        [0, 1, 2, 3, 4, 5],
+        [[6], [7]],
+        False,
+        [EIGHT] * 6 + ["6", "7"],
+    ),
     "countdown-qwen2.5-3b": ("colocated", list(range(8)), [[d] for d in range(8)], True, [EIGHT] * 8),
 }
 
 
 def _gpu_recipes() -> list[Path]:
-    return [p for p in sorted(CONFIGS.glob("*.yaml"))
-            if (r := load_recipe(p).rollout).engine != "transformers" or r.train_devices or r.rollout_devices]
+    return [
+        p
+        for p in sorted(CONFIGS.glob("*.yaml"))
+        if (r := load_recipe(p).rollout).engine != "transformers" or r.train_devices or r.rollout_devices
+    ]
 
 
 def test_every_gpu_recipe_is_checked_below():
@@ -196,16 +293,28 @@ def test_every_gpu_recipe_is_checked_below():
 @pytest.mark.parametrize("path", _gpu_recipes(), ids=lambda p: p.stem)
 def test_dry_run_prints_the_placement_of_every_gpu_recipe(path):
     # the command as a user types it; with no GPU in sight the node is as large as the recipe's device ids ask
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "train", "--config", str(path), "--dry-run", "--json"],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "train", "--config", str(path), "--dry-run", "--json"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     mode, train, rollout, colocate, cuda_visible = DRY_RUN[path.stem]
-    assert (out["dry_run"], out["mode"], out["gpus"], out["gpus_from"]) == (True, mode, 8, "the recipe's device ids")
+    assert (out["dry_run"], out["mode"], out["gpus"], out["gpus_from"]) == (
+        True,
+        mode,
+        8,
+        "the recipe's device ids",
+    )
     assert (out["train_devices"], out["rollout_devices"], out["colocate"]) == (train, rollout, colocate)
     assert [p["CUDA_VISIBLE_DEVICES"] for p in out["processes"]] == cuda_visible
-    assert [p["device"] for p in out["processes"] if p["role"] == "trainer"] == [f"cuda:{r}" for r in range(len(train))]
+    assert [p["device"] for p in out["processes"] if p["role"] == "trainer"] == [
+        f"cuda:{r}" for r in range(len(train))
+    ]
 
 
 def test_dry_run_for_another_node_size_and_a_placement_that_does_not_fit(capsys):
@@ -220,6 +329,7 @@ def test_dry_run_for_another_node_size_and_a_placement_that_does_not_fit(capsys)
 
 
 # ---- the trainer ranks' process group -------------------------------------------------------------------------------
+
 
 def test_backends_are_gloo_for_cpu_tensors_and_nccl_for_cuda_ones():
     assert process_group_backend(cuda=True) == "cpu:gloo,cuda:nccl"
@@ -242,8 +352,22 @@ from trainer.launch import leave_distributed; leave_distributed()  # no rank exi
 
 def torchrun(script: Path, nproc: int, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                           str(script), *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            str(script),
+            *args,
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def test_two_ranks_all_reduce_a_cpu_tensor_on_the_composite_backend(tmp_path):
@@ -284,7 +408,9 @@ def test_each_trainer_rank_builds_its_own_vllm_engine_under_the_external_launche
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [(o["executor"], o["vllm_rank"], o["vllm_local_rank"]) for o in out] == [
-        ("external_launcher", 0, 0), ("external_launcher", 1, 1)]
+        ("external_launcher", 0, 0),
+        ("external_launcher", 1, 1),
+    ]
     assert out[0]["tokens"] == out[1]["tokens"]  # seeded requests: both ranks generate the same batch
     assert all(len(g) == 3 for g in out[0]["tokens"])
 
@@ -321,8 +447,12 @@ def counting_proxy(target: str, counts: dict[str, int]) -> type[BaseHTTPRequestH
                 key = f"{self.command} {self.path.split('?')[0]}"
                 counts[key] = counts.get(key, 0) + 1
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0)) or None
-            request = urllib.request.Request(target + self.path, data=body, method=self.command,
-                                             headers={"Content-Type": "application/json"})
+            request = urllib.request.Request(
+                target + self.path,
+                data=body,
+                method=self.command,
+                headers={"Content-Type": "application/json"},
+            )
             try:
                 with urllib.request.urlopen(request, timeout=300) as response:
                     status, payload = response.status, response.read()
@@ -343,7 +473,8 @@ def counting_proxy(target: str, counts: dict[str, int]) -> type[BaseHTTPRequestH
 
 
 def test_in_server_mode_only_rank_zero_syncs_and_generates_and_both_ranks_train_on_its_batch(
-        rollout_server, tiny_base, tiny_data, tmp_path):
+    rollout_server, tiny_base, tiny_data, tmp_path
+):
     """Finding 5: two trainer ranks, one vLLM server. Rank 0 alone connects, sends the weights (reload sync) and
     asks for each batch; rank 1 holds no client and gets the batch from rank 0."""
     require_vllm("`make test-vllm` runs this test in .venv-vllm")
@@ -351,16 +482,33 @@ def test_in_server_mode_only_rank_zero_syncs_and_generates_and_both_ranks_train_
     counts: dict[str, int] = {}
     with loopback_http(counting_proxy(rollout_server, counts)) as proxy:
         url = f"http://127.0.0.1:{proxy.server_address[1]}"
-        proc = torchrun(tmp_path / "server_ranks.py", 2, str(CONFIGS / "tiny-cpu.yaml"), tiny_base["path"],
-                        str(tmp_path), f"bootstrap.out={tiny_base['path']}", f"data.out={tiny_data}",
-                        f"train.output_dir={tmp_path / 'run'}", "train.prompts_per_step=2",
-                        "train.num_generations=4", "rollout.engine=vllm", f"rollout.server_url={url}",
-                        "rollout.weight_sync=reload", f"rollout.weights_dir={tmp_path / 'weights'}")
+        proc = torchrun(
+            tmp_path / "server_ranks.py",
+            2,
+            str(CONFIGS / "tiny-cpu.yaml"),
+            tiny_base["path"],
+            str(tmp_path),
+            f"bootstrap.out={tiny_base['path']}",
+            f"data.out={tiny_data}",
+            f"train.output_dir={tmp_path / 'run'}",
+            "train.prompts_per_step=2",
+            "train.num_generations=4",
+            "rollout.engine=vllm",
+            f"rollout.server_url={url}",
+            "rollout.weight_sync=reload",
+            f"rollout.weights_dir={tmp_path / 'weights'}",
+        )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert (rank0["engine"], rank1["engine"]) == ("VLLMServerEngine", "ServedByRankZero")
     assert rank0["batches"] == rank1["batches"] and len(rank0["batches"][0]) == 8  # 2 prompts x 4
     assert rank0["batches"][0] != rank0["batches"][1]
     # one client's requests, not two: connect once, two batches, one weight sync (before the second)
-    assert counts == {"GET /health": 1, "GET /v1/models": 1, "GET /server_info": 1, "POST /v1/completions": 2,
-                      "POST /collective_rpc": 1, "POST /reset_prefix_cache": 1}, counts
+    assert counts == {
+        "GET /health": 1,
+        "GET /v1/models": 1,
+        "GET /server_info": 1,
+        "POST /v1/completions": 2,
+        "POST /collective_rpc": 1,
+        "POST /reset_prefix_cache": 1,
+    }, counts

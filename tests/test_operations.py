@@ -42,6 +42,7 @@ BENCH = "aime24"
 
 def free_port() -> int:
     from trainer.launch import free_port as port
+
     return port()
 
 
@@ -70,8 +71,12 @@ def environ_of(pid: int) -> dict[str, str]:
 
 
 def psql(command: str) -> None:
-    subprocess.run(["psql", "-h", "127.0.0.1", "-U", "postgres", "-v", "ON_ERROR_STOP=1", "-c", command],
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        ["psql", "-h", "127.0.0.1", "-U", "postgres", "-v", "ON_ERROR_STOP=1", "-c", command],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
 
 
 class Services:
@@ -88,23 +93,34 @@ class Services:
 
     def up_env(self, **extra: str) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "GRPOFLOW_"))}
-        env.update(GRPOFLOW_PG_URL=f"postgresql://postgres:{self.pg_password}@{PG}",
-                   GRPOFLOW_PREFECT_DB=self.dbs[0], GRPOFLOW_MLFLOW_DB=self.dbs[1],
-                   GRPOFLOW_PREFECT_PORT=str(self.prefect_port), GRPOFLOW_MLFLOW_PORT=str(self.mlflow_port),
-                   GRPOFLOW_MLFLOW_WORKERS="1", GRPOFLOW_PYTHON=sys.executable,
-                   PREFECT_SERVER_API_AUTH_STRING=self.auth,
-                   PREFECT_UI_ENABLED="false",  # lighter on 2 cores; the API is what is tested
-                   PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="5",  # the test's schedule fires within seconds
-                   PREFECT_WORKER_QUERY_SECONDS="3",
-                   GRPOFLOW_HEARTBEAT_S="30", GRPOFLOW_ZOMBIE_AFTER_S="40")  # Prefect's shortest heartbeat
+        env.update(
+            GRPOFLOW_PG_URL=f"postgresql://postgres:{self.pg_password}@{PG}",
+            GRPOFLOW_PREFECT_DB=self.dbs[0],
+            GRPOFLOW_MLFLOW_DB=self.dbs[1],
+            GRPOFLOW_PREFECT_PORT=str(self.prefect_port),
+            GRPOFLOW_MLFLOW_PORT=str(self.mlflow_port),
+            GRPOFLOW_MLFLOW_WORKERS="1",
+            GRPOFLOW_PYTHON=sys.executable,
+            PREFECT_SERVER_API_AUTH_STRING=self.auth,
+            PREFECT_UI_ENABLED="false",  # lighter on 2 cores; the API is what is tested
+            PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="5",  # the test's schedule fires within seconds
+            PREFECT_WORKER_QUERY_SECONDS="3",
+            GRPOFLOW_HEARTBEAT_S="30",
+            GRPOFLOW_ZOMBIE_AFTER_S="40",
+        )  # Prefect's shortest heartbeat
         env.update(extra)
         return env
 
     def client_env(self) -> dict:
         """What a user has after `source services.env` and setting the auth string."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "GRPOFLOW_"))}
-        env.update(PREFECT_API_URL=self.api, PREFECT_API_AUTH_STRING=self.auth, MLFLOW_TRACKING_URI=self.mlflow,
-                   PREFECT_HOME=str(self.root / "client-prefect"), GRPOFLOW_STATE=str(self.root / "client-state"))
+        env.update(
+            PREFECT_API_URL=self.api,
+            PREFECT_API_AUTH_STRING=self.auth,
+            MLFLOW_TRACKING_URI=self.mlflow,
+            PREFECT_HOME=str(self.root / "client-prefect"),
+            GRPOFLOW_STATE=str(self.root / "client-state"),
+        )
         return env
 
     def request(self, method: str, path: str, body: dict | None = None, auth: str | None = "") -> dict | list:
@@ -112,16 +128,22 @@ class Services:
         headers = {"Content-Type": "application/json"}
         if auth is not None:
             headers["Authorization"] = "Basic " + base64.b64encode((auth or self.auth).encode()).decode()
-        req = urllib.request.Request(self.api + path, method=method, headers=headers,
-                                     data=None if body is None else json.dumps(body).encode())
+        req = urllib.request.Request(
+            self.api + path,
+            method=method,
+            headers=headers,
+            data=None if body is None else json.dumps(body).encode(),
+        )
         with urllib.request.urlopen(req, timeout=30) as resp:
             return json.loads(resp.read() or b"null")
 
     def flow_runs(self, deployment_id: str, scheduled: bool | None = None) -> list[dict]:
         """The deployment's flow runs, oldest first: all, only the schedule's, or only those triggered."""
         runs = self.request("POST", "/flow_runs/filter", {"deployments": {"id": {"any_": [deployment_id]}}})
-        return sorted((r for r in runs if scheduled is None or r["auto_scheduled"] == scheduled),
-                      key=lambda r: r["created"])
+        return sorted(
+            (r for r in runs if scheduled is None or r["auto_scheduled"] == scheduled),
+            key=lambda r: r["created"],
+        )
 
     def deployment(self, name: str) -> dict:
         return self.request("GET", f"/deployments/name/{name}")
@@ -133,8 +155,9 @@ class Services:
             if run["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
                 return run
             time.sleep(2)
-        raise AssertionError(f"flow run {flow_run_id} not finished within {timeout_s} s: {run['state']}\n"
-                             f"{self.worker_log()}")
+        raise AssertionError(
+            f"flow run {flow_run_id} not finished within {timeout_s} s: {run['state']}\n{self.worker_log()}"
+        )
 
     def worker_log(self) -> str:
         log = self.dir / "logs" / "worker.log"
@@ -143,46 +166,89 @@ class Services:
 
 @pytest.fixture(scope="module")
 def services(tmp_path_factory):
-    s = Services(tmp_path_factory.mktemp("ops"), pg_password=f"pw-{secrets.token_hex(8)}",
-                 auth=f"ops:{secrets.token_hex(12)}")
+    s = Services(
+        tmp_path_factory.mktemp("ops"),
+        pg_password=f"pw-{secrets.token_hex(8)}",
+        auth=f"ops:{secrets.token_hex(12)}",
+    )
     try:
-        up = subprocess.run(["bash", str(SERVICES / "up.sh"), str(s.dir)], cwd=REPO_ROOT, env=s.up_env(),
-                            capture_output=True, text=True, timeout=900)
+        up = subprocess.run(
+            ["bash", str(SERVICES / "up.sh"), str(s.dir)],
+            cwd=REPO_ROOT,
+            env=s.up_env(),
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert up.returncode == 0, up.stderr[-4000:] + "".join(
-            f"\n--- {p.name}\n{p.read_text()[-3000:]}" for p in (s.dir / "logs").glob("*.log"))
+            f"\n--- {p.name}\n{p.read_text()[-3000:]}" for p in (s.dir / "logs").glob("*.log")
+        )
         yield s
     finally:
         running = [int(p.read_text()) for p in (s.dir / "pids").glob("*") if "." not in p.name]  # not records
-        down = subprocess.run(["bash", str(SERVICES / "down.sh"), str(s.dir)], capture_output=True, text=True,
-                              timeout=300)
+        down = subprocess.run(
+            ["bash", str(SERVICES / "down.sh"), str(s.dir)], capture_output=True, text=True, timeout=300
+        )
         for db in s.dbs:
-            subprocess.run(["psql", "-h", "127.0.0.1", "-U", "postgres", "-c",
-                            f"drop database if exists {db} with (force)"], capture_output=True, timeout=60)
+            subprocess.run(
+                [
+                    "psql",
+                    "-h",
+                    "127.0.0.1",
+                    "-U",
+                    "postgres",
+                    "-c",
+                    f"drop database if exists {db} with (force)",
+                ],
+                capture_output=True,
+                timeout=60,
+            )
         assert down.returncode == 0, down.stderr
         assert all(gone(pid) for pid in running), (running, down.stderr)
 
 
 def overrides(tiny_base: dict, eval_out: Path | None = None) -> list[str]:
     """The tiny recipe, a few steps, a two-problem AIME evaluation (the gate's benchmark) from ../shared/data."""
-    found = [f"bootstrap.out={tiny_base['path']}", "data.synthetic_rows=600", "train.max_steps=4",
-             "train.save_steps=2", "train.eval_heldout=16", f"eval.benchmarks=[{BENCH}]", "eval.limit=2",
-             "eval.max_tokens=16", f"eval.local_paths={{{BENCH}: {shared(BENCH)}}}"]
+    found = [
+        f"bootstrap.out={tiny_base['path']}",
+        "data.synthetic_rows=600",
+        "train.max_steps=4",
+        "train.save_steps=2",
+        "train.eval_heldout=16",
+        f"eval.benchmarks=[{BENCH}]",
+        "eval.limit=2",
+        "eval.max_tokens=16",
+        f"eval.local_paths={{{BENCH}: {shared(BENCH)}}}",
+    ]
     return found + ([f"eval.out={eval_out}"] if eval_out else [])
 
 
-def grpoflow(services: Services, *args: str, timeout: float = 600, env: dict | None = None
-             ) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO_ROOT,
-                          env={**services.client_env(), **(env or {})}, capture_output=True, text=True,
-                          timeout=timeout)
+def grpoflow(
+    services: Services, *args: str, timeout: float = 600, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args],
+        cwd=REPO_ROOT,
+        env={**services.client_env(), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def prefect(services: Services, *args: str, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
-    return subprocess.run([PREFECT_BIN, *args], cwd=REPO_ROOT, env=services.client_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [PREFECT_BIN, *args],
+        cwd=REPO_ROOT,
+        env=services.client_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 # ---- the services ------------------------------------------------------------------------------------------------
+
 
 def test_up_writes_what_a_client_needs_and_no_secret(services):
     env_file = (services.dir / "services.env").read_text()
@@ -203,8 +269,9 @@ def test_an_unauthenticated_client_is_refused_by_the_prefect_api(services):
     assert wrong.value.code == 401
     assert isinstance(services.request("POST", "/flows/filter", {}), list)
     env = {**services.client_env(), "PREFECT_API_AUTH_STRING": ""}
-    proc = subprocess.run([PREFECT_BIN, "deployment", "ls"], cwd=REPO_ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [PREFECT_BIN, "deployment", "ls"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode != 0
 
 
@@ -236,13 +303,20 @@ def test_down_leaves_alone_the_process_a_stale_pid_file_names(tmp_path):
         def started(pid: int) -> str:  # field 22 of /proc/PID/stat, after the name in parentheses
             return f"{Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[19]} {boot}\n"
 
-        for name, proc, command in (("mlflow-server", other_command, f"{sys.executable} -m mlflow server"),
-                                    ("prefect-server", own, "sleep 600")):
+        for name, proc, command in (
+            ("mlflow-server", other_command, f"{sys.executable} -m mlflow server"),
+            ("prefect-server", own, "sleep 600"),
+        ):
             (pids / f"{name}.start").write_text(started(proc.pid))
             (pids / f"{name}.cmd").write_text(command + "\n")
             (pids / name).write_text(f"{proc.pid}\n")
-        down = subprocess.run(["bash", str(SERVICES / "down.sh"), str(tmp_path)], capture_output=True,
-                              text=True, timeout=120, env={**os.environ, "GRPOFLOW_STOP_TIMEOUT": "10"})
+        down = subprocess.run(
+            ["bash", str(SERVICES / "down.sh"), str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "GRPOFLOW_STOP_TIMEOUT": "10"},
+        )
         assert down.returncode == 0, down.stderr
         assert reused.poll() is None and other_command.poll() is None, down.stderr  # not signalled
         assert "worker stopped" not in down.stderr and "mlflow-server stopped" not in down.stderr
@@ -268,9 +342,14 @@ def up_again(services):
         for p in pids.glob("worker*"):
             p.unlink()
         (pids / "worker").write_text(f"{stranger.pid}\n")
-        up = subprocess.run(["bash", str(SERVICES / "up.sh"), str(services.dir)], cwd=REPO_ROOT,
-                            env=services.up_env(GRPOFLOW_WORK_POOL=f"ops-spare-{services.tag}"),
-                            capture_output=True, text=True, timeout=300)
+        up = subprocess.run(
+            ["bash", str(SERVICES / "up.sh"), str(services.dir)],
+            cwd=REPO_ROOT,
+            env=services.up_env(GRPOFLOW_WORK_POOL=f"ops-spare-{services.tag}"),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         worker = int((pids / "worker").read_text()) if (pids / "worker").exists() else None
         stranger_alive = stranger.poll() is None
         if worker and worker != stranger.pid:
@@ -285,8 +364,9 @@ def up_again(services):
             p.write_bytes(data)
 
 
-def test_up_starts_a_worker_when_its_pid_file_names_another_process_and_keeps_its_own_servers(services,
-                                                                                              up_again):
+def test_up_starts_a_worker_when_its_pid_file_names_another_process_and_keeps_its_own_servers(
+    services, up_again
+):
     up = up_again["up"]
     assert up.returncode == 0, up.stderr
     assert "prefect-server already running" in up.stderr and "mlflow-server already running" in up.stderr
@@ -308,9 +388,21 @@ def test_up_with_the_prefect_port_taken_fails_and_stops_what_it_started(tmp_path
     s = Services(tmp_path, pg_password="unused", auth="ops:x")
     (tmp_path / "www" / "api").mkdir(parents=True)
     (tmp_path / "www" / "api" / "health").write_text("true")
-    other = subprocess.Popen([sys.executable, "-m", "http.server", str(s.prefect_port), "--bind", "127.0.0.1",
-                              "--directory", str(tmp_path / "www")], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)
+    other = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "http.server",
+            str(s.prefect_port),
+            "--bind",
+            "127.0.0.1",
+            "--directory",
+            str(tmp_path / "www"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -320,26 +412,48 @@ def test_up_with_the_prefect_port_taken_fails_and_stops_what_it_started(tmp_path
             except OSError:
                 assert other.poll() is None and time.monotonic() < deadline, "the other service did not start"
                 time.sleep(0.2)
-        up = subprocess.run(["bash", str(SERVICES / "up.sh"), str(s.dir)], cwd=REPO_ROOT, capture_output=True,
-                            env=s.up_env(GRPOFLOW_SERVICES_TIMEOUT="240"), text=True, timeout=600)
+        up = subprocess.run(
+            ["bash", str(SERVICES / "up.sh"), str(s.dir)],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            env=s.up_env(GRPOFLOW_SERVICES_TIMEOUT="240"),
+            text=True,
+            timeout=600,
+        )
         assert up.returncode == 1, up.stderr
         assert "prefect-server up" not in up.stderr
         assert f"port {s.prefect_port} is another service's" in up.stderr and "already in use" in up.stderr
-        [mlflow_pid] = [int(line.split("(pid ")[1].split(",")[0]) for line in up.stderr.splitlines()
-                        if "mlflow-server started" in line]
-        assert gone(mlflow_pid) and "mlflow-server stopped" in up.stderr, \
+        [mlflow_pid] = [
+            int(line.split("(pid ")[1].split(",")[0])
+            for line in up.stderr.splitlines()
+            if "mlflow-server started" in line
+        ]
+        assert gone(mlflow_pid) and "mlflow-server stopped" in up.stderr, (
             up.stderr + (s.dir / "logs" / "mlflow-server.log").read_text()[-3000:]
+        )
         assert not any((s.dir / "pids").iterdir()) and not (s.dir / "services.env").exists()
         assert other.poll() is None
     finally:
         subprocess.run(["bash", str(SERVICES / "down.sh"), str(s.dir)], capture_output=True, timeout=300)
         stop_group(other)
         for db in s.dbs:
-            subprocess.run(["psql", "-h", "127.0.0.1", "-U", "postgres", "-c",
-                            f"drop database if exists {db} with (force)"], capture_output=True, timeout=60)
+            subprocess.run(
+                [
+                    "psql",
+                    "-h",
+                    "127.0.0.1",
+                    "-U",
+                    "postgres",
+                    "-c",
+                    f"drop database if exists {db} with (force)",
+                ],
+                capture_output=True,
+                timeout=60,
+            )
 
 
 # ---- deployments, a schedule, the pipeline through the worker ---------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def deployed(services, tiny_base, tmp_path_factory):
@@ -361,15 +475,18 @@ def deployed(services, tiny_base, tmp_path_factory):
     # in vain). Deploy again with a later anchor until the deployment is there ahead of its first run.
     for _ in range(3):
         anchor = time.time() + 45
-        nightly["schedules"] = [{"interval": 3600, "anchor_date": time.strftime(
-            "%Y-%m-%dT%H:%M:%S+00:00", time.gmtime(anchor))}]
+        nightly["schedules"] = [
+            {"interval": 3600, "anchor_date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime(anchor))}
+        ]
         copy.write_text(yaml.safe_dump(spec))
         proc = grpoflow(services, "deploy", "--prefect-file", str(copy), "--json")
         assert proc.returncode == 0, proc.stderr[-3000:]
         if time.time() < anchor - 5:
             break
     else:
-        raise AssertionError("grpoflow deploy took over 40 s three times: the schedule's first run was never ahead")
+        raise AssertionError(
+            "grpoflow deploy took over 40 s three times: the schedule's first run was never ahead"
+        )
     return {**as_shipped, "anchor": anchor}
 
 
@@ -401,8 +518,9 @@ def test_deploy_puts_the_process_pool_deployments_on_the_configured_work_pool(se
     process-pool deployments: else their runs would wait on a pool no worker polls."""
     pool = f"ops-pool-{services.tag}"
     copy = renamed_copy(tmp_path / "prefect.yaml", "-pooled")
-    proc = grpoflow(services, "deploy", "--prefect-file", str(copy), "--json",
-                    env={"GRPOFLOW_WORK_POOL": pool})
+    proc = grpoflow(
+        services, "deploy", "--prefect-file", str(copy), "--json", env={"GRPOFLOW_WORK_POOL": pool}
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     names = ["grpo-pipeline/nightly-pooled", "regression-eval/gate-pooled"]
     assert [services.deployment(name)["work_pool_name"] for name in names] == [pool, pool]
@@ -411,14 +529,20 @@ def test_deploy_puts_the_process_pool_deployments_on_the_configured_work_pool(se
     assert result["work_pools"] == dict.fromkeys(names, pool) and pool in result["work_pools_created"]
 
 
-def serve_until_polling(services: Services, copy: Path, names: list[str], log_dir: Path,
-                        *flags: str) -> subprocess.Popen:
+def serve_until_polling(
+    services: Services, copy: Path, names: list[str], log_dir: Path, *flags: str
+) -> subprocess.Popen:
     """`grpoflow serve` on `copy`, returned once its runner polls for their runs (each deployment READY: on a
     pool no worker polls, only the serving process marks them so), its SIGTERM handler in place by then."""
     with (log_dir / "serve.out").open("w") as out, (log_dir / "serve.log").open("w") as log:
-        serving = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--prefect-file", str(copy),
-                                    *flags], cwd=REPO_ROOT, env=services.client_env(), stdout=out, stderr=log,
-                                   start_new_session=True)
+        serving = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "serve", "--prefect-file", str(copy), *flags],
+            cwd=REPO_ROOT,
+            env=services.client_env(),
+            stdout=out,
+            stderr=log,
+            start_new_session=True,
+        )
     deadline = time.monotonic() + 300
     while True:
         try:
@@ -470,9 +594,13 @@ def scheduled_run(services, deployed):
     """The first run the interval schedule made, run by the worker to its end."""
     deployment = services.deployment("grpo-pipeline/nightly")
     deadline = time.monotonic() + 300
+
     def due_at_the_anchor() -> list[dict]:  # not one an earlier deploy's schedule made for an hour later
-        return [r for r in services.flow_runs(deployment["id"], scheduled=True)
-                if abs(datetime.fromisoformat(r["expected_start_time"]).timestamp() - deployed["anchor"]) < 30]
+        return [
+            r
+            for r in services.flow_runs(deployment["id"], scheduled=True)
+            if abs(datetime.fromisoformat(r["expected_start_time"]).timestamp() - deployed["anchor"]) < 30
+        ]
 
     while not (runs := due_at_the_anchor()):
         assert time.monotonic() < deadline, "the schedule made no flow run due at its anchor within 300 s"
@@ -485,7 +613,9 @@ def test_a_scheduled_run_is_picked_up_by_the_worker_and_completes(services, sche
     assert scheduled_run["auto_scheduled"] is True  # made by the schedule, not by a person
 
 
-def test_the_run_registered_a_version_with_its_lineage_on_the_mlflow_server(services, scheduled_run, tmp_path):
+def test_the_run_registered_a_version_with_its_lineage_on_the_mlflow_server(
+    services, scheduled_run, tmp_path
+):
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=services.mlflow, registry_uri=services.mlflow)  # a second client
@@ -497,8 +627,15 @@ def test_the_run_registered_a_version_with_its_lineage_on_the_mlflow_server(serv
     assert run.info.artifact_uri.startswith("mlflow-artifacts:")  # stored by the server, not a local path
     assert version.source.startswith("mlflow-artifacts:")  # the MLflow model, stored by the server
     import mlflow
-    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=str(tmp_path),
-                                                     tracking_uri=services.mlflow)) / "model"
+
+    local = (
+        Path(
+            mlflow.artifacts.download_artifacts(
+                artifact_uri=version.source, dst_path=str(tmp_path), tracking_uri=services.mlflow
+            )
+        )
+        / "model"
+    )
     assert (local.parent / "MLmodel").is_file() and any(local.glob("*.safetensors"))
     manifest = json.loads((local / "manifest.json").read_text())
     assert manifest["checkpoint_sha256"] == version.tags["checkpoint_sha256"]
@@ -507,7 +644,9 @@ def test_the_run_registered_a_version_with_its_lineage_on_the_mlflow_server(serv
     assert any((services.dir / "results").iterdir())
 
 
-def test_a_triggered_rerun_is_served_from_cache_and_a_deleted_checkpoint_is_trained_again(services, scheduled_run):
+def test_a_triggered_rerun_is_served_from_cache_and_a_deleted_checkpoint_is_trained_again(
+    services, scheduled_run
+):
     proc = prefect(services, "deployment", "run", "grpo-pipeline/nightly", "--watch")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     deployment = services.deployment("grpo-pipeline/nightly")
@@ -515,7 +654,9 @@ def test_a_triggered_rerun_is_served_from_cache_and_a_deleted_checkpoint_is_trai
     cached = task_states(services, triggered["id"])
     assert cached["train-policy"] == "Cached" and cached["prepare-data"] == "Cached", cached
 
-    checkpoints = sorted((services.dir / "state").glob("runs/*/*/checkpoint-*"), key=lambda p: int(p.name[11:]))
+    checkpoints = sorted(
+        (services.dir / "state").glob("runs/*/*/checkpoint-*"), key=lambda p: int(p.name[11:])
+    )
     checkpoint = checkpoints[-1]  # the one the cached train result points to
     shutil.rmtree(checkpoint)
     proc = prefect(services, "deployment", "run", "grpo-pipeline/nightly", "--watch")
@@ -527,36 +668,62 @@ def test_a_triggered_rerun_is_served_from_cache_and_a_deleted_checkpoint_is_trai
 
 def task_states(services: Services, flow_run_id: str) -> dict[str, str]:
     """Each task's final state name in a flow run, by task name (the last attempt)."""
-    runs = services.request("POST", "/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}},
-                                                          "sort": "EXPECTED_START_TIME_ASC"})
+    runs = services.request(
+        "POST",
+        "/task_runs/filter",
+        {"flow_runs": {"id": {"any_": [flow_run_id]}}, "sort": "EXPECTED_START_TIME_ASC"},
+    )
     return {r["name"].rsplit("-", 1)[0]: r["state"]["name"] for r in runs}
 
 
 # ---- the regression gate, as CI triggers it ----------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def eval_dirs(services, scheduled_run, tmp_path_factory):
     """The pipeline's own EvalScope work dir, as a clearly better and a clearly worse copy."""
     [report] = sorted((services.dir / "state").rglob("report.json"))[:1]
     root = tmp_path_factory.mktemp("scored")
-    return {"good": scored_copy(report.parent, root / "good", BENCH, [1.0, 1.0]),
-            "bad": scored_copy(report.parent, root / "bad", BENCH, [0.0, 0.0])}
+    return {
+        "good": scored_copy(report.parent, root / "good", BENCH, [1.0, 1.0]),
+        "bad": scored_copy(report.parent, root / "bad", BENCH, [0.0, 0.0]),
+    }
 
 
 def gate_params(candidate: str, baseline: str, tiny_base: dict) -> list[str]:
-    return ["--param", f"candidate={candidate}", "--param", f"baseline={baseline}",
-            "--params", json.dumps({"overrides": overrides(tiny_base)})]
+    return [
+        "--param",
+        f"candidate={candidate}",
+        "--param",
+        f"baseline={baseline}",
+        "--params",
+        json.dumps({"overrides": overrides(tiny_base)}),
+    ]
 
 
 def test_the_gate_deployment_passes_a_model_against_itself(services, scheduled_run, tiny_base):
-    proc = prefect(services, "deployment", "run", "regression-eval/gate", "--watch",
-                   *gate_params("models:/grpoflow-tiny/1", "models:/grpoflow-tiny/1", tiny_base))
+    proc = prefect(
+        services,
+        "deployment",
+        "run",
+        "regression-eval/gate",
+        "--watch",
+        *gate_params("models:/grpoflow-tiny/1", "models:/grpoflow-tiny/1", tiny_base),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-def test_the_gate_deployment_fails_a_clearly_worse_model_and_its_state_says_why(services, eval_dirs, tiny_base):
-    proc = prefect(services, "deployment", "run", "regression-eval/gate", "--watch",
-                   *gate_params(str(eval_dirs["bad"]), str(eval_dirs["good"]), tiny_base))
+def test_the_gate_deployment_fails_a_clearly_worse_model_and_its_state_says_why(
+    services, eval_dirs, tiny_base
+):
+    proc = prefect(
+        services,
+        "deployment",
+        "run",
+        "regression-eval/gate",
+        "--watch",
+        *gate_params(str(eval_dirs["bad"]), str(eval_dirs["good"]), tiny_base),
+    )
     assert proc.returncode != 0, proc.stdout[-3000:]
     gate = services.deployment("regression-eval/gate")
     final = services.flow_runs(gate["id"], scheduled=False)[-1]
@@ -564,8 +731,9 @@ def test_the_gate_deployment_fails_a_clearly_worse_model_and_its_state_says_why(
     assert f"{BENCH} -1.0000" in final["state"]["message"] and "max_drop 0.02" in final["state"]["message"]
 
 
-def test_serve_runs_the_files_deployments_with_their_schedules_without_a_worker(services, scheduled_run, tiny_base,
-                                                                                 tmp_path):
+def test_serve_runs_the_files_deployments_with_their_schedules_without_a_worker(
+    services, scheduled_run, tiny_base, tmp_path
+):
     """`grpoflow serve` on a copy of infra/prefect.yaml whose deployments are renamed (`-served`): they appear
     on the server with the file's schedule, and a triggered gate runs in the serving process."""
     import signal
@@ -577,9 +745,14 @@ def test_serve_runs_the_files_deployments_with_their_schedules_without_a_worker(
     copy = tmp_path / "prefect.yaml"
     copy.write_text(yaml.safe_dump(spec))
     log = (tmp_path / "serve.log").open("w")
-    serving = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--prefect-file", str(copy)],
-                               cwd=REPO_ROOT, env=services.client_env(), stdout=log, stderr=subprocess.STDOUT,
-                               start_new_session=True)
+    serving = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "serve", "--prefect-file", str(copy)],
+        cwd=REPO_ROOT,
+        env=services.client_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -588,12 +761,20 @@ def test_serve_runs_the_files_deployments_with_their_schedules_without_a_worker(
                 gate = services.deployment("regression-eval/gate-served")
                 break
             except urllib.error.HTTPError:
-                assert serving.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+                assert serving.poll() is None and time.monotonic() < deadline, (
+                    tmp_path / "serve.log"
+                ).read_text()
                 time.sleep(1)
         assert nightly["schedules"][0]["schedule"]["cron"] == "0 2 * * *"
         assert nightly["schedules"][0]["schedule"]["timezone"] == "Europe/Paris" and gate["schedules"] == []
-        proc = prefect(services, "deployment", "run", "regression-eval/gate-served", "--watch",
-                       *gate_params("models:/grpoflow-tiny/1", "models:/grpoflow-tiny/1", tiny_base))
+        proc = prefect(
+            services,
+            "deployment",
+            "run",
+            "regression-eval/gate-served",
+            "--watch",
+            *gate_params("models:/grpoflow-tiny/1", "models:/grpoflow-tiny/1", tiny_base),
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + (tmp_path / "serve.log").read_text()[-3000:]
         [ran] = services.flow_runs(gate["id"], scheduled=False)
         assert ran["state"]["type"] == "COMPLETED" and ran["work_pool_name"] is None  # no worker, no pool
@@ -614,8 +795,11 @@ def run_workflow(services: Services, tmp: Path, values: dict) -> tuple[int, str,
     job_env, steps = workflow_steps()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "GRPOFLOW_"))}
     env.update({name: values.get(name, "") for name in job_env})  # an unset secret is an empty string there
-    env.update(RUNNER_TEMP=str(tmp), GITHUB_STEP_SUMMARY=str(tmp / "summary.md"),
-               PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    env.update(
+        RUNNER_TEMP=str(tmp),
+        GITHUB_STEP_SUMMARY=str(tmp / "summary.md"),
+        PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    )
     tmp.mkdir(parents=True)
     (tmp / "summary.md").touch()
     work = tmp / "checkout"  # the repository as a runner checks it out (links: the venv is the one made here)
@@ -627,23 +811,41 @@ def run_workflow(services: Services, tmp: Path, values: dict) -> tuple[int, str,
     for step in steps:
         if step.get("if") != "always()" and failed:
             continue
-        proc = subprocess.run(["bash", "-eo", "pipefail", "-c", step["run"]], cwd=work, env=env,
-                              capture_output=True, text=True, timeout=900)
+        proc = subprocess.run(
+            ["bash", "-eo", "pipefail", "-c", step["run"]],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         failed = failed or proc.returncode
-    return failed, (work / "gate.json").read_text() if (work / "gate.json").exists() else "", \
-        (tmp / "summary.md").read_text()
+    return (
+        failed,
+        (work / "gate.json").read_text() if (work / "gate.json").exists() else "",
+        (tmp / "summary.md").read_text(),
+    )
 
 
 def test_the_ci_workflow_passes_an_equal_candidate_and_fails_a_worse_one_with_exit_1(
-        services, eval_dirs, tiny_base, tmp_path):
+    services, eval_dirs, tiny_base, tmp_path
+):
     job_env, steps = workflow_steps()
     assert {"MLFLOW_TRACKING_URI", "CANDIDATE", "BASELINE", "MAX_DROP", "GATE_CONFIG"} <= set(job_env)
     # the team's recipe: the evaluation settings the pipeline ran with, so that its evaluation is reused
     from trainer.recipe import load_recipe
+
     config = tmp_path / "team-recipe.yaml"
-    config.write_text(yaml.safe_dump(load_recipe(REPO_ROOT / "configs" / "tiny-cpu.yaml", overrides(tiny_base)).to_dict()))
-    values = {"MLFLOW_TRACKING_URI": services.mlflow, "MAX_DROP": "0.02", "GATE_CONFIG": str(config),
-              "CANDIDATE": "models:/grpoflow-tiny/1", "BASELINE": "models:/grpoflow-tiny/1"}
+    config.write_text(
+        yaml.safe_dump(load_recipe(REPO_ROOT / "configs" / "tiny-cpu.yaml", overrides(tiny_base)).to_dict())
+    )
+    values = {
+        "MLFLOW_TRACKING_URI": services.mlflow,
+        "MAX_DROP": "0.02",
+        "GATE_CONFIG": str(config),
+        "CANDIDATE": "models:/grpoflow-tiny/1",
+        "BASELINE": "models:/grpoflow-tiny/1",
+    }
     code, out, summary = run_workflow(services, tmp_path / "same", values)
     assert code == 0, out
     assert json.loads(out.strip().splitlines()[-1])["passed"] is True and BENCH in summary
@@ -660,7 +862,10 @@ def test_the_ci_workflow_passes_an_equal_candidate_and_fails_a_worse_one_with_ex
 
 # ---- faults ------------------------------------------------------------------------------------------------------
 
-def test_a_run_killed_with_its_worker_is_crashed_and_a_rerun_on_a_new_worker_resumes_it(services, deployed, tiny_base):
+
+def test_a_run_killed_with_its_worker_is_crashed_and_a_rerun_on_a_new_worker_resumes_it(
+    services, deployed, tiny_base
+):
     """The worker and its flow-run process SIGKILLed mid-training (what losing the machine does: killing the worker
     alone leaves the run going on by itself, since Prefect starts each run in a session of its own). The heartbeat
     automation up.sh installs marks the run Crashed; up.sh again starts a new worker; the rerun resumes training
@@ -668,18 +873,24 @@ def test_a_run_killed_with_its_worker_is_crashed_and_a_rerun_on_a_new_worker_res
     import signal
 
     steps = 30
-    params = {"config": "configs/tiny-cpu.yaml",
-              "overrides": overrides(tiny_base) + [f"train.max_steps={steps}", "train.save_steps=5"]}
+    params = {
+        "config": "configs/tiny-cpu.yaml",
+        "overrides": overrides(tiny_base) + [f"train.max_steps={steps}", "train.save_steps=5"],
+    }
     deployment = services.deployment("grpo-pipeline/nightly")
     runs_root = services.dir / "state" / "runs" / "tiny-cpu"
     before = set(runs_root.iterdir())
     run = services.request("POST", f"/deployments/{deployment['id']}/create_flow_run", {"parameters": params})
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not (new := [d for d in runs_root.iterdir() if d not in before and (d / "checkpoint-10").is_dir()]):
-        assert time.monotonic() < deadline, f"no checkpoint-10 within {RUN_TIMEOUT_S} s\n{services.worker_log()}"
+        assert time.monotonic() < deadline, (
+            f"no checkpoint-10 within {RUN_TIMEOUT_S} s\n{services.worker_log()}"
+        )
         time.sleep(0.25)
     [out] = new
-    flow_pid = int(str(services.request("GET", f"/flow_runs/{run['id']}")["infrastructure_pid"]).rsplit(":", 1)[-1])
+    flow_pid = int(
+        str(services.request("GET", f"/flow_runs/{run['id']}")["infrastructure_pid"]).rsplit(":", 1)[-1]
+    )
     run_env = environ_of(flow_pid)  # a flow run's code sees no server secret either
     assert "GRPOFLOW_PG_URL" not in run_env and "PREFECT_SERVER_API_AUTH_STRING" not in run_env
     assert not [k for k, v in run_env.items() if services.pg_password in v]
@@ -690,15 +901,25 @@ def test_a_run_killed_with_its_worker_is_crashed_and_a_rerun_on_a_new_worker_res
 
     killed_at = time.monotonic()
     crashed = services.wait_for_final(run["id"], timeout_s=300)
-    print(f"worker and run killed after checkpoint-{max(int(n[11:]) for n in kept)}: "
-          f"{crashed['state']['type']} {time.monotonic() - killed_at:.0f} s later")
+    print(
+        f"worker and run killed after checkpoint-{max(int(n[11:]) for n in kept)}: "
+        f"{crashed['state']['type']} {time.monotonic() - killed_at:.0f} s later"
+    )
     assert crashed["state"]["type"] == "CRASHED", crashed["state"]
     assert "no heartbeat" in crashed["state"]["message"]
 
-    up = subprocess.run(["bash", str(SERVICES / "up.sh"), str(services.dir)], cwd=REPO_ROOT, env=services.up_env(),
-                        capture_output=True, text=True, timeout=300)
+    up = subprocess.run(
+        ["bash", str(SERVICES / "up.sh"), str(services.dir)],
+        cwd=REPO_ROOT,
+        env=services.up_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert up.returncode == 0 and "worker started" in up.stderr, up.stderr  # a new one, not the dead one
-    proc = prefect(services, "deployment", "run", "grpo-pipeline/nightly", "--params", json.dumps(params), "--watch")
+    proc = prefect(
+        services, "deployment", "run", "grpo-pipeline/nightly", "--params", json.dumps(params), "--watch"
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))  # none lost, none repeated
@@ -709,7 +930,8 @@ def test_a_run_killed_with_its_worker_is_crashed_and_a_rerun_on_a_new_worker_res
 
 
 def test_mlflow_stopped_during_registration_and_back_within_the_retry_window_gives_one_version(
-        services, scheduled_run, tiny_base):
+    services, scheduled_run, tiny_base
+):
     """The MLflow server SIGKILLed the moment training is done (registration starts next), then started again by
     up.sh: the registration's retries (5 s, then 20 s apart) reach it, and the checkpoint is one version."""
     import signal
@@ -724,16 +946,27 @@ def test_mlflow_stopped_during_registration_and_back_within_the_retry_window_giv
         assert time.monotonic() < deadline, services.worker_log()
         time.sleep(0.05)
     os.killpg(int((services.dir / "pids" / "mlflow-server").read_text()), signal.SIGKILL)
-    up = subprocess.run(["bash", str(SERVICES / "up.sh"), str(services.dir)], cwd=REPO_ROOT, env=services.up_env(),
-                        capture_output=True, text=True, timeout=300)
+    up = subprocess.run(
+        ["bash", str(SERVICES / "up.sh"), str(services.dir)],
+        cwd=REPO_ROOT,
+        env=services.up_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert up.returncode == 0 and "mlflow-server started" in up.stderr, up.stderr
     final = services.wait_for_final(run["id"])
     assert final["state"]["type"] == "COMPLETED", (final["state"], services.worker_log())
-    register = [r for r in services.request("POST", "/task_runs/filter", {"flow_runs": {"id": {"any_": [run["id"]]}}})
-                if r["name"].startswith("register-checkpoint")]
+    register = [
+        r
+        for r in services.request("POST", "/task_runs/filter", {"flow_runs": {"id": {"any_": [run["id"]]}}})
+        if r["name"].startswith("register-checkpoint")
+    ]
     assert register, "no register-checkpoint task run"
-    print(f"MLflow killed as training ended: registration ran {register[0]['run_count']} times, "
-          f"flow run {final['state']['name']} in {final['total_run_time']:.0f} s")
+    print(
+        f"MLflow killed as training ended: registration ran {register[0]['run_count']} times, "
+        f"flow run {final['state']['name']} in {final['total_run_time']:.0f} s"
+    )
     assert register and register[0]["run_count"] >= 2  # the stop did hit the registration: it was retried
     client = MlflowClient(tracking_uri=services.mlflow, registry_uri=services.mlflow)
     shas = [v.tags.get("checkpoint_sha256") for v in client.search_model_versions("name='grpoflow-tiny'")]
@@ -742,6 +975,7 @@ def test_mlflow_stopped_during_registration_and_back_within_the_retry_window_giv
 
 # ---- secrets and bad services -------------------------------------------------------------------------------------
 
+
 def test_no_secret_in_logs_flow_run_logs_or_mlflow(services, scheduled_run):
     from mlflow import MlflowClient
 
@@ -749,7 +983,9 @@ def test_no_secret_in_logs_flow_run_logs_or_mlflow(services, scheduled_run):
     for path in services.dir.rglob("*.log"):
         text = path.read_text(errors="replace")
         assert not any(s in text for s in secrets_), path
-    logs = services.request("POST", "/logs/filter", {"logs": {"flow_run_id": {"any_": [scheduled_run["id"]]}}})
+    logs = services.request(
+        "POST", "/logs/filter", {"logs": {"flow_run_id": {"any_": [scheduled_run["id"]]}}}
+    )
     assert logs and not any(s in json.dumps(logs) for s in secrets_)
     assert not any(s in json.dumps(scheduled_run["parameters"]) for s in secrets_)
     client = MlflowClient(tracking_uri=services.mlflow)
@@ -763,8 +999,14 @@ def test_up_with_postgresql_refusing_fails_naming_the_masked_url_and_starts_noth
     s = Services(tmp_path, pg_password="hunter2-secret", auth="ops:x")
     port = free_port()  # nothing listens there
     env = s.up_env(GRPOFLOW_PG_URL=f"postgresql://postgres:hunter2-secret@127.0.0.1:{port}")
-    proc = subprocess.run(["bash", str(SERVICES / "up.sh"), str(s.dir)], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        ["bash", str(SERVICES / "up.sh"), str(s.dir)],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert f"postgresql://postgres:***@127.0.0.1:{port}/postgres" in proc.stderr
     assert "hunter2-secret" not in proc.stdout + proc.stderr
@@ -773,38 +1015,76 @@ def test_up_with_postgresql_refusing_fails_naming_the_masked_url_and_starts_noth
 
 # ---- the GPU work pool ------------------------------------------------------------------------------------------
 
+
 def test_the_kubernetes_gpu_template_is_accepted_by_prefect_and_asks_for_eight_gpus(services, tmp_path):
     template = REPO_ROOT / "infra" / "k8s" / "gpu-pool.json"
     name = f"grpoflow-gpu-{services.tag}"
-    proc = prefect(services, "work-pool", "create", name, "--type", "kubernetes", "--base-job-template",
-                   str(template), timeout=120)
+    proc = prefect(
+        services,
+        "work-pool",
+        "create",
+        name,
+        "--type",
+        "kubernetes",
+        "--base-job-template",
+        str(template),
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     pool = services.request("GET", f"/work_pools/{name}")
     job = pool["base_job_template"]["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]
     [container] = job["containers"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "{{ gpus }}"
     variables = pool["base_job_template"]["variables"]["properties"]
-    assert variables["gpus"]["default"] == 8 and variables["env"]["default"]["GRPOFLOW_STATE"] == "/shared/state"
+    assert (
+        variables["gpus"]["default"] == 8 and variables["env"]["default"]["GRPOFLOW_STATE"] == "/shared/state"
+    )
     # the server checks what it stores: a placeholder without its variable is refused
     broken = json.loads(template.read_text())
     del broken["variables"]["properties"]["gpus"]
     (tmp_path / "broken.json").write_text(json.dumps(broken))
-    proc = prefect(services, "work-pool", "create", f"{name}-broken", "--type", "kubernetes",
-                   "--base-job-template", str(tmp_path / "broken.json"), timeout=120)
+    proc = prefect(
+        services,
+        "work-pool",
+        "create",
+        f"{name}-broken",
+        "--type",
+        "kubernetes",
+        "--base-job-template",
+        str(tmp_path / "broken.json"),
+        timeout=120,
+    )
     assert proc.returncode != 0 and "gpus" in proc.stdout + proc.stderr
 
 
-def test_run_with_its_postgresql_store_refusing_is_exit_2_naming_the_masked_url_and_writes_nothing(tmp_path,
-                                                                                                  tiny_base):
+def test_run_with_its_postgresql_store_refusing_is_exit_2_naming_the_masked_url_and_writes_nothing(
+    tmp_path, tiny_base
+):
     port = free_port()  # nothing listens there
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "GRPOFLOW_"))}
     env["MLFLOW_TRACKING_URI"] = f"postgresql://postgres:hunter2-secret@127.0.0.1:{port}/grpoflow"
     state = tmp_path / "state"
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--state-dir", str(state), "--json",
-                           *overrides(tiny_base)], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "run",
+            "--state-dir",
+            str(state),
+            "--json",
+            *overrides(tiny_base),
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"postgresql://postgres:***@127.0.0.1:{port}/grpoflow" in proc.stderr
     assert "hunter2-secret" not in proc.stdout + proc.stderr
-    written = [p.relative_to(state).parts[0] for p in state.rglob("*") if p.is_file()] if state.exists() else []
+    written = (
+        [p.relative_to(state).parts[0] for p in state.rglob("*") if p.is_file()] if state.exists() else []
+    )
     assert not {"data", "runs", "eval", "mlartifacts", "mlflow.db"} & set(written), written

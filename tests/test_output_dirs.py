@@ -17,8 +17,19 @@ from flows.cli import main
 
 
 def _prep(out, *extra: str) -> list[str]:
-    return ["prep", "--task", "synthetic", "--source", "synthetic:addition", "--out", str(out), "--heldout",
-            "0.1", "data.synthetic_rows=40", *extra]
+    return [
+        "prep",
+        "--task",
+        "synthetic",
+        "--source",
+        "synthetic:addition",
+        "--out",
+        str(out),
+        "--heldout",
+        "0.1",
+        "data.synthetic_rows=40",
+        *extra,
+    ]
 
 
 def test_prep_refuses_a_project_directory_and_the_current_directory(tmp_path, monkeypatch, capsys):

@@ -20,12 +20,30 @@ from data.manifest import read_manifest, sha256_dir
 pytestmark = pytest.mark.slow
 
 
-def run_pipeline(tmp: Path, tiny_base: dict, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "flows.cli", "run", "--state-dir", str(tmp / "state"), "--json",
-            f"bootstrap.out={tiny_base['path']}", f"data.out={tmp / 'data'}", "data.synthetic_rows=600",
-            f"train.output_dir={tmp / 'runs'}", "train.max_steps=4", "train.save_steps=2", "train.eval_heldout=32",
-            f"eval.out={tmp / 'eval'}", "eval.limit=2", "eval.max_tokens=24",
-            f"eval.local_paths={{math_500: {shared('math_500')}, aime24: {shared('aime24')}}}", *overrides]
+def run_pipeline(
+    tmp: Path, tiny_base: dict, *overrides: str, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    args = [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "run",
+        "--state-dir",
+        str(tmp / "state"),
+        "--json",
+        f"bootstrap.out={tiny_base['path']}",
+        f"data.out={tmp / 'data'}",
+        "data.synthetic_rows=600",
+        f"train.output_dir={tmp / 'runs'}",
+        "train.max_steps=4",
+        "train.save_steps=2",
+        "train.eval_heldout=32",
+        f"eval.out={tmp / 'eval'}",
+        "eval.limit=2",
+        "eval.max_tokens=24",
+        f"eval.local_paths={{math_500: {shared('math_500')}, aime24: {shared('aime24')}}}",
+        *overrides,
+    ]
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
     full_env.update(env or {})
     return subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1500, env=full_env)
@@ -38,6 +56,7 @@ def summary_of(proc: subprocess.CompletedProcess) -> dict:
 
 def mlflow_client(tmp: Path):
     from mlflow import MlflowClient
+
     uri = f"sqlite:///{tmp / 'state' / 'mlflow.db'}"
     return MlflowClient(uri, registry_uri=uri)
 
@@ -63,21 +82,33 @@ def test_pipeline_lineage_caching_and_rerun_downstream_of_a_change(tmp_path, tin
 
     # the registered source is an MLflow model holding the checkpoint less its training state
     import mlflow
-    local = mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=str(tmp_path / "dl"),
-                                                tracking_uri=f"sqlite:///{tmp_path / 'state' / 'mlflow.db'}")
+
+    local = mlflow.artifacts.download_artifacts(
+        artifact_uri=version.source,
+        dst_path=str(tmp_path / "dl"),
+        tracking_uri=f"sqlite:///{tmp_path / 'state' / 'mlflow.db'}",
+    )
     assert "MLmodel" in os.listdir(local)
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(Path(local) / "model"))
-    assert "trainer_state.pt" in os.listdir(ckpt) and "trainer_state.pt" not in os.listdir(Path(local) / "model")
+    assert "trainer_state.pt" in os.listdir(ckpt) and "trainer_state.pt" not in os.listdir(
+        Path(local) / "model"
+    )
     # the evaluation's scores are numbers linked to that model: what MLflow's model comparison shows
     from tasks.registry import model_id_of
+
     linked = {m.key: m.value for m in client.get_logged_model(model_id_of(version)).metrics}
     assert {k: linked[k] for k in first["scores"]} == pytest.approx(first["scores"])
 
-    runs = {r.info.run_name: r for r in client.search_runs(
-        [client.get_experiment_by_name("grpoflow").experiment_id])}
+    runs = {
+        r.info.run_name: r
+        for r in client.search_runs([client.get_experiment_by_name("grpoflow").experiment_id])
+    }
     assert {"pipeline-tiny-cpu", "prepare", "train", "register", "evaluate"} <= set(runs)
     parent = runs["pipeline-tiny-cpu"].info.run_id
-    assert all(runs[s].data.tags["mlflow.parentRunId"] == parent for s in ("prepare", "train", "register", "evaluate"))
+    assert all(
+        runs[s].data.tags["mlflow.parentRunId"] == parent
+        for s in ("prepare", "train", "register", "evaluate")
+    )
     train = runs["train"]
     assert train.inputs.dataset_inputs[0].dataset.digest == data_manifest["sha256"][:36]
     assert len(client.get_metric_history(train.info.run_id, "reward")) == 4
@@ -89,7 +120,9 @@ def test_pipeline_lineage_caching_and_rerun_downstream_of_a_change(tmp_path, tin
     history = client.get_metric_history(train.info.run_id, "completions/mean_length")
     assert [(m.step, m.value) for m in history] == [(r["step"], r["completions/mean_length"]) for r in rows]
     assert {a.path for a in client.list_artifacts(train.info.run_id, "plots")} == {
-        "plots/reward.png", "plots/completion_length.png"}
+        "plots/reward.png",
+        "plots/completion_length.png",
+    }
     assert runs["evaluate"].data.metrics["math_500"] == pytest.approx(first["scores"]["math_500"])
     report = json.loads(Path(first["eval_report"]).read_text())
     assert report["scores"]["math_500"] == pytest.approx(first["scores"]["math_500"])
@@ -124,7 +157,10 @@ def test_training_failure_is_retried_and_resumes_from_its_checkpoint(tmp_path, t
     plugin.write_text(FAULT.format(marker=str(tmp_path / "failed-once")))
     summary = summary_of(run_pipeline(tmp_path, tiny_base, f"train.callbacks=['{plugin}:make']"))
     assert (tmp_path / "failed-once").read_text() == "2"
-    metrics = [json.loads(line) for line in (Path(summary["checkpoint"]).parent / "metrics.jsonl").read_text().splitlines()]
+    metrics = [
+        json.loads(line)
+        for line in (Path(summary["checkpoint"]).parent / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]  # no step lost, none repeated
     assert len(mlflow_client(tmp_path).search_model_versions("name='grpoflow-tiny'")) == 1
 
@@ -133,7 +169,11 @@ def test_unreachable_registry_fails_clearly_and_keeps_the_checkpoint(tmp_path, t
     bad = "sqlite:////proc/grpoflow-no-such-dir/registry.db"
     proc = run_pipeline(tmp_path, tiny_base, env={"MLFLOW_REGISTRY_URI": bad})
     assert proc.returncode == 1
-    assert "registering" in proc.stderr and bad in proc.stderr and "checkpoint on disk is untouched" in proc.stderr
+    assert (
+        "registering" in proc.stderr
+        and bad in proc.stderr
+        and "checkpoint on disk is untouched" in proc.stderr
+    )
     [ckpt] = (tmp_path / "runs").glob("*/checkpoint-4")
     assert read_manifest(ckpt)["sha256"] == sha256_dir(ckpt)
 
@@ -155,17 +195,26 @@ def test_a_cached_result_whose_files_are_gone_is_named_by_missing_outputs(tmp_pa
 # ==========================================================================================================
 # Every command runs as a real `grpoflow` subprocess; its timeout is a guard, never the assertion.
 
+
 @pytest.mark.parametrize("server", ["closed", "silent"])
-def test_run_with_a_dead_prefect_api_is_exit_2_before_the_pipeline_starts(server, silent_port, closed_port,
-                                                                           tmp_path):
+def test_run_with_a_dead_prefect_api_is_exit_2_before_the_pipeline_starts(
+    server, silent_port, closed_port, tmp_path
+):
     port = closed_port if server == "closed" else silent_port.getsockname()[1]
     state = tmp_path / "state"
-    proc = grpoflow_run("run", "--state-dir", str(state), "--json",
-                        env={"PREFECT_API_URL": f"http://user:{URL_SECRET}@127.0.0.1:{port}/api"})
+    proc = grpoflow_run(
+        "run",
+        "--state-dir",
+        str(state),
+        "--json",
+        env={"PREFECT_API_URL": f"http://user:{URL_SECRET}@127.0.0.1:{port}/api"},
+    )
     line = one_line_error(proc, "run")
     reason = "connection refused" if server == "closed" else "no answer within 10 s"
-    assert f"the Prefect API at http://user:***@127.0.0.1:{port}/api/health is unreachable: {reason} " \
-           "(PREFECT_API_URL)" in line
+    assert (
+        f"the Prefect API at http://user:***@127.0.0.1:{port}/api/health is unreachable: {reason} "
+        "(PREFECT_API_URL)" in line
+    )
     assert URL_SECRET not in proc.stdout + proc.stderr and last_json(proc)["exit_code"] == 2
     assert not (state / "data").exists() and not (state / "runs").exists()  # nothing was prepared or trained
 

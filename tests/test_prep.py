@@ -33,7 +33,9 @@ GSM8K = SHARED / "gsm8k" / "train.jsonl"
 MATH500 = SHARED / "math_500" / "test.jsonl"
 COUNTDOWN = SHARED / "countdown" / "test.jsonl"
 
-needs_shared = pytest.mark.usefixtures("shared_data")  # fails, naming the path, when ../shared/data is missing
+needs_shared = pytest.mark.usefixtures(
+    "shared_data"
+)  # fails, naming the path, when ../shared/data is missing
 
 
 def all_rows(out: Path) -> dict[str, dict]:
@@ -57,6 +59,7 @@ def copy_lines(src: Path, dst: Path, n: int, edit: dict[int, str] | None = None)
 
 
 # --- the real reference data ---
+
 
 @needs_shared
 def test_gsm8k_train_all_rows_with_final_answers(tmp_path):
@@ -108,7 +111,8 @@ def test_countdown_input_output_format(tmp_path):
     assert user_text(first) == (
         "Using the numbers [30, 100, 93], create an equation that equals 23. You can use basic arithmetic "
         "operations (+, -, *, /) and each number exactly once. Show your work in <think> </think> tags and "
-        "return the final equation in <answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>.")
+        "return the final equation in <answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>."
+    )
 
 
 @needs_shared
@@ -122,7 +126,12 @@ def test_manifest_records_source_hash_and_settings(tmp_path):
     assert m["rows"] == result["rows"] == {"train": 240, "heldout": 16}
     assert m["source"]["files"] == [{"path": str(COUNTDOWN.resolve()), "sha256": sha256_file(COUNTDOWN)}]
     assert (m["task"], m["seed"], m["heldout"], m["split"], m["split_by"]) == (
-        "countdown", 3, 16, "train", "seeded shuffle")
+        "countdown",
+        3,
+        16,
+        "train",
+        "seeded shuffle",
+    )
     assert m["dropped"] == {} and m["dropped_examples"] == []
     assert m["code_version"] and m["created_at"]
     assert result["manifest"] == str((tmp_path / "out" / "manifest.json").resolve())
@@ -133,8 +142,11 @@ def test_manifest_records_source_hash_and_settings(tmp_path):
 BROKEN = {
     "not JSON": ('{"question": "What is 1 + 1?", "answer": "#### 2"', "invalid JSON", "not valid JSON"),
     "missing field": ('{"question": "What is 1 + 1?"}', "missing field 'answer'", "field 'answer'"),
-    "empty answer": ('{"question": "What is 1 + 1?", "answer": "1 + 1 = 2\\n#### "}', "empty field 'answer'",
-                     "field 'answer': expected a worked solution ending in '#### <number>'"),
+    "empty answer": (
+        '{"question": "What is 1 + 1?", "answer": "1 + 1 = 2\\n#### "}',
+        "empty field 'answer'",
+        "field 'answer': expected a worked solution ending in '#### <number>'",
+    ),
 }
 
 
@@ -197,6 +209,7 @@ def test_gsm8k_answer_must_be_a_number(tmp_path):
 
 # --- split, seed, limit ---
 
+
 @needs_shared
 def test_same_seed_same_hash_other_seed_other_split(tmp_path):
     a = prepare("countdown", str(COUNTDOWN), tmp_path / "a", seed=7)
@@ -235,8 +248,11 @@ def test_limit_keeps_the_first_usable_rows(tmp_path):
 
 # --- source kinds ---
 
-COUNTDOWN_ROWS = [{"nums": [30, 100, 93], "target": 23}, {"nums": [83, 18, 75], "target": 10},
-                  {"nums": [76, 41, 59], "target": 24}]
+COUNTDOWN_ROWS = [
+    {"nums": [30, 100, 93], "target": 23},
+    {"nums": [83, 18, 75], "target": 10},
+    {"nums": [76, 41, 59], "target": 24},
+]
 
 
 def test_parquet_source(tmp_path):
@@ -247,7 +263,10 @@ def test_parquet_source(tmp_path):
     prepare("countdown", str(src), tmp_path / "out", heldout=0)
     rows = load_prepared(tmp_path / "out")
     assert [(r["nums"], r["target"], r["answer"]) for r in rows] == [
-        ([30, 100, 93], 23, "23"), ([83, 18, 75], 10, "10"), ([76, 41, 59], 24, "24")]
+        ([30, 100, 93], 23, "23"),
+        ([83, 18, 75], 10, "10"),
+        ([76, 41, 59], 24, "24"),
+    ]
     assert user_text(rows[0]) == COUNTDOWN_PROMPT.format(nums=[30, 100, 93], target=23)
 
 
@@ -255,18 +274,30 @@ def test_parquet_written_by_datasets(tmp_path):
     import datasets
 
     src = tmp_path / "math.parquet"
-    datasets.Dataset.from_list([
-        {"problem": "What is $\\frac{1}{2}+\\frac{1}{2}$?", "solution": "It is $\\boxed{1}$.", "answer": ""},
-        {"problem": "Simplify $\\sqrt{4}$.", "solution": "So $\\boxed{\\sqrt{4}} = \\boxed{2}$.", "answer": ""},
-    ]).to_parquet(src)
+    datasets.Dataset.from_list(
+        [
+            {
+                "problem": "What is $\\frac{1}{2}+\\frac{1}{2}$?",
+                "solution": "It is $\\boxed{1}$.",
+                "answer": "",
+            },
+            {
+                "problem": "Simplify $\\sqrt{4}$.",
+                "solution": "So $\\boxed{\\sqrt{4}} = \\boxed{2}$.",
+                "answer": "",
+            },
+        ]
+    ).to_parquet(src)
     prepare("math", str(src), tmp_path / "out", heldout=0)
     assert [r["answer"] for r in load_prepared(tmp_path / "out")] == ["1", "2"]
 
 
 def test_csv_source_and_its_row_numbers(tmp_path):
     src = tmp_path / "cd.csv"
-    src.write_text("input,output\n\"30,100,93\",23\n\"83,18,75\",ten\n")
-    with pytest.raises(DataError, match=r"cd.csv row 2: field 'output': expected an integer target, got 'ten'"):
+    src.write_text('input,output\n"30,100,93",23\n"83,18,75",ten\n')
+    with pytest.raises(
+        DataError, match=r"cd.csv row 2: field 'output': expected an integer target, got 'ten'"
+    ):
         prepare("countdown", str(src), tmp_path / "out")
     result = prepare("countdown", str(src), tmp_path / "out", heldout=0, skip_invalid=True)
     assert result["dropped"] == {"invalid field 'output'": 1}
@@ -322,24 +353,37 @@ def test_counting_with_images_next_to_the_source(tmp_path):
     for name, color in (("a.png", "red"), ("b.png", "blue")):
         Image.new("RGB", (4, 4), color).save(tmp_path / "images" / name)
     src = tmp_path / "clevr.jsonl"
-    src.write_text("\n".join(json.dumps(r) for r in [
-        {"image_path": "images/a.png", "problem": "How many cubes are there?",
-         "solution": "<answer> 3 </answer>"},
-        {"image": str(tmp_path / "images" / "b.png"), "count": 0},
-        {"image": "images/missing.png", "count": 1},
-    ]) + "\n")
+    src.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {
+                    "image_path": "images/a.png",
+                    "problem": "How many cubes are there?",
+                    "solution": "<answer> 3 </answer>",
+                },
+                {"image": str(tmp_path / "images" / "b.png"), "count": 0},
+                {"image": "images/missing.png", "count": 1},
+            ]
+        )
+        + "\n"
+    )
     with pytest.raises(DataError, match=r"clevr.jsonl:3: field 'image': expected an existing image file"):
         prepare("counting", str(src), tmp_path / "out")
     result = prepare("counting", str(src), tmp_path / "out", heldout=0, skip_invalid=True)
     assert result["dropped"] == {"image not found": 1}
     a, b = load_prepared(tmp_path / "out")
     assert (user_text(a), a["answer"], a["images"]) == (
-        "How many cubes are there?", "3", [str((tmp_path / "images" / "a.png").resolve())])
+        "How many cubes are there?",
+        "3",
+        [str((tmp_path / "images" / "a.png").resolve())],
+    )
     assert (user_text(b), b["answer"]) == ("How many items are there in the image?", "0")
     assert manifest(tmp_path / "out")["images"]["files"] == 2
 
 
 # --- images within limits ---
+
 
 def small_png(path: Path) -> bytes:
     from PIL import Image
@@ -372,7 +416,7 @@ def test_an_image_url_has_one_deadline_for_the_whole_request(tmp_path, monkeypat
             self.end_headers()
             for i in range(len(body)):
                 try:
-                    self.wfile.write(body[i:i + 1])
+                    self.wfile.write(body[i : i + 1])
                 except OSError:  # the client has gone
                     return
                 time.sleep(0.25)
@@ -385,8 +429,10 @@ def test_an_image_url_has_one_deadline_for_the_whole_request(tmp_path, monkeypat
             prepare("counting", str(image_url_rows(tmp_path, url)), tmp_path / "out", heldout=0)
         took = time.monotonic() - started
     assert took < 10, f"the request ran {took:.1f} s past a 1 s deadline"
-    assert f"rows.jsonl:1: field 'image': expected an image within limits; {url}: no complete answer within 1 s" \
+    assert (
+        f"rows.jsonl:1: field 'image': expected an image within limits; {url}: no complete answer within 1 s"
         in str(e.value)
+    )
     assert "data.images.URL_TIMEOUT_S" in str(e.value)
     assert not (tmp_path / "out").exists()
     with loopback_http(Drip) as server:  # skipped, the row is counted under its own reason
@@ -428,7 +474,9 @@ def test_an_image_url_larger_than_the_byte_limit_is_refused_naming_it(tmp_path, 
         finally:
             release.set()
         took = time.monotonic() - started
-    assert f"{url}: larger than the 100,000-byte limit of an image (data.images.MAX_IMAGE_BYTES)" in str(e.value)
+    assert f"{url}: larger than the 100,000-byte limit of an image (data.images.MAX_IMAGE_BYTES)" in str(
+        e.value
+    )
     if declared:
         assert "the server declares 200,000,000 bytes" in str(e.value)
         assert took < 5, f"{took:.1f} s: the body was waited for"
@@ -445,21 +493,30 @@ def test_an_image_declaring_too_many_pixels_is_refused_before_it_is_decoded(tmp_
     assert (tmp_path / "huge.png").stat().st_size < 100_000
     src = tmp_path / "rows.jsonl"
     src.write_text(json.dumps({"image": "huge.png", "count": 1}) + "\n")
-    code = ("import resource, sys\n"
-            "import PIL.Image, PIL.PngImagePlugin\n"
-            "from data.prepare import DataError, prepare\n"
-            "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-            "try:\n    prepare('counting', sys.argv[1], sys.argv[2], heldout=0)\n"
-            "except DataError as e:\n    print(e)\n"
-            "print('peak growth KiB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)\n")
-    done = subprocess.run([sys.executable, "-c", code, str(src), str(tmp_path / "out")], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    code = (
+        "import resource, sys\n"
+        "import PIL.Image, PIL.PngImagePlugin\n"
+        "from data.prepare import DataError, prepare\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "try:\n    prepare('counting', sys.argv[1], sys.argv[2], heldout=0)\n"
+        "except DataError as e:\n    print(e)\n"
+        "print('peak growth KiB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(src), str(tmp_path / "out")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     *message, growth = done.stdout.strip().splitlines()
     message = "\n".join(message)
     assert f"rows.jsonl:1: field 'image': expected an image within limits; {tmp_path / 'huge.png'}" in message
-    assert "declares more pixels than the 25,000,000-pixel limit of an image (data.images.MAX_IMAGE_PIXELS): " \
-           "it is 12000 x 12000" in message
+    assert (
+        "declares more pixels than the 25,000,000-pixel limit of an image (data.images.MAX_IMAGE_PIXELS): "
+        "it is 12000 x 12000" in message
+    )
     assert int(growth.split()[-1]) < 100 * 1024, growth
     assert not (tmp_path / "out").exists()
 
@@ -468,13 +525,28 @@ def test_synthetic_rows_past_the_limit_are_refused_naming_the_field(tmp_path):
     from trainer.recipe import ConfigError, load_recipe
 
     assert load_recipe(None, ["data.synthetic_rows=1000000"]).data.synthetic_rows == 1_000_000
-    with pytest.raises(ConfigError, match=r"data.synthetic_rows: must be <= 1,000,000, got 1000000000000000019"):
+    with pytest.raises(
+        ConfigError, match=r"data.synthetic_rows: must be <= 1,000,000, got 1000000000000000019"
+    ):
         load_recipe(None, ["data.synthetic_rows=1e30"])
     with pytest.raises(DataError, match=r"synthetic_rows must be between 1 and 1,000,000, got 1000001"):
         prepare("synthetic", "synthetic", tmp_path / "out", synthetic_rows=1_000_001)
-    done = subprocess.run([sys.executable, "-m", "flows.cli", "prep", "--out", str(tmp_path / "out"),
-                           "data.synthetic_rows=1e30", "--json"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "prep",
+            "--out",
+            str(tmp_path / "out"),
+            "data.synthetic_rows=1e30",
+            "--json",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr[-2000:]
     assert "data.synthetic_rows: must be <= 1,000,000" in done.stderr
     assert not (tmp_path / "out").exists()
@@ -495,6 +567,7 @@ def test_synthetic_addition_keeps_the_generators_evaluation_pool_held_out(tmp_pa
 
 def _countdown_solution(nums: list[int], target: int) -> str | None:
     """An expression using every number once with + - * / that equals `target` exactly, or None (brute force)."""
+
     def build(items: list[tuple[Fraction, str]]):
         if len(items) == 1:
             yield items[0]
@@ -532,17 +605,22 @@ def test_synthetic_countdown_through_the_countdown_adapter(tmp_path):
 
 # --- adapters, directly ---
 
+
 def test_numina_ignores_messages_and_reads_the_boxed_answer():
-    ex = numina({"problem": "2+2?", "solution": "Thus \\boxed{4}.",
-                 "messages": [{"role": "user", "content": "x"}]})
+    ex = numina(
+        {"problem": "2+2?", "solution": "Thus \\boxed{4}.", "messages": [{"role": "user", "content": "x"}]}
+    )
     assert (ex.question, ex.answer, ex.columns) == ("2+2?", "4", {})
 
 
 # --- user errors ---
 
+
 def test_unknown_task_lists_the_valid_ones(tmp_path):
-    with pytest.raises(DataError, match="unknown task 'gsm9k'; valid tasks: countdown, counting, gsm8k, math, "
-                                        "numina, synthetic"):
+    with pytest.raises(
+        DataError,
+        match="unknown task 'gsm9k'; valid tasks: countdown, counting, gsm8k, math, numina, synthetic",
+    ):
         prepare("gsm9k", "synthetic", tmp_path / "out")
 
 
@@ -563,17 +641,21 @@ def test_hub_id_without_network_fails_at_once_naming_the_id(tmp_path, monkeypatc
 
 def test_hub_id_in_offline_mode_goes_through_load_dataset(tmp_path):
     """HF_HUB_OFFLINE is read when `datasets` is imported, hence a fresh interpreter."""
-    code = ("from data.prepare import prepare, DataError\n"
-            "try:\n    prepare('gsm8k', 'grpoflow-tests/not-cached', 'out')\n"
-            "except DataError as e:\n    print(e)\n")
+    code = (
+        "from data.prepare import prepare, DataError\n"
+        "try:\n    prepare('gsm8k', 'grpoflow-tests/not-cached', 'out')\n"
+        "except DataError as e:\n    print(e)\n"
+    )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
     assert "hub dataset 'grpoflow-tests/not-cached', split 'train'" in done.stdout, done.stderr
     assert "local --source" in done.stdout
 
 
 # --- reading a prepared directory back ---
+
 
 def test_load_prepared_checks_the_manifest(tmp_path):
     with pytest.raises(DataError, match="no manifest.json"):
@@ -593,19 +675,27 @@ def test_load_prepared_checks_the_manifest(tmp_path):
 # Every command runs as a real `grpoflow` subprocess; read-only and full file systems are real tmpfs
 # mounts in a private mount namespace.
 
+
 def in_tmpfs(mountpoint: Path, options: str) -> list[str]:
     """A command prefix running the command in a private mount namespace with a real tmpfs at `mountpoint`
     (`unshare -m` as root, `unshare -rm` otherwise); the mount disappears with the process. After the command,
     what is left in the tmpfs is printed to stderr as `LEFT:<names>`."""
     unshare = ["unshare", "-m"] if os.geteuid() == 0 else ["unshare", "-rm"]
-    script = ('mount -t tmpfs -o "$1" tmpfs "$0" || exit 97; shift; "$@"; rc=$?; '
-              'echo "LEFT:$(ls -A "$0" | tr "\\n" " ")" >&2; exit $rc')
+    script = (
+        'mount -t tmpfs -o "$1" tmpfs "$0" || exit 97; shift; "$@"; rc=$?; '
+        'echo "LEFT:$(ls -A "$0" | tr "\\n" " ")" >&2; exit $rc'
+    )
     return [*unshare, "sh", "-c", script, str(mountpoint), options]
 
 
 def _gsm8k_rows(n: int = 20) -> list[dict]:
-    return [{"question": f"Tom has {i} apples and buys {i} more. How many now?",
-             "answer": f"He has {i} + {i} = {2 * i}.\n#### {2 * i}"} for i in range(1, n + 1)]
+    return [
+        {
+            "question": f"Tom has {i} apples and buys {i} more. How many now?",
+            "answer": f"He has {i} + {i} = {2 * i}.\n#### {2 * i}",
+        }
+        for i in range(1, n + 1)
+    ]
 
 
 def test_prep_without_task_is_refused_for_a_file_and_inferred_for_the_generator(tmp_path):
@@ -616,15 +706,25 @@ def test_prep_without_task_is_refused_for_a_file_and_inferred_for_the_generator(
     assert f"data: task: required for source '{source}' (prep --task, or data.task)" in line
     assert "gsm8k" in line
     assert not (tmp_path / "out").exists()
-    proc = grpoflow_run("prep", "--source", "synthetic:addition", "--out", str(tmp_path / "syn"),
-                        "data.synthetic_rows=40")
+    proc = grpoflow_run(
+        "prep", "--source", "synthetic:addition", "--out", str(tmp_path / "syn"), "data.synthetic_rows=40"
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads((tmp_path / "syn" / "manifest.json").read_text())["task"] == "synthetic"
 
 
 def test_prep_heldout_that_is_neither_fraction_nor_count_is_refused(tmp_path):
-    proc = grpoflow_run("prep", "--task", "synthetic", "--source", "synthetic:addition", "--heldout", "1.5",
-                        "--out", str(tmp_path / "out"))
+    proc = grpoflow_run(
+        "prep",
+        "--task",
+        "synthetic",
+        "--source",
+        "synthetic:addition",
+        "--heldout",
+        "1.5",
+        "--out",
+        str(tmp_path / "out"),
+    )
     line = one_line_error(proc, "prep")
     assert "heldout: 1.5 is neither a fraction in (0, 1) nor a whole number of rows" in line
 
@@ -634,31 +734,43 @@ def test_prep_latin1_csv_and_corrupt_parquet_are_exit_2_naming_the_file(tmp_path
     import pyarrow.parquet as pq
 
     latin1 = tmp_path / "latin1.csv"
-    latin1.write_text("question,answer\n" + "".join(f"Café {i}: how much?,It costs {i} #### {i}\n"
-                                                     for i in range(1, 11)), encoding="latin-1")
-    line = one_line_error(grpoflow_run("prep", "--task", "gsm8k", "--source", str(latin1), "--out",
-                                       str(tmp_path / "a")), "prep")
+    latin1.write_text(
+        "question,answer\n" + "".join(f"Café {i}: how much?,It costs {i} #### {i}\n" for i in range(1, 11)),
+        encoding="latin-1",
+    )
+    line = one_line_error(
+        grpoflow_run("prep", "--task", "gsm8k", "--source", str(latin1), "--out", str(tmp_path / "a")), "prep"
+    )
     assert f"{latin1}:2: not UTF-8 text (byte 0xe9" in line and "save the file as UTF-8" in line
 
     rows = _gsm8k_rows(2000)
     good = tmp_path / "good.parquet"
-    pq.write_table(pa.table({k: [r[k] + " " * 200 for r in rows] for k in ("question", "answer")}), good,
-                   data_page_size=4096, compression="NONE")
+    pq.write_table(
+        pa.table({k: [r[k] + " " * 200 for r in rows] for k in ("question", "answer")}),
+        good,
+        data_page_size=4096,
+        compression="NONE",
+    )
     data = bytearray(good.read_bytes())
-    data[len(data) // 2: len(data) // 2 + 3000] = b"A" * 3000  # a damaged page in the middle, footer intact
+    data[len(data) // 2 : len(data) // 2 + 3000] = b"A" * 3000  # a damaged page in the middle, footer intact
     corrupt = tmp_path / "corrupt.parquet"
     corrupt.write_bytes(bytes(data))
-    line = one_line_error(grpoflow_run("prep", "--task", "gsm8k", "--source", str(corrupt), "--out",
-                                       str(tmp_path / "b")), "prep")
+    line = one_line_error(
+        grpoflow_run("prep", "--task", "gsm8k", "--source", str(corrupt), "--out", str(tmp_path / "b")),
+        "prep",
+    )
     assert f"{corrupt}: unreadable Parquet data after row" in line and "damaged or truncated" in line
 
 
 def test_prep_reads_a_csv_with_a_byte_order_mark(tmp_path):
     bom = tmp_path / "bom.csv"
-    bom.write_bytes(b"\xef\xbb\xbfquestion,answer\n" + b"".join(
-        f"What is {i} + {i}?,{i} + {i} = {2 * i} #### {2 * i}\n".encode() for i in range(1, 11)))
-    proc = grpoflow_run("prep", "--task", "gsm8k", "--source", str(bom), "--out", str(tmp_path / "out"),
-                        "--json")
+    bom.write_bytes(
+        b"\xef\xbb\xbfquestion,answer\n"
+        + b"".join(f"What is {i} + {i}?,{i} + {i} = {2 * i} #### {2 * i}\n".encode() for i in range(1, 11))
+    )
+    proc = grpoflow_run(
+        "prep", "--task", "gsm8k", "--source", str(bom), "--out", str(tmp_path / "out"), "--json"
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert last_json(proc)["rows"] == {"train": 9, "heldout": 1}
     first = json.loads((tmp_path / "out" / "train.jsonl").read_text().splitlines()[0])
@@ -668,9 +780,18 @@ def test_prep_reads_a_csv_with_a_byte_order_mark(tmp_path):
 def test_prep_out_on_a_read_only_file_system_is_exit_2_naming_it(tmp_path):
     mnt = tmp_path / "ro"
     mnt.mkdir()
-    proc = grpoflow_run("prep", "--task", "synthetic", "--source", "synthetic:addition",
-                        "data.synthetic_rows=40", "--out", str(mnt / "sub" / "out"), "--json",
-                        prefix=in_tmpfs(mnt, "ro,size=64k"))
+    proc = grpoflow_run(
+        "prep",
+        "--task",
+        "synthetic",
+        "--source",
+        "synthetic:addition",
+        "data.synthetic_rows=40",
+        "--out",
+        str(mnt / "sub" / "out"),
+        "--json",
+        prefix=in_tmpfs(mnt, "ro,size=64k"),
+    )
     line = one_line_error(proc, "prep")
     assert f"--out {mnt / 'sub' / 'out'}: cannot write in {mnt} (read-only file system)" in line
     assert last_json(proc) == {"error": line.split(": error: ", 1)[1], "exit_code": 2}
@@ -682,8 +803,17 @@ def test_a_full_disk_is_reported_as_disk_full_and_leaves_nothing_behind(tmp_path
     mnt = tmp_path / "small"
     mnt.mkdir()
     out = mnt / "out"
-    proc = grpoflow_run("prep", "--task", "gsm8k", "--source", str(source), "--out", str(out), "--json",
-                        prefix=in_tmpfs(mnt, "size=16k"))
+    proc = grpoflow_run(
+        "prep",
+        "--task",
+        "gsm8k",
+        "--source",
+        str(source),
+        "--out",
+        str(out),
+        "--json",
+        prefix=in_tmpfs(mnt, "size=16k"),
+    )
     line = one_line_error(proc, "prep", code=1)
     assert f"disk full (no space left on device) writing: {out}" in line
     assert last_json(proc)["exit_code"] == 1

@@ -21,8 +21,9 @@ KEYS = [doc.key for doc in recipe_fields()]
 
 
 def grpoflow(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_docs_recipe_md_is_the_generated_table():
@@ -57,11 +58,19 @@ def test_a_field_shows_its_type_default_bounds_and_help():
     [section] = explain("train.learning_rate")
     [doc] = section.fields
     assert (doc.key, doc.type, doc.default, doc.bounds) == ("train.learning_rate", "float", 1e-6, {"gt": 0})
-    assert (doc.help, doc.default_text(), doc.bounds_text()) == ("peak learning rate (AdamW)", "1.0e-06", "> 0")
+    assert (doc.help, doc.default_text(), doc.bounds_text()) == (
+        "peak learning rate (AdamW)",
+        "1.0e-06",
+        "> 0",
+    )
     [doc] = explain("train.micro_batch_size")[0].fields
     assert (doc.default, doc.bounds_text()) == (32, ">= 1, <= 65,536")
     [doc] = explain("bootstrap.target_accuracy")[0].fields
-    assert (doc.type, doc.default_text(), doc.bounds_text()) == ("list[float]", "[0.3, 0.6]", "each >= 0, <= 1")
+    assert (doc.type, doc.default_text(), doc.bounds_text()) == (
+        "list[float]",
+        "[0.3, 0.6]",
+        "each >= 0, <= 1",
+    )
     [doc] = explain("train.loss_type")[0].fields
     assert (doc.type, doc.default_text()) == ('"grpo" | "bnpo" | "dr_grpo" | "dapo"', '"dapo"')
     [doc] = explain("rollout.async")[0].fields  # the YAML name, not the attribute `async_`
@@ -72,8 +81,10 @@ def test_a_field_shows_its_type_default_bounds_and_help():
         [doc] = explain(key)[0].fields
         assert (doc.key, doc.default) == ("rewards[].weight", 1.0)
     [doc] = explain("rewards")[0].fields[:1]
-    assert doc.default == [{"name": "format", "weight": 0.5, "args": {}},
-                           {"name": "accuracy", "weight": 1.0, "args": {}}]
+    assert doc.default == [
+        {"name": "format", "weight": 0.5, "args": {}},
+        {"name": "accuracy", "weight": 1.0, "args": {}},
+    ]
 
 
 def test_a_printed_default_loads_back_as_the_default():
@@ -88,13 +99,28 @@ def test_a_section_gives_its_fields_and_no_key_gives_every_field():
     assert section.name == "rollout" and section.help
     assert [doc.key for doc in section.fields] == [k for k in KEYS if k.startswith("rollout.")]
     assert [doc.key for s in explain() for doc in s.fields] == KEYS
-    assert [s.name for s in explain()] == ["", "model", "bootstrap", "data", "train", "rollout", "rewards", "eval",
-                                           "registry"]
+    assert [s.name for s in explain()] == [
+        "",
+        "model",
+        "bootstrap",
+        "data",
+        "train",
+        "rollout",
+        "rewards",
+        "eval",
+        "registry",
+    ]
 
 
-@pytest.mark.parametrize("key, closest", [("train.learning_rat", "train.learning_rate"),
-                                          ("rollout.asynch", "rollout.async"), ("trian", "train"),
-                                          ("learning_rate", "train.learning_rate")])
+@pytest.mark.parametrize(
+    "key, closest",
+    [
+        ("train.learning_rat", "train.learning_rate"),
+        ("rollout.asynch", "rollout.async"),
+        ("trian", "train"),
+        ("learning_rate", "train.learning_rate"),
+    ],
+)
 def test_an_unknown_key_names_the_closest_valid_one(key, closest):
     with pytest.raises(ConfigError, match=f"unknown recipe key '{key}' \\(did you mean '{closest}'\\?\\)"):
         explain(key)
@@ -105,15 +131,19 @@ def test_every_field_explains_from_the_command_line(capsys):
         assert cli.main(["recipe", "explain", key, "--json"]) == 0, key
         fields = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["fields"]
         assert fields[0]["key"] == key and fields[0]["help"]
-        assert len(fields) == 1 or key == "rewards"  # `rewards` is a field and the section of its entries' fields
+        assert (
+            len(fields) == 1 or key == "rewards"
+        )  # `rewards` is a field and the section of its entries' fields
 
 
 def test_grpoflow_recipe_explain_as_a_user_runs_it():
     proc = grpoflow("recipe", "explain", "train.learning_rate")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == ("[train] GRPO training: batch, loss, optimiser, checkpoints (TRL's GRPOConfig names)\n"
-                           "  train.learning_rate: float = 1.0e-06 (> 0)\n"
-                           "      peak learning rate (AdamW)\n")
+    assert proc.stdout == (
+        "[train] GRPO training: batch, loss, optimiser, checkpoints (TRL's GRPOConfig names)\n"
+        "  train.learning_rate: float = 1.0e-06 (> 0)\n"
+        "      peak learning rate (AdamW)\n"
+    )
 
     proc = grpoflow("recipe", "explain")
     assert proc.returncode == 0, proc.stderr
@@ -123,7 +153,8 @@ def test_grpoflow_recipe_explain_as_a_user_runs_it():
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["key"] == "rollout" and [d["key"] for d in summary["fields"]] == [
-        k for k in KEYS if k.startswith("rollout.")]
+        k for k in KEYS if k.startswith("rollout.")
+    ]
     assert {"key", "section", "type", "default", "bounds", "bounds_text", "help"} == set(summary["fields"][0])
 
     proc = grpoflow("recipe", "explain", "--markdown")
@@ -137,4 +168,6 @@ def test_an_unknown_key_exits_2_naming_the_closest_key():
     assert "did you mean 'train.learning_rate'?" in proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
         "error": "unknown recipe key 'train.learning_rat' (did you mean 'train.learning_rate'?); "
-                 "`grpoflow recipe explain` lists every key", "exit_code": 2}
+        "`grpoflow recipe explain` lists every key",
+        "exit_code": 2,
+    }

@@ -20,7 +20,12 @@ CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"
 
 def test_configs_exist():
     names = {p.stem for p in CONFIGS}
-    assert {"tiny-cpu", "qwen2.5-7b-numina-8gpu", "countdown-qwen2.5-3b", "qwen2.5-vl-3b-clevr-counting"} <= names
+    assert {
+        "tiny-cpu",
+        "qwen2.5-7b-numina-8gpu",
+        "countdown-qwen2.5-3b",
+        "qwen2.5-vl-3b-clevr-counting",
+    } <= names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
@@ -35,7 +40,12 @@ def test_every_recipe_loads_and_its_rewards_resolve(path):
 def test_reference_8gpu_recipe_matches_the_swift_run():
     r = load_recipe(Path(CONFIGS[0]).parent / "qwen2.5-7b-numina-8gpu.yaml")
     assert r.model.name_or_path == "Qwen/Qwen2.5-7B-Instruct"
-    assert (r.train.num_generations, r.train.num_iterations, r.train.beta, r.train.learning_rate) == (24, 4, 0.001, 7e-5)
+    assert (r.train.num_generations, r.train.num_iterations, r.train.beta, r.train.learning_rate) == (
+        24,
+        4,
+        0.001,
+        7e-5,
+    )
     assert r.rollout.train_devices == [0, 1, 2, 3, 4, 5] and r.rollout.rollout_devices == [6, 7]
     assert r.rollout.async_ is True and r.data.task == "numina"
 
@@ -70,11 +80,21 @@ def test_unknown_section_and_wrong_types(tmp_path):
 
 
 def test_overrides_nested_keys_and_types():
-    r = load_recipe(None, ["train.learning_rate=1e-4", "rollout.async=true", "data.limit=50",
-                           "train.epsilon_high=0.28", "data.hub_config=null"])
+    r = load_recipe(
+        None,
+        [
+            "train.learning_rate=1e-4",
+            "rollout.async=true",
+            "data.limit=50",
+            "train.epsilon_high=0.28",
+            "data.hub_config=null",
+        ],
+    )
     assert r.train.learning_rate == 1e-4 and r.rollout.async_ is True and r.data.limit == 50
     assert r.train.epsilon_high == 0.28 and r.data.hub_config is None
-    with pytest.raises(ConfigError, match="override 'train.learning_rate': expected key=value|expected key=value"):
+    with pytest.raises(
+        ConfigError, match="override 'train.learning_rate': expected key=value|expected key=value"
+    ):
         load_recipe(None, ["train.learning_rate"])
     with pytest.raises(ConfigError, match="unknown key 'train.lr'"):
         load_recipe(None, ["train.lr=1"])
@@ -85,6 +105,7 @@ def test_defaults_have_one_source_and_round_trip():
     d = r.to_dict()
     assert d["rollout"]["async"] is False and d["train"]["loss_type"] == "dapo"
     from trainer.typed_config import build
+
     assert build(Recipe, d) == r
 
 
@@ -105,25 +126,43 @@ def test_an_alias_bomb_is_refused_at_once_with_a_short_message_naming_the_file(t
     """As reward arguments (every number in them is checked), as a value a message would show, and in an
     override; loaded in a fresh interpreter so that the wait for a refusal is bounded."""
     args = tmp_path / "args.yaml"
-    args.write_text("rewards:\n  - name: accuracy\n    args:\n" + "".join(f"      {x}\n" for x in alias_bomb(9)))
+    args.write_text(
+        "rewards:\n  - name: accuracy\n    args:\n" + "".join(f"      {x}\n" for x in alias_bomb(9))
+    )
     shown = tmp_path / "shown.yaml"
-    shown.write_text("rewards:\n  - name: accuracy\n    args:\n" + "".join(f"      {x}\n" for x in alias_bomb(7))
-                     + "name: *a6\n")
+    shown.write_text(
+        "rewards:\n  - name: accuracy\n    args:\n"
+        + "".join(f"      {x}\n" for x in alias_bomb(7))
+        + "name: *a6\n"
+    )
     override = "rewards=[{name: accuracy, args: {" + ", ".join(alias_bomb(9)) + "}}]"
-    code = ("import sys\nfrom trainer.recipe import ConfigError, load_recipe\n"
-            "for path, overrides in ((sys.argv[1], []), (sys.argv[2], []), (None, [sys.argv[3]])):\n"
-            "    try:\n        load_recipe(path, overrides)\n        print('loaded')\n"
-            "    except ConfigError as e:\n        print(str(e)[:1000].replace('\\n', ' '), len(str(e)))\n")
-    done = subprocess.run([sys.executable, "-c", code, str(args), str(shown), override], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=60)
+    code = (
+        "import sys\nfrom trainer.recipe import ConfigError, load_recipe\n"
+        "for path, overrides in ((sys.argv[1], []), (sys.argv[2], []), (None, [sys.argv[3]])):\n"
+        "    try:\n        load_recipe(path, overrides)\n        print('loaded')\n"
+        "    except ConfigError as e:\n        print(str(e)[:1000].replace('\\n', ' '), len(str(e)))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(args), str(shown), override],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
     assert len(lines) == 3, done.stdout
     # a5 (line 9 of each file) is the first node past the limit
-    for line, source, where in zip(lines, (str(args), str(shown), "<defaults>: override 'rewards'"),
-                                   ("line 9", "line 9", "line 1"), strict=True):
+    for line, source, where in zip(
+        lines,
+        (str(args), str(shown), "<defaults>: override 'rewards'"),
+        ("line 9", "line 9", "line 1"),
+        strict=True,
+    ):
         message, length = line.rsplit(" ", 1)
-        assert message.startswith(f"{source}: {where}: more than 100,000 values once its aliases are expanded")
+        assert message.startswith(
+            f"{source}: {where}: more than 100,000 values once its aliases are expanded"
+        )
         assert int(length) < 300
 
 
@@ -140,8 +179,7 @@ def test_error_messages_show_a_bad_value_cut_short(tmp_path):
         f"name: {long_list}\n": "name: expected str, got list [0, 1, 2, 3, 4, 5, 6, 7, ...]",
         f"train:\n  loss_type: {'x' * 5000}\n": "train.loss_type: 'xxxxxxxxxx",
         f"? {'y' * 5000}\n: 1\n": "unknown key 'yyyyyyyyyy",  # an explicit key: a plain one is 1024 at most
-        f"rollout:\n  train_devices: [{', '.join(['-1'] * 5000)}]\n":
-            "rollout.train_devices[0]: must be >= 0, got -1",
+        f"rollout:\n  train_devices: [{', '.join(['-1'] * 5000)}]\n": "rollout.train_devices[0]: must be >= 0, got -1",
         f"bootstrap:\n  target_accuracy: {[0] * 10_000}\n": "target_accuracy must be [lo, hi], got [0.0, 0.0, 0.0",
     }
     for text, expected in cases.items():
@@ -160,13 +198,26 @@ def test_error_messages_show_a_bad_value_cut_short(tmp_path):
 def test_a_recipe_file_past_the_size_limit_is_refused_unread(tmp_path):
     path = tmp_path / "big.yaml"
     path.write_text("name: big\n" + "#" * (1 << 20) + "\n")
-    with pytest.raises(ConfigError, match=f"{path}: larger than 1,048,576 bytes, the most a recipe file may be"):
+    with pytest.raises(
+        ConfigError, match=f"{path}: larger than 1,048,576 bytes, the most a recipe file may be"
+    ):
         load_recipe(path)
 
 
-@pytest.mark.parametrize("key", ["bootstrap.sft_rows", "bootstrap.hidden_size", "bootstrap.vocab_size",
-                                 "train.max_completion_length", "train.num_generations", "train.micro_batch_size",
-                                 "rollout.max_model_len", "eval.max_tokens", "eval.repeats"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "bootstrap.sft_rows",
+        "bootstrap.hidden_size",
+        "bootstrap.vocab_size",
+        "train.max_completion_length",
+        "train.num_generations",
+        "train.micro_batch_size",
+        "rollout.max_model_len",
+        "eval.max_tokens",
+        "eval.repeats",
+    ],
+)
 def test_numbers_that_size_memory_have_upper_bounds(key):
     with pytest.raises(ConfigError, match=f"<defaults> \\+ overrides: {key}: must be <= "):
         load_recipe(None, [f"{key}=1e30"])
@@ -178,9 +229,24 @@ def test_a_vision_recipe_loads_but_training_it_stops_at_start(tmp_path, command)
     config = REPO_ROOT / "configs" / "qwen2.5-vl-3b-clevr-counting.yaml"
     assert load_recipe(config).model.modality == "vision"  # the recipe itself still loads and validates
     extra = ["--state-dir", str(tmp_path / "state")] if command == "run" else []
-    done = subprocess.run([sys.executable, "-m", "flows.cli", command, "--config", str(config), *extra,
-                           f"data.out={tmp_path / 'data'}", f"train.output_dir={tmp_path / 'run'}", "--json"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            command,
+            "--config",
+            str(config),
+            *extra,
+            f"data.out={tmp_path / 'data'}",
+            f"train.output_dir={tmp_path / 'run'}",
+            "--json",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2, done.stderr[-2000:]
     assert "model.modality: vision trains with rollout.engine: transformers" in done.stderr
     assert "images do not reach the vllm engine" in done.stderr
@@ -194,18 +260,61 @@ _TAGGED = "<think>work</think><answer>{}</answer>"
 BUILDS = {
     # name: (gpus, mode, trainer CUDA_VISIBLE_DEVICES, rollout workers' masks, executor, rewards, task columns,
     #        (right answer, wrong answer), (reward of right, of wrong, of untagged wrong))
-    "tiny-cpu": (0, "in-process", [None], [], None, {"format": 0.2, "accuracy": 1.0},
-                 {"answer": ["7"]}, ("7", "8"), (1.2, 0.2, 0.0)),
-    "tiny-vl-counting-cpu": (0, "in-process", [None], [], None, {"format": 0.2, "counting": 1.0},
-                             {"answer": ["3"]}, ("3", "4"), (1.2, 0.2, 0.0)),
-    "qwen2.5-7b-numina-8gpu": (8, "workers", ["0,1,2,3,4,5,6,7"] * 6, ["6", "7"], None,
-                               {"accuracy": 1.0, "format": 1.0}, {"answer": ["\\frac{1}{2}"]}, ("1/2", "2"),
-                               (2.0, 1.0, 0.0)),
-    "qwen2.5-vl-3b-clevr-counting": (8, "workers", ["0,1,2,3,4,5,6,7"] * 6, ["6", "7"], None,
-                                     {"counting": 1.0, "format": 1.0}, {"answer": ["5"]}, ("5", "6"), (2.0, 1.0, 0.0)),
-    "countdown-qwen2.5-3b": (8, "colocated", ["0,1,2,3,4,5,6,7"] * 8, [], "external_launcher",
-                             {"countdown": 1.0, "format": 0.1}, {"nums": [[2, 3, 4]], "target": [14]},
-                             ("2 + 3 * 4", "2 + 3 + 4"), (1.1, 0.1, 0.0)),
+    "tiny-cpu": (
+        0,
+        "in-process",
+        [None],
+        [],
+        None,
+        {"format": 0.2, "accuracy": 1.0},
+        {"answer": ["7"]},
+        ("7", "8"),
+        (1.2, 0.2, 0.0),
+    ),
+    "tiny-vl-counting-cpu": (
+        0,
+        "in-process",
+        [None],
+        [],
+        None,
+        {"format": 0.2, "counting": 1.0},
+        {"answer": ["3"]},
+        ("3", "4"),
+        (1.2, 0.2, 0.0),
+    ),
+    "qwen2.5-7b-numina-8gpu": (
+        8,
+        "workers",
+        ["0,1,2,3,4,5,6,7"] * 6,
+        ["6", "7"],
+        None,
+        {"accuracy": 1.0, "format": 1.0},
+        {"answer": ["\\frac{1}{2}"]},
+        ("1/2", "2"),
+        (2.0, 1.0, 0.0),
+    ),
+    "qwen2.5-vl-3b-clevr-counting": (
+        8,
+        "workers",
+        ["0,1,2,3,4,5,6,7"] * 6,
+        ["6", "7"],
+        None,
+        {"counting": 1.0, "format": 1.0},
+        {"answer": ["5"]},
+        ("5", "6"),
+        (2.0, 1.0, 0.0),
+    ),
+    "countdown-qwen2.5-3b": (
+        8,
+        "colocated",
+        ["0,1,2,3,4,5,6,7"] * 8,
+        [],
+        "external_launcher",
+        {"countdown": 1.0, "format": 0.1},
+        {"nums": [[2, 3, 4]], "target": [14]},
+        ("2 + 3 * 4", "2 + 3 + 4"),
+        (1.1, 0.1, 0.0),
+    ),
 }
 
 
@@ -224,8 +333,9 @@ def test_what_each_recipe_builds(name):
     assert placement.mode == mode and placement.executor == executor
     assert [p.cuda_visible_devices for p in placement.trainers] == trainer_masks
     # each trainer rank computes on its own device; each rollout worker on the one GPU it is given
-    assert [p.device for p in placement.trainers] == (["cpu"] if not gpus else
-                                                      [f"cuda:{r}" for r in range(len(trainer_masks))])
+    assert [p.device for p in placement.trainers] == (
+        ["cpu"] if not gpus else [f"cuda:{r}" for r in range(len(trainer_masks))]
+    )
     assert [p.cuda_visible_devices for p in placement.workers] == worker_masks
     assert all(p.device == "cuda:0" for p in placement.workers)
 
@@ -242,6 +352,7 @@ def test_what_each_recipe_builds(name):
 # ==========================================================================================================
 # Finite, in-range numbers everywhere in a recipe; exit 2 naming file and field
 # ==========================================================================================================
+
 
 def _float_fields():
     """(dotted key, field) of every float-typed field of the recipe, nested sections included."""
@@ -268,8 +379,14 @@ def test_every_float_of_the_recipe_refuses_nan_and_infinity():
     from trainer.typed_config import ConfigError
 
     keys = _float_fields()
-    assert {"train.learning_rate", "train.temperature", "eval.temperature", "eval.request_timeout_s",
-            "bootstrap.target_accuracy", "rollout.sync_timeout_s"} <= set(keys)
+    assert {
+        "train.learning_rate",
+        "train.temperature",
+        "eval.temperature",
+        "eval.request_timeout_s",
+        "bootstrap.target_accuracy",
+        "rollout.sync_timeout_s",
+    } <= set(keys)
     for key in keys:
         for value in (".nan", ".inf", "-.inf"):
             override = f"{key}=[{value}, 0.5]" if key == "bootstrap.target_accuracy" else f"{key}={value}"
@@ -280,26 +397,29 @@ def test_every_float_of_the_recipe_refuses_nan_and_infinity():
         load_recipe(None, ["rewards=[{name: accuracy, args: {weight: .nan}}]"])
 
 
-@pytest.mark.parametrize("override, message", [
-    ("train.learning_rate=-1", "train.learning_rate: must be > 0, got -1.0"),
-    ("train.learning_rate=0", "train.learning_rate: must be > 0, got 0.0"),
-    ("train.temperature=0", "train.temperature: must be > 0, got 0.0"),
-    ("train.top_p=1.5", "train.top_p: must be <= 1, got 1.5"),
-    ("train.beta=-0.1", "train.beta: must be >= 0, got -0.1"),
-    ("train.max_grad_norm=-1", "train.max_grad_norm: must be >= 0, got -1.0"),
-    ("train.reward_timeout_s=0", "train.reward_timeout_s: must be > 0, got 0.0"),
-    ("train.max_steps=0", "train.max_steps: must be >= 1, got 0"),
-    ("eval.temperature=-0.5", "eval.temperature: must be >= 0, got -0.5"),
-    ("eval.limit=0", "eval.limit: must be >= 1, got 0"),
-    ("eval.repeats=0", "eval.repeats: must be >= 1, got 0"),
-    ("eval.request_timeout_s=0", "eval.request_timeout_s: must be > 0, got 0.0"),
-    ("eval.max_tokens=0", "eval.max_tokens: must be >= 1, got 0"),
-    ("rollout.gpu_memory_utilization=0", "rollout.gpu_memory_utilization: must be > 0, got 0.0"),
-    ("rollout.train_devices=[0, -1]", "rollout.train_devices[1]: must be >= 0, got -1"),
-    ("data.heldout=-0.1", "data.heldout: must be >= 0, got -0.1"),
-    ("data.heldout=1.5", "heldout: 1.5 is neither a fraction in (0, 1) nor a whole number of rows"),
-    ("bootstrap.target_accuracy=[0.3, 1.2]", "bootstrap.target_accuracy[1]: must be <= 1, got 1.2"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.learning_rate=-1", "train.learning_rate: must be > 0, got -1.0"),
+        ("train.learning_rate=0", "train.learning_rate: must be > 0, got 0.0"),
+        ("train.temperature=0", "train.temperature: must be > 0, got 0.0"),
+        ("train.top_p=1.5", "train.top_p: must be <= 1, got 1.5"),
+        ("train.beta=-0.1", "train.beta: must be >= 0, got -0.1"),
+        ("train.max_grad_norm=-1", "train.max_grad_norm: must be >= 0, got -1.0"),
+        ("train.reward_timeout_s=0", "train.reward_timeout_s: must be > 0, got 0.0"),
+        ("train.max_steps=0", "train.max_steps: must be >= 1, got 0"),
+        ("eval.temperature=-0.5", "eval.temperature: must be >= 0, got -0.5"),
+        ("eval.limit=0", "eval.limit: must be >= 1, got 0"),
+        ("eval.repeats=0", "eval.repeats: must be >= 1, got 0"),
+        ("eval.request_timeout_s=0", "eval.request_timeout_s: must be > 0, got 0.0"),
+        ("eval.max_tokens=0", "eval.max_tokens: must be >= 1, got 0"),
+        ("rollout.gpu_memory_utilization=0", "rollout.gpu_memory_utilization: must be > 0, got 0.0"),
+        ("rollout.train_devices=[0, -1]", "rollout.train_devices[1]: must be >= 0, got -1"),
+        ("data.heldout=-0.1", "data.heldout: must be >= 0, got -0.1"),
+        ("data.heldout=1.5", "heldout: 1.5 is neither a fraction in (0, 1) nor a whole number of rows"),
+        ("bootstrap.target_accuracy=[0.3, 1.2]", "bootstrap.target_accuracy[1]: must be <= 1, got 1.2"),
+    ],
+)
 def test_recipe_values_out_of_their_range_are_refused_naming_the_key(override, message):
     from trainer.recipe import load_recipe
     from trainer.typed_config import ConfigError
@@ -315,8 +435,18 @@ def test_meaningful_edge_values_and_explicitly_non_finite_fields_are_accepted():
     from trainer.recipe import load_recipe
     from trainer.typed_config import build
 
-    r = load_recipe(None, ["eval.temperature=0", "train.max_grad_norm=0", "train.save_total_limit=0",
-                           "train.eval_heldout=0", "data.heldout=0", "data.heldout=3", "train.beta=0"])
+    r = load_recipe(
+        None,
+        [
+            "eval.temperature=0",
+            "train.max_grad_norm=0",
+            "train.save_total_limit=0",
+            "train.eval_heldout=0",
+            "data.heldout=0",
+            "data.heldout=3",
+            "train.beta=0",
+        ],
+    )
     assert (r.eval.temperature, r.train.max_grad_norm, r.data.heldout) == (0.0, 0.0, 3.0)
 
     @dataclass
@@ -326,13 +456,17 @@ def test_meaningful_edge_values_and_explicitly_non_finite_fields_are_accepted():
     assert math.isinf(build(Bounds, {"ceiling": float("inf")}).ceiling)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("eval.limit=0", "eval.limit: must be >= 1, got 0"),
-    ("train.learning_rate=-1", "train.learning_rate: must be > 0, got -1.0"),
-    ("train.temperature=.nan", "train.temperature: must be a finite number, got nan"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("eval.limit=0", "eval.limit: must be >= 1, got 0"),
+        ("train.learning_rate=-1", "train.learning_rate: must be > 0, got -1.0"),
+        ("train.temperature=.nan", "train.temperature: must be a finite number, got nan"),
+    ],
+)
 def test_recipe_input_errors_are_exit_2_naming_file_and_field(override, message, tmp_path):
-    proc = grpoflow_run("eval", str(tmp_path / "no-such-checkpoint"), override, "--state-dir",
-                        str(tmp_path / "s"))
+    proc = grpoflow_run(
+        "eval", str(tmp_path / "no-such-checkpoint"), override, "--state-dir", str(tmp_path / "s")
+    )
     line = one_line_error(proc, "eval")
     assert message in line and "configs/tiny-cpu.yaml + overrides" in line

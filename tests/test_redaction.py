@@ -33,33 +33,45 @@ PIPELINE_GUARD_S = 900  # a pipeline run that hangs fails here instead of hangin
 
 # ---- masking ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("uri, shown", [
-    ("postgresql://u:PASS@127.0.0.1:5432/db", "postgresql://u:***@127.0.0.1:5432/db"),
-    ("http://user:TOKEN@host:8000/v1", "http://user:***@host:8000/v1"),
-    ("https://TOKEN@host/v1", "https://***@host/v1"),
-    ("http://host/v1?api_key=K&model=m", "http://host/v1?api_key=***&model=m"),
-    ("https://h/x?X-Amz-Signature=S&sig=T&Access_Token=A&page=2", "https://h/x?X-Amz-Signature=***&sig=***&Access_Token=***&page=2"),
-    ("postgresql+psycopg2://u:pa/ss?w@h/db", "postgresql+psycopg2://u:***@h/db"),
-    ("sqlite:////tmp/state/mlflow.db", "sqlite:////tmp/state/mlflow.db"),
-    ("http://127.0.0.1:5000", "http://127.0.0.1:5000"),
-    ("http://u:***@h/v1?api_key=***", "http://u:***@h/v1?api_key=***"),  # idempotent
-    ("models:/grpoflow-tiny@champion", "models:/grpoflow-tiny@champion"),
-    ("/a/checkpoint", "/a/checkpoint"),
-])
+
+@pytest.mark.parametrize(
+    "uri, shown",
+    [
+        ("postgresql://u:PASS@127.0.0.1:5432/db", "postgresql://u:***@127.0.0.1:5432/db"),
+        ("http://user:TOKEN@host:8000/v1", "http://user:***@host:8000/v1"),
+        ("https://TOKEN@host/v1", "https://***@host/v1"),
+        ("http://host/v1?api_key=K&model=m", "http://host/v1?api_key=***&model=m"),
+        (
+            "https://h/x?X-Amz-Signature=S&sig=T&Access_Token=A&page=2",
+            "https://h/x?X-Amz-Signature=***&sig=***&Access_Token=***&page=2",
+        ),
+        ("postgresql+psycopg2://u:pa/ss?w@h/db", "postgresql+psycopg2://u:***@h/db"),
+        ("sqlite:////tmp/state/mlflow.db", "sqlite:////tmp/state/mlflow.db"),
+        ("http://127.0.0.1:5000", "http://127.0.0.1:5000"),
+        ("http://u:***@h/v1?api_key=***", "http://u:***@h/v1?api_key=***"),  # idempotent
+        ("models:/grpoflow-tiny@champion", "models:/grpoflow-tiny@champion"),
+        ("/a/checkpoint", "/a/checkpoint"),
+    ],
+)
 def test_mask_uri_hides_userinfo_and_secret_query_values_only(uri, shown):
     assert mask_uri(uri) == shown
 
 
 def test_redact_masks_every_uri_in_free_text():
-    text = ("MLflow at 'postgresql://u:PW1@127.0.0.1:5432/db' is unreachable (see http://a:PW2@h/v1?token=PW3), "
-            "endpoint https://PW4@h/v1.")
+    text = (
+        "MLflow at 'postgresql://u:PW1@127.0.0.1:5432/db' is unreachable (see http://a:PW2@h/v1?token=PW3), "
+        "endpoint https://PW4@h/v1."
+    )
     out = redact(text)
     assert not any(f"PW{i}" in out for i in range(1, 5)), out
-    assert out == ("MLflow at 'postgresql://u:***@127.0.0.1:5432/db' is unreachable (see http://a:***@h/v1?token=***), "
-                   "endpoint https://***@h/v1.")
+    assert out == (
+        "MLflow at 'postgresql://u:***@127.0.0.1:5432/db' is unreachable (see http://a:***@h/v1?token=***), "
+        "endpoint https://***@h/v1."
+    )
 
 
 # ---- no secret stored: helpers ---------------------------------------------------------------------------
+
 
 @pytest.fixture
 def pg_database():
@@ -87,10 +99,16 @@ def guarded_relay(upstream: str, user: str, password: str, query_key: str):
                 self.send_response(401)
                 self.end_headers()
                 return
-            request = urllib.request.Request(upstream + url.path, data=body, method=self.command,
-                                             headers={"Content-Type": self.headers.get("Content-Type", "")})
+            request = urllib.request.Request(
+                upstream + url.path,
+                data=body,
+                method=self.command,
+                headers={"Content-Type": self.headers.get("Content-Type", "")},
+            )
             try:
-                with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=300) as r:
+                with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+                    request, timeout=300
+                ) as r:
                     status, payload = r.status, r.read()
             except urllib.error.HTTPError as e:
                 status, payload = e.code, e.read()
@@ -123,15 +141,36 @@ def mlflow_server(root: Path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = open(root / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-                             "--workers", "1", "--backend-store-uri", f"sqlite:///{root / 'server.db'}",
-                             "--artifacts-destination", str(root / "artifacts")],
-                            cwd=root, stdout=log, stderr=subprocess.STDOUT, env=clean_env(), start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{root / 'server.db'}",
+            "--artifacts-destination",
+            str(root / "artifacts"),
+        ],
+        cwd=root,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=clean_env(),
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(240):
             try:
-                with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(url + "/health", timeout=2):
+                with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+                    url + "/health", timeout=2
+                ):
                     break
             except OSError:
                 assert proc.poll() is None, (root / "server.log").read_text()[-3000:]
@@ -152,8 +191,11 @@ def files_holding(root: Path, needles: dict[str, bytes]) -> list[str]:
         if path.is_symlink() or not path.is_file():
             continue
         data = path.read_bytes()
-        found += [f"{path}: {name}" for name, needle in needles.items()
-                  if needle in data or needle in str(path).encode()]
+        found += [
+            f"{path}: {name}"
+            for name, needle in needles.items()
+            if needle in data or needle in str(path).encode()
+        ]
     return found
 
 
@@ -166,17 +208,37 @@ def mlflow_text(tracking_uri: str) -> str:
     for exp in client.search_experiments():
         parts.append(repr((exp.name, exp.artifact_location, exp.tags)))
         for run in client.search_runs([exp.experiment_id], max_results=1000):
-            parts.append(repr((run.info, run.data.params, run.data.tags, sorted(run.data.metrics),
-                               run.inputs.dataset_inputs if run.inputs else None)))
+            parts.append(
+                repr(
+                    (
+                        run.info,
+                        run.data.params,
+                        run.data.tags,
+                        sorted(run.data.metrics),
+                        run.inputs.dataset_inputs if run.inputs else None,
+                    )
+                )
+            )
             stack = [None]
             while stack:
                 for item in client.list_artifacts(run.info.run_id, stack.pop()):
                     parts.append(item.path)
                     if item.is_dir:
                         stack.append(item.path)
-        for logged in client.search_logged_models([exp.experiment_id]):  # registered versions are MLflow models
-            parts.append(repr((logged.name, logged.artifact_location, logged.tags, logged.params,
-                               [(m.key, m.value) for m in logged.metrics or []])))
+        for logged in client.search_logged_models(
+            [exp.experiment_id]
+        ):  # registered versions are MLflow models
+            parts.append(
+                repr(
+                    (
+                        logged.name,
+                        logged.artifact_location,
+                        logged.tags,
+                        logged.params,
+                        [(m.key, m.value) for m in logged.metrics or []],
+                    )
+                )
+            )
     for model in client.search_registered_models():
         parts.append(repr((model.name, model.description, model.tags, model.aliases)))
         for mv in client.search_model_versions(f"name='{model.name}'"):
@@ -186,9 +248,11 @@ def mlflow_text(tracking_uri: str) -> str:
 
 # ---- no secret in any output -------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_no_secret_in_any_output_log_artifact_param_or_tag_of_a_run_and_an_endpoint_eval(
-        tiny_base, tmp_path, pg_database):
+    tiny_base, tmp_path, pg_database
+):
     """The pipeline on MLflow/PostgreSQL with a password in MLFLOW_TRACKING_URI, then `eval` of the tiny model
     served behind an endpoint whose URL has user:TOKEN userinfo and ?api_key=..., with --api-key-env, then
     `compare` and a failing `eval`, then `compare` on an MLflow server whose URL has a password: no output,
@@ -196,8 +260,12 @@ def test_no_secret_in_any_output_log_artifact_param_or_tag_of_a_run_and_an_endpo
     from evaluation.serving import served_model
 
     suffix = secrets.token_hex(6)
-    secret = {"pg_password": f"PgPass{suffix}", "url_token": f"UrlToken{suffix}", "query_key": f"QueryKey{suffix}",
-              "api_key": f"EnvKey{suffix}"}
+    secret = {
+        "pg_password": f"PgPass{suffix}",
+        "url_token": f"UrlToken{suffix}",
+        "query_key": f"QueryKey{suffix}",
+        "api_key": f"EnvKey{suffix}",
+    }
     needles = {name: value.encode() for name, value in secret.items()}
     needles["basic_auth"] = base64.b64encode(f"evaluser:{secret['url_token']}".encode())
     tracking_uri = f"postgresql://postgres:{secret['pg_password']}@{PG}/{pg_database}"
@@ -205,26 +273,59 @@ def test_no_secret_in_any_output_log_artifact_param_or_tag_of_a_run_and_an_endpo
     cwd.mkdir()
     env = {"MLFLOW_TRACKING_URI": tracking_uri, "H2_ENDPOINT_KEY": secret["api_key"]}
     aime24 = str(shared("aime24"))
-    evals = ["eval.benchmarks=[aime24]", f"eval.local_paths={{aime24: {aime24}}}", "eval.limit=1",
-             "eval.max_tokens=16"]
+    evals = [
+        "eval.benchmarks=[aime24]",
+        f"eval.local_paths={{aime24: {aime24}}}",
+        "eval.limit=1",
+        "eval.max_tokens=16",
+    ]
     outputs = []
 
-    run = grpoflow_run("run", "--state-dir", str(state), "--json", f"model.name_or_path={tiny_base['path']}",
-                       "data.synthetic_rows=600", "train.max_steps=2", "train.save_steps=2", "train.eval_heldout=16",
-                       *evals, cwd=cwd, env=env, timeout=PIPELINE_GUARD_S)
+    run = grpoflow_run(
+        "run",
+        "--state-dir",
+        str(state),
+        "--json",
+        f"model.name_or_path={tiny_base['path']}",
+        "data.synthetic_rows=600",
+        "train.max_steps=2",
+        "train.save_steps=2",
+        "train.eval_heldout=16",
+        *evals,
+        cwd=cwd,
+        env=env,
+        timeout=PIPELINE_GUARD_S,
+    )
     outputs += [run.stdout, run.stderr]
     assert run.returncode == 0, run.stderr[-4000:]
     summary = json.loads(run.stdout.strip().splitlines()[-1])
     assert summary["tracking_uri"] == f"postgresql://postgres:***@{PG}/{pg_database}"
     assert summary["state"]["tracking_uri"] == summary["tracking_uri"]
 
-    with served_model(tiny_base["path"], max_batch_size=8) as served, \
-            guarded_relay(served.url.removesuffix("/v1"), "evaluser", secret["url_token"], secret["query_key"]) \
-            as (relay, seen):
+    with (
+        served_model(tiny_base["path"], max_batch_size=8) as served,
+        guarded_relay(
+            served.url.removesuffix("/v1"), "evaluser", secret["url_token"], secret["query_key"]
+        ) as (relay, seen),
+    ):
         endpoint = f"http://evaluser:{secret['url_token']}@{relay.removeprefix('http://')}/v1?api_key={secret['query_key']}"
-        ev = grpoflow_run("eval", endpoint, "--served-model-name", served.model_name, "--api-key-env", "H2_ENDPOINT_KEY",
-                          "--concurrency", "2", "--state-dir", str(state), "--json", *evals, cwd=cwd, env=env,
-                          timeout=PIPELINE_GUARD_S)
+        ev = grpoflow_run(
+            "eval",
+            endpoint,
+            "--served-model-name",
+            served.model_name,
+            "--api-key-env",
+            "H2_ENDPOINT_KEY",
+            "--concurrency",
+            "2",
+            "--state-dir",
+            str(state),
+            "--json",
+            *evals,
+            cwd=cwd,
+            env=env,
+            timeout=PIPELINE_GUARD_S,
+        )
     outputs += [ev.stdout, ev.stderr]
     assert ev.returncode == 0, ev.stderr[-4000:]
     evaluated = json.loads(ev.stdout.strip().splitlines()[-1])
@@ -232,18 +333,46 @@ def test_no_secret_in_any_output_log_artifact_param_or_tag_of_a_run_and_an_endpo
     assert evaluated["num_samples"] == {"aime24": 1}
     # every generation request carried the endpoint's credentials (a reachability probe carries none)
     generations = [s for s in seen if s["request"] == "POST /v1/chat/completions"]
-    assert generations and all(s == {"request": "POST /v1/chat/completions", "auth": "Basic " + needles["basic_auth"]
-                                     .decode(), "api_key": [secret["query_key"]]} for s in generations), seen
+    assert generations and all(
+        s
+        == {
+            "request": "POST /v1/chat/completions",
+            "auth": "Basic " + needles["basic_auth"].decode(),
+            "api_key": [secret["query_key"]],
+        }
+        for s in generations
+    ), seen
     assert Path(evaluated["work_dir"]).is_relative_to(state)
 
-    cmp = grpoflow_run("compare", summary["eval_report"], evaluated["report"], "--state-dir", str(state), "--json",
-                       *evals, cwd=cwd, env=env, timeout=PIPELINE_GUARD_S)
+    cmp = grpoflow_run(
+        "compare",
+        summary["eval_report"],
+        evaluated["report"],
+        "--state-dir",
+        str(state),
+        "--json",
+        *evals,
+        cwd=cwd,
+        env=env,
+        timeout=PIPELINE_GUARD_S,
+    )
     outputs += [cmp.stdout, cmp.stderr]
     assert cmp.returncode == 0, cmp.stderr[-4000:]
-    assert json.loads(cmp.stdout.strip().splitlines()[-1])["tracking_uri"].startswith("postgresql://postgres:***@")
+    assert json.loads(cmp.stdout.strip().splitlines()[-1])["tracking_uri"].startswith(
+        "postgresql://postgres:***@"
+    )
 
-    missing = grpoflow_run("eval", "models:/no-such-model@champion", "--state-dir", str(state), "--json", *evals,
-                           cwd=cwd, env=env, timeout=PIPELINE_GUARD_S)
+    missing = grpoflow_run(
+        "eval",
+        "models:/no-such-model@champion",
+        "--state-dir",
+        str(state),
+        "--json",
+        *evals,
+        cwd=cwd,
+        env=env,
+        timeout=PIPELINE_GUARD_S,
+    )
     outputs += [missing.stdout, missing.stderr]
     assert missing.returncode != 0, missing.stderr[-4000:]
     assert f"postgresql://postgres:***@{PG}/{pg_database}" in missing.stderr  # named, masked
@@ -253,24 +382,42 @@ def test_no_secret_in_any_output_log_artifact_param_or_tag_of_a_run_and_an_endpo
     needles["http_password"] = secret["http_password"].encode()
     with mlflow_server(tmp_path / "server") as server:
         http_uri = server.replace("http://", f"http://tracker:{secret['http_password']}@")
-        cmp = grpoflow_run("compare", summary["eval_report"], evaluated["report"], "--state-dir", str(state), "--json",
-                           *evals, cwd=cwd, env={**env, "MLFLOW_TRACKING_URI": http_uri},
-                           timeout=PIPELINE_GUARD_S)
+        cmp = grpoflow_run(
+            "compare",
+            summary["eval_report"],
+            evaluated["report"],
+            "--state-dir",
+            str(state),
+            "--json",
+            *evals,
+            cwd=cwd,
+            env={**env, "MLFLOW_TRACKING_URI": http_uri},
+            timeout=PIPELINE_GUARD_S,
+        )
         outputs += [cmp.stdout, cmp.stderr]
         assert cmp.returncode == 0, cmp.stderr[-4000:]
-        assert json.loads(cmp.stdout.strip().splitlines()[-1])["tracking_uri"] == \
-            server.replace("http://", "http://tracker:***@")
+        assert json.loads(cmp.stdout.strip().splitlines()[-1])["tracking_uri"] == server.replace(
+            "http://", "http://tracker:***@"
+        )
         store_text = mlflow_text(server)
     leaks = [f"tracking server: {name}" for name, needle in needles.items() if needle.decode() in store_text]
     leaks += files_holding(tmp_path / "server", needles)
 
-    leaks += [f"output {i}: {name}" for i, text in enumerate(outputs) for name, needle in needles.items()
-              if needle.decode() in text]
+    leaks += [
+        f"output {i}: {name}"
+        for i, text in enumerate(outputs)
+        for name, needle in needles.items()
+        if needle.decode() in text
+    ]
     leaks += files_holding(state, needles) + files_holding(cwd, needles)
     store = mlflow_text(tracking_uri)
     leaks += [f"MLflow: {name}" for name, needle in needles.items() if needle.decode() in store]
-    dump = subprocess.run(["pg_dump", "-h", "127.0.0.1", "-U", "postgres", pg_database], capture_output=True,
-                          timeout=120, check=True).stdout
+    dump = subprocess.run(
+        ["pg_dump", "-h", "127.0.0.1", "-U", "postgres", pg_database],
+        capture_output=True,
+        timeout=120,
+        check=True,
+    ).stdout
     leaks += [f"database: {name}" for name, needle in needles.items() if needle in dump]
     assert not leaks, "\n".join(leaks)
     assert "endpoint" not in store or "***" in store  # the eval run is there, its model tag masked

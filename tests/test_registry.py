@@ -37,11 +37,21 @@ def checkpoint(tiny_base, tmp_path_factory) -> Path:
 
     model, tokenizer = load_model(tiny_base["path"], ModelConfig(dtype="float32"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(**tokenizer(["1+1=2"], return_tensors="pt"), labels=tokenizer(["1+1=2"], return_tensors="pt").input_ids).loss.backward()
+    model(
+        **tokenizer(["1+1=2"], return_tensors="pt"),
+        labels=tokenizer(["1+1=2"], return_tensors="pt").input_ids,
+    ).loss.backward()
     optimizer.step()
     out = tmp_path_factory.mktemp("run")
-    return save_checkpoint(out, 1, model, tokenizer, {"optimizer": optimizer.state_dict(), "step": 1},
-                           {"data_sha256": "d" * 64}, keep=2)
+    return save_checkpoint(
+        out,
+        1,
+        model,
+        tokenizer,
+        {"optimizer": optimizer.state_dict(), "step": 1},
+        {"data_sha256": "d" * 64},
+        keep=2,
+    )
 
 
 @pytest.fixture()
@@ -63,8 +73,15 @@ def register(client, experiment: str, checkpoint: Path) -> tuple[str, bool]:
     from tasks.registry import register_checkpoint
 
     run_id = client.create_run(experiment, run_name="register").info.run_id
-    return register_checkpoint(client, NAME, experiment, run_id, checkpoint, read_manifest(checkpoint)["sha256"],
-                               {"base_model": "tiny"})
+    return register_checkpoint(
+        client,
+        NAME,
+        experiment,
+        run_id,
+        checkpoint,
+        read_manifest(checkpoint)["sha256"],
+        {"base_model": "tiny"},
+    )
 
 
 def greedy_direct(checkpoint: Path, new_tokens: int) -> str:
@@ -74,11 +91,12 @@ def greedy_direct(checkpoint: Path, new_tokens: int) -> str:
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
 def test_a_version_loads_through_pyfunc_and_the_transformers_flavor_and_generates_what_the_checkpoint_does(
-        store, checkpoint):
+    store, checkpoint
+):
     import mlflow
 
     client, experiment, _ = store
@@ -106,18 +124,31 @@ def test_the_registry_copy_holds_what_serving_needs_and_no_training_state(store,
 
     version = client.get_model_version(NAME, "1")
     model = client.get_logged_model(model_id_of(version))
-    assert version.source == model.artifact_location and model.tags["checkpoint_sha256"] == \
-        read_manifest(checkpoint)["sha256"] == version.tags["checkpoint_sha256"]
+    assert (
+        version.source == model.artifact_location
+        and model.tags["checkpoint_sha256"]
+        == read_manifest(checkpoint)["sha256"]
+        == version.tags["checkpoint_sha256"]
+    )
     assert json.loads(model.tags["mlflow.modelVersions"]) == [{"name": NAME, "version": "1"}]
     stored = Path(model.artifact_location.removeprefix("file://"))
     files = tree_bytes(stored)
     assert "MLmodel" in files and f"{MODEL_DIR}/model.safetensors" in files
-    assert {f"{MODEL_DIR}/{f}" for f in ("config.json", "tokenizer.json", "chat_template.jinja",
-                                         "generation_config.json", "manifest.json")} <= set(files)
+    assert {
+        f"{MODEL_DIR}/{f}"
+        for f in (
+            "config.json",
+            "tokenizer.json",
+            "chat_template.jinja",
+            "generation_config.json",
+            "manifest.json",
+        )
+    } <= set(files)
     assert not any("trainer_state" in f or f.startswith(f"{MODEL_DIR}/zero") for f in files)
     served = verify_output(stored / MODEL_DIR)  # every file the registry holds matches its manifest
     assert served["checkpoint_sha256"] == read_manifest(checkpoint)["sha256"] and served["left_out"] == [
-        "trainer_state.pt"]
+        "trainer_state.pt"
+    ]
     for name in tree_bytes(checkpoint):  # byte for byte as trained
         if name not in ("trainer_state.pt", "manifest.json"):
             assert (stored / MODEL_DIR / name).read_bytes() == (checkpoint / name).read_bytes(), name
@@ -125,7 +156,9 @@ def test_the_registry_copy_holds_what_serving_needs_and_no_training_state(store,
     written, whole = sum(tree_bytes(artifacts).values()), sum(tree_bytes(checkpoint).values())
     state = (checkpoint / "trainer_state.pt").stat().st_size
     print(f"checkpoint {whole} B (trainer_state.pt {state} B); registration wrote {written} B")
-    assert written < whole - state + 200_000 and state > 1.5 * (checkpoint / "model.safetensors").stat().st_size
+    assert (
+        written < whole - state + 200_000 and state > 1.5 * (checkpoint / "model.safetensors").stat().st_size
+    )
 
 
 def test_a_second_registration_adds_no_version_and_writes_no_byte(store, checkpoint):
@@ -143,7 +176,9 @@ def test_a_model_uploaded_by_an_attempt_that_died_before_its_version_is_reused(s
 
     client, experiment, artifacts = store
     run_id = client.create_run(experiment, run_name="register").info.run_id
-    first = log_checkpoint_model(client, experiment, run_id, NAME, checkpoint, read_manifest(checkpoint)["sha256"])
+    first = log_checkpoint_model(
+        client, experiment, run_id, NAME, checkpoint, read_manifest(checkpoint)["sha256"]
+    )
     before = tree_bytes(artifacts)
     assert register(client, experiment, checkpoint) == ("1", True)  # the retry
     assert model_id_of(client.get_model_version(NAME, "1")) == first.model_id
@@ -160,16 +195,34 @@ def test_evaluation_metrics_are_numbers_linked_to_the_model_and_equal_the_report
     client, experiment, _ = store
     register(client, experiment, checkpoint)
     ref = resolve_model(f"models:/{NAME}/1", client, tmp_path / "cache")  # downloaded from the registry
-    assert ref.local_path.endswith("v1/model") and read_manifest(ref.local_path)["left_out"] == ["trainer_state.pt"]
-    settings = EvalConfig(benchmarks=["math_500"], limit=2, max_tokens=16, local_paths={"math_500": str(
-        shared("math_500"))}, out=str(tmp_path / "eval"))
-    result = run_evalscope(ref.local_path, settings.benchmarks, work_dir=tmp_path / "eval" / "v1",
-                           local_paths=settings.local_paths, limit=settings.limit, max_tokens=settings.max_tokens)
-    run_id = record_evaluation(client, experiment, ref, {**result.scores, "heldout_accuracy": 0.375}, settings,
-                               result.report_json)
+    assert ref.local_path.endswith("v1/model") and read_manifest(ref.local_path)["left_out"] == [
+        "trainer_state.pt"
+    ]
+    settings = EvalConfig(
+        benchmarks=["math_500"],
+        limit=2,
+        max_tokens=16,
+        local_paths={"math_500": str(shared("math_500"))},
+        out=str(tmp_path / "eval"),
+    )
+    result = run_evalscope(
+        ref.local_path,
+        settings.benchmarks,
+        work_dir=tmp_path / "eval" / "v1",
+        local_paths=settings.local_paths,
+        limit=settings.limit,
+        max_tokens=settings.max_tokens,
+    )
+    run_id = record_evaluation(
+        client, experiment, ref, {**result.scores, "heldout_accuracy": 0.375}, settings, result.report_json
+    )
     report = json.loads(result.report_json.read_text())
-    linked = {m.key: m for m in client.get_logged_model(model_id_of(client.get_model_version(NAME, "1"))).metrics}
-    assert linked["math_500"].value == report["scores"]["math_500"] and linked["heldout_accuracy"].value == 0.375
+    linked = {
+        m.key: m for m in client.get_logged_model(model_id_of(client.get_model_version(NAME, "1"))).metrics
+    }
+    assert (
+        linked["math_500"].value == report["scores"]["math_500"] and linked["heldout_accuracy"].value == 0.375
+    )
     assert all(m.run_id == run_id for m in linked.values())
     thinking = {k: m.value for k, m in linked.items() if k.startswith("thinking/")}
     # EvalScope's limit is per subset: 2 problems from each of MATH-500's 5 levels
@@ -186,11 +239,24 @@ def test_training_metrics_reach_mlflow_under_trls_names_with_steps(store):
     run_id = client.create_run(experiment).info.run_id
     callback = MlflowTrainingCallback(client, run_id)
     for step, value in ((1, 0.25), (2, 0.5)):
-        callback.on_step(step, {"reward": value, "rewards/accuracy_reward/mean": value, "clip_ratio/high_mean": 0.0,
-                                "completions/mean_length": 10.0 * step, "pass@4": 1.0})
+        callback.on_step(
+            step,
+            {
+                "reward": value,
+                "rewards/accuracy_reward/mean": value,
+                "clip_ratio/high_mean": 0.0,
+                "completions/mean_length": 10.0 * step,
+                "pass@4": 1.0,
+            },
+        )
     metrics = client.get_run(run_id).data.metrics
-    assert {"reward", "rewards/accuracy_reward/mean", "clip_ratio/high_mean", "completions/mean_length",
-            "pass_at_4"} == set(metrics)
+    assert {
+        "reward",
+        "rewards/accuracy_reward/mean",
+        "clip_ratio/high_mean",
+        "completions/mean_length",
+        "pass_at_4",
+    } == set(metrics)
     history = client.get_metric_history(run_id, "completions/mean_length")
     assert [(m.step, m.value) for m in history] == [(1, 10.0), (2, 20.0)]
 
@@ -240,26 +306,42 @@ def shared_store(request, tmp_path, monkeypatch):
         uri = f"postgresql://postgres@127.0.0.1:5432/{database}"
     try:
         client = MlflowClient(uri, registry_uri=uri)
-        yield client, tracking.ensure_experiment(client, "grpoflow", str(tmp_path / "artifacts")), request.param
+        yield (
+            client,
+            tracking.ensure_experiment(client, "grpoflow", str(tmp_path / "artifacts")),
+            request.param,
+        )
     finally:
         if database:
-            subprocess.run([*PSQL, f"drop database if exists {database} with (force)"], capture_output=True,
-                           timeout=60)
+            subprocess.run(
+                [*PSQL, f"drop database if exists {database} with (force)"], capture_output=True, timeout=60
+            )
 
 
 PSQL = ["psql", "-h", "127.0.0.1", "-U", "postgres", "-v", "ON_ERROR_STOP=1", "-c"]
 
 
-def test_two_processes_registering_one_checkpoint_at_once_make_one_version(shared_store, checkpoint, tmp_path):
+def test_two_processes_registering_one_checkpoint_at_once_make_one_version(
+    shared_store, checkpoint, tmp_path
+):
     """On a local store the second waits for the first (a lock file beside it) and uploads nothing; on a
     database others reach, both may upload, and the one whose version is not the first deletes its own."""
     client, experiment, kind = shared_store
     script, go = tmp_path / "register_when_told.py", tmp_path / "go"
     script.write_text(REGISTER_WHEN_TOLD)
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    procs = [subprocess.Popen([sys.executable, str(script), client.tracking_uri, experiment, str(checkpoint), NAME,
-                               str(go)], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, stdin=subprocess.DEVNULL) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), client.tracking_uri, experiment, str(checkpoint), NAME, str(go)],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            stdin=subprocess.DEVNULL,
+        )
+        for _ in range(2)
+    ]
     try:
         deadline = time.monotonic() + GUARD_S
         while len(list(tmp_path.glob("go.ready-*"))) < 2:
@@ -285,19 +367,45 @@ def test_two_processes_registering_one_checkpoint_at_once_make_one_version(share
     assert {k: str(v) for k, v in client.get_registered_model(NAME).aliases.items()} == {"candidate": "1"}
 
 
-def test_two_pipelines_started_at_once_on_an_empty_state_dir_one_is_refused_naming_the_other(tmp_path, tiny_base):
+def test_two_pipelines_started_at_once_on_an_empty_state_dir_one_is_refused_naming_the_other(
+    tmp_path, tiny_base
+):
     """Both would make MLflow's sqlite schema (and Prefect's) in the same folder at once; the second to ask
     for the state folder is refused, exit 2, one line naming the first; the first goes on."""
     state = tmp_path / "state"
-    cmd = [sys.executable, "-m", "flows.cli", "run", "--state-dir", str(state), "--json",
-           f"bootstrap.out={tiny_base['path']}", f"data.out={tmp_path / 'data'}", "data.synthetic_rows=600",
-           f"train.output_dir={tmp_path / 'runs'}", "train.max_steps=2", "train.eval_heldout=4",
-           f"eval.out={tmp_path / 'eval'}", "eval.limit=1", "eval.max_tokens=8",
-           f"eval.local_paths={{math_500: {shared('math_500')}, aime24: {shared('aime24')}}}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "run",
+        "--state-dir",
+        str(state),
+        "--json",
+        f"bootstrap.out={tiny_base['path']}",
+        f"data.out={tmp_path / 'data'}",
+        "data.synthetic_rows=600",
+        f"train.output_dir={tmp_path / 'runs'}",
+        "train.max_steps=2",
+        "train.eval_heldout=4",
+        f"eval.out={tmp_path / 'eval'}",
+        "eval.limit=1",
+        "eval.max_tokens=8",
+        f"eval.local_paths={{math_500: {shared('math_500')}, aime24: {shared('aime24')}}}",
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "GRPOFLOW_"))}
     logs = [tmp_path / f"run-{i}.log" for i in range(2)]
-    procs = [subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log.open("w"),
-                              start_new_session=True, stdin=subprocess.DEVNULL) for log in logs]
+    procs = [
+        subprocess.Popen(
+            cmd,
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=log.open("w"),
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+        )
+        for log in logs
+    ]
     try:
         deadline = time.monotonic() + GUARD_S
         while all(p.poll() is None for p in procs):
@@ -324,18 +432,31 @@ def test_processes_opening_a_new_sqlite_store_at_once_each_get_a_working_store(t
     every one exits 0 with its experiment in the store, none dies in the schema's migration."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     go = tmp_path / "go"
-    script = ("import sys, time, pathlib\n"
-              "from tasks import tracking\n"
-              "go = pathlib.Path(sys.argv[2])\n"
-              "(go.parent / ('ready-' + sys.argv[3])).touch()\n"
-              "while not go.exists(): time.sleep(0.01)\n"
-              "client = tracking.client_for(sys.argv[1])\n"
-              "print(tracking.ensure_experiment(client, 'opened-by-' + sys.argv[3], None))\n")
+    script = (
+        "import sys, time, pathlib\n"
+        "from tasks import tracking\n"
+        "go = pathlib.Path(sys.argv[2])\n"
+        "(go.parent / ('ready-' + sys.argv[3])).touch()\n"
+        "while not go.exists(): time.sleep(0.01)\n"
+        "client = tracking.client_for(sys.argv[1])\n"
+        "print(tracking.ensure_experiment(client, 'opened-by-' + sys.argv[3], None))\n"
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "GRPOFLOW_"))}
-    procs = [subprocess.Popen([sys.executable, "-c", script, uri, str(go), str(i)], cwd=REPO_ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(4)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, uri, str(go), str(i)],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(4)
+    ]
     deadline = time.monotonic() + GUARD_S
-    while not all((tmp_path / f"ready-{i}").exists() for i in range(4)):  # each imported MLflow: open together
+    while not all(
+        (tmp_path / f"ready-{i}").exists() for i in range(4)
+    ):  # each imported MLflow: open together
         assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "a process did not start"
         time.sleep(0.05)
     go.touch()
@@ -343,6 +464,7 @@ def test_processes_opening_a_new_sqlite_store_at_once_each_get_a_working_store(t
     for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-3000:]
     from mlflow import MlflowClient
+
     names = {e.name for e in MlflowClient(tracking_uri=uri).search_experiments()}
     assert {f"opened-by-{i}" for i in range(4)} <= names
 
@@ -350,6 +472,7 @@ def test_processes_opening_a_new_sqlite_store_at_once_each_get_a_working_store(t
 # ==========================================================================================================
 # MLflow's HTTP client: bounded retries and timeouts
 # ==========================================================================================================
+
 
 def test_mlflow_http_retries_and_timeouts_are_bounded_unless_the_user_set_them(monkeypatch, tmp_path):
     from tasks import tracking

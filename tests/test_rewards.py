@@ -43,7 +43,12 @@ def chat(text: str) -> list[dict]:
 def test_completion_text_accepts_strings_messages_and_parts():
     assert completion_text("hi") == "hi"
     assert completion_text(chat("hi")) == "hi"
-    assert completion_text([{"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "image"}]}]) == "a"
+    assert (
+        completion_text(
+            [{"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "image"}]}]
+        )
+        == "a"
+    )
     assert completion_text(None) == ""
     with pytest.raises(TypeError, match="int"):
         completion_text(42)
@@ -208,8 +213,12 @@ def test_countdown(completion, expected):
 
 def test_countdown_uses_exact_fractions():
     # 8 / (3 - 8/3) = 8 / (1/3) = 24: only exact rational arithmetic gets this right.
-    assert countdown_reward(["p"], ["<answer>8 / (3 - 8 / 3)</answer>"], nums=[[3, 3, 8, 8]], target=[24]) == [1.0]
-    assert countdown_reward(["p"], ["<answer>8 / (3 - 8 / 3)</answer>"], nums=[[3, 8, 8]], target=[24]) == [0.0]
+    assert countdown_reward(
+        ["p"], ["<answer>8 / (3 - 8 / 3)</answer>"], nums=[[3, 3, 8, 8]], target=[24]
+    ) == [1.0]
+    assert countdown_reward(["p"], ["<answer>8 / (3 - 8 / 3)</answer>"], nums=[[3, 8, 8]], target=[24]) == [
+        0.0
+    ]
     assert evaluate_expression("8 / (3 - 8 / 3)") == (Fraction(24), [8, 3, 8, 3])
 
 
@@ -301,7 +310,17 @@ def test_repetition_rejects_a_bonus():
 
 @pytest.mark.parametrize(
     "length, expected",
-    [(0, 0.0), (50, 0.0), (80, 0.0), (81, -0.05), (90, -0.5), (99, -0.95), (100, -1.0), (101, -1.0), (500, -1.0)],
+    [
+        (0, 0.0),
+        (50, 0.0),
+        (80, 0.0),
+        (81, -0.05),
+        (90, -0.5),
+        (99, -0.95),
+        (100, -1.0),
+        (101, -1.0),
+        (500, -1.0),
+    ],
 )
 def test_soft_overlong_token_lengths(length, expected):
     reward = soft_overlong(max_len=100, cache_len=20)
@@ -337,7 +356,11 @@ def test_resolve_builtins_with_and_without_args():
 @pytest.mark.parametrize(
     "spec, args, message",
     [
-        ("nope", None, "unknown reward 'nope'; valid names are format, accuracy, countdown, counting, cosine"),
+        (
+            "nope",
+            None,
+            "unknown reward 'nope'; valid names are format, accuracy, countdown, counting, cosine",
+        ),
         ("format", {"x": 1}, "reward 'format': bad args"),
         ("soft_overlong", {"max_len": 4}, "cache_len"),
         ("cosine", {"max_len": 0}, "max_len must be positive"),
@@ -467,7 +490,9 @@ def test_runner_passes_each_sample_its_own_columns():
         seen.append((answer, trainer_state))
         return [float(answer[0])]
 
-    result = RewardRunner([("picky", picky, 1.0)])(["p"] * 2, ["x", "y"], answer=["1", "2"], trainer_state="S")
+    result = RewardRunner([("picky", picky, 1.0)])(
+        ["p"] * 2, ["x", "y"], answer=["1", "2"], trainer_state="S"
+    )
     assert result.per_function["picky"] == [1.0, 2.0]
     assert seen == [(["1"], "S"), (["2"], "S")]
 

@@ -34,8 +34,14 @@ QUESTION = [{"role": "user", "content": "What is 12 + 7?"}]
 
 
 def grpoflow(*args: str, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=REPO_ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
+    return subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", *args],
+        cwd=REPO_ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        **kwargs,
+    )
 
 
 def ready_line(proc: subprocess.Popen, timeout_s: float = 120) -> dict:
@@ -80,6 +86,7 @@ def server(tiny_base):
 @pytest.fixture(scope="module")
 def client(server):
     from openai import OpenAI
+
     return OpenAI(base_url=server.url, api_key="EMPTY", max_retries=0, timeout=120)
 
 
@@ -89,6 +96,7 @@ def local_engine(tiny_base):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trainer.rollout.hf_engine import HFEngine
+
     tokenizer = AutoTokenizer.from_pretrained(tiny_base["path"])
     return HFEngine(AutoModelForCausalLM.from_pretrained(tiny_base["path"]), tokenizer), tokenizer
 
@@ -105,8 +113,12 @@ def test_greedy_is_deterministic_and_equals_hf_engine(server, client, local_engi
     from trainer.prompts import encode_prompts
     from trainer.rollout.base import SamplingParams
 
-    replies = [client.chat.completions.create(model=server.model_name, messages=QUESTION, max_tokens=32,
-                                              temperature=0) for _ in range(2)]
+    replies = [
+        client.chat.completions.create(
+            model=server.model_name, messages=QUESTION, max_tokens=32, temperature=0
+        )
+        for _ in range(2)
+    ]
     assert replies[0].choices[0].message.content == replies[1].choices[0].message.content
     engine, tokenizer = local_engine
     [prompt] = encode_prompts(tokenizer, [{"prompt": QUESTION}])
@@ -119,24 +131,27 @@ def test_greedy_is_deterministic_and_equals_hf_engine(server, client, local_engi
 
 def test_n_samples_and_their_usage(server, client, local_engine):
     _, tokenizer = local_engine
-    reply = client.chat.completions.create(model=server.model_name, messages=QUESTION, max_tokens=24,
-                                           temperature=1.0, top_p=0.95, n=3, seed=7)
+    reply = client.chat.completions.create(
+        model=server.model_name, messages=QUESTION, max_tokens=24, temperature=1.0, top_p=0.95, n=3, seed=7
+    )
     assert [c.index for c in reply.choices] == [0, 1, 2]
     assert all(c.finish_reason in ("stop", "length") and c.message.role == "assistant" for c in reply.choices)
     # completion tokens are summed over the choices; each choice is at most max_tokens long
     assert 3 <= reply.usage.completion_tokens <= 3 * 24
     text = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
     assert reply.usage.prompt_tokens == len(tokenizer(text, add_special_tokens=False).input_ids)
-    again = client.chat.completions.create(model=server.model_name, messages=QUESTION, max_tokens=24,
-                                           temperature=1.0, top_p=0.95, n=3, seed=7)
+    again = client.chat.completions.create(
+        model=server.model_name, messages=QUESTION, max_tokens=24, temperature=1.0, top_p=0.95, n=3, seed=7
+    )
     assert [c.message.content for c in again.choices] == [c.message.content for c in reply.choices]
 
 
 def test_completions_with_stop_and_errors(server, client):
     import openai
 
-    reply = client.completions.create(model=server.model_name, prompt=["<think>", "1+1"], max_tokens=16,
-                                      temperature=0, stop=["</think>"])
+    reply = client.completions.create(
+        model=server.model_name, prompt=["<think>", "1+1"], max_tokens=16, temperature=0, stop=["</think>"]
+    )
     assert len(reply.choices) == 2 and all("</think>" not in c.text for c in reply.choices)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="other-model", messages=QUESTION, max_tokens=4)
@@ -159,8 +174,9 @@ def test_concurrent_requests_are_batched(server, client, local_engine):
     def ask(i: int) -> None:
         start.wait()
         try:
-            replies[i] = client.chat.completions.create(model=server.model_name, messages=questions[i],
-                                                        max_tokens=16, temperature=0)
+            replies[i] = client.chat.completions.create(
+                model=server.model_name, messages=questions[i], max_tokens=16, temperature=0
+            )
         except Exception as e:  # noqa: BLE001 - collected and asserted below
             errors.append(e)
 
@@ -176,8 +192,11 @@ def test_concurrent_requests_are_batched(server, client, local_engine):
     # batched or not, each answer is the one the same checkpoint gives that question alone, greedily, in this process
     engine, tokenizer = local_engine
     for i, question in enumerate(questions):
-        [[alone]] = engine.generate(encode_prompts(tokenizer, [{"prompt": question}]), 1,
-                                    SamplingParams(max_tokens=16, temperature=0.0))
+        [[alone]] = engine.generate(
+            encode_prompts(tokenizer, [{"prompt": question}]),
+            1,
+            SamplingParams(max_tokens=16, temperature=0.0),
+        )
         assert replies[i].choices[0].message.content == alone.text and alone.text
 
 
@@ -216,9 +235,19 @@ def test_serve_model_cli_prints_its_url_and_stops_cleanly_on_sigint(tiny_base):
 def test_eval_serve_scores_through_the_endpoint_like_a_direct_run(memorising_model, memorised_eval, tmp_path):
     """`grpoflow eval --serve` on the memorising model, with the settings of the session's direct evaluation of it
     (`memorised_model.eval_overrides`): the same verdict on every problem, and the same answers where it knows them."""
-    proc = grpoflow("eval", memorising_model, *eval_overrides(shared()), f"eval.out={tmp_path / 'eval'}",
-                    f"data.out={tmp_path / 'no-prepared-data'}", "--serve", "--concurrency", "4",
-                    "--state-dir", str(tmp_path / "state"), "--json")
+    proc = grpoflow(
+        "eval",
+        memorising_model,
+        *eval_overrides(shared()),
+        f"eval.out={tmp_path / 'eval'}",
+        f"data.out={tmp_path / 'no-prepared-data'}",
+        "--serve",
+        "--concurrency",
+        "4",
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--json",
+    )
     out, err = proc.communicate(timeout=400)
     assert proc.returncode == 0, err[-3000:]
     served = json.loads(out.strip().splitlines()[-1])
@@ -229,8 +258,9 @@ def test_eval_serve_scores_through_the_endpoint_like_a_direct_run(memorising_mod
     assert report["api_url"].startswith("http://127.0.0.1:") and report["eval_batch_size"] == 4
 
     through_endpoint, direct = reviews(load_result(served["work_dir"])), reviews(memorised_eval)
-    assert {k: r["sample_score"]["score"]["value"] for k, r in through_endpoint.items()} == \
-        {k: r["sample_score"]["score"]["value"] for k, r in direct.items()}
+    assert {k: r["sample_score"]["score"]["value"] for k, r in through_endpoint.items()} == {
+        k: r["sample_score"]["score"]["value"] for k, r in direct.items()
+    }
     for p in evaluated_problems(shared()):
         if p.memorised:
             answers = {text_of(r[p.benchmark, p.key]["messages"][-1]) for r in (through_endpoint, direct)}
@@ -252,10 +282,25 @@ def keyed_server(tiny_base, tmp_path_factory):
     """(port, stderr path) of `grpoflow serve-model --max-connections 16 --api-key-env VAR` (VAR = key + newline)."""
     err_path = tmp_path_factory.mktemp("keyed-server") / "stderr.log"
     with open(err_path, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-model", tiny_base["path"], "--json",
-                                 "--api-key-env", KEY_VAR, "--max-connections", str(MAX_CONNECTIONS)],
-                                cwd=REPO_ROOT, text=True, env={**os.environ, KEY_VAR: KEY + "\n"},
-                                stdout=subprocess.PIPE, stderr=err)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "flows.cli",
+                "serve-model",
+                tiny_base["path"],
+                "--json",
+                "--api-key-env",
+                KEY_VAR,
+                "--max-connections",
+                str(MAX_CONNECTIONS),
+            ],
+            cwd=REPO_ROOT,
+            text=True,
+            env={**os.environ, KEY_VAR: KEY + "\n"},
+            stdout=subprocess.PIPE,
+            stderr=err,
+        )
     try:
         ready = ready_line(proc, timeout_s=180)
         yield int(ready["url"].rsplit(":", 1)[1].removesuffix("/v1")), err_path
@@ -267,11 +312,18 @@ def keyed_server(tiny_base, tmp_path_factory):
             proc.communicate()
 
 
-def call(port: int, method: str, path: str, body: dict | None = None, headers: dict | None = None,
-         source: str | None = None) -> tuple[int, bytes]:
+def call(
+    port: int,
+    method: str,
+    path: str,
+    body: dict | None = None,
+    headers: dict | None = None,
+    source: str | None = None,
+) -> tuple[int, bytes]:
     """(status, body) of one request on its own connection, from the address `source` if given."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60,
-                                      source_address=(source, 0) if source else None)
+    conn = http.client.HTTPConnection(
+        "127.0.0.1", port, timeout=60, source_address=(source, 0) if source else None
+    )
     try:
         data = None if body is None else json.dumps(body).encode()
         conn.request(method, path, data, {"Content-Type": "application/json", **(headers or {})})
@@ -300,8 +352,13 @@ def test_a_key_read_with_its_trailing_newline_is_accepted_and_others_refused(key
     assert call(port, "GET", "/v1/models", headers=AUTH)[0] == 200
     status, body = call(port, "POST", "/v1/completions", QUESTION_TEXT, AUTH)
     assert status == 200 and json.loads(body)["usage"]["completion_tokens"] >= 1
-    for wrong in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"},
-                  {"Authorization": f"Bearer {KEY}x"}):
+    for wrong in (
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": KEY},
+        {"Authorization": f"Basic {KEY}"},
+        {"Authorization": f"Bearer {KEY}x"},
+    ):
         status, body = call(port, "POST", "/v1/completions", QUESTION_TEXT, wrong)
         assert status == 401 and json.loads(body)["error"]["param"] == "authorization", (wrong, body)
     assert KEY not in err.read_text()
@@ -310,7 +367,9 @@ def test_a_key_read_with_its_trailing_newline_is_accepted_and_others_refused(key
 def test_the_bearer_scheme_is_case_insensitive(keyed_server):
     port, _ = keyed_server
     for scheme in ("bearer", "BEARER", "bEaReR"):
-        status, body = call(port, "POST", "/v1/completions", QUESTION_TEXT, {"Authorization": f"{scheme} {KEY}"})
+        status, body = call(
+            port, "POST", "/v1/completions", QUESTION_TEXT, {"Authorization": f"{scheme} {KEY}"}
+        )
         assert status == 200, (scheme, body)
 
 
@@ -329,8 +388,10 @@ def test_idle_connections_holding_every_slot_do_not_shut_out_health_or_a_complet
     """16 silent sockets, as many as --max-connections: a new request closes the one idle longest."""
     port, _ = keyed_server
     with ExitStack() as stack:
-        idle = [stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=30))
-                for _ in range(MAX_CONNECTIONS)]
+        idle = [
+            stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=30))
+            for _ in range(MAX_CONNECTIONS)
+        ]
         status, body = call(port, "GET", "/health")
         assert status == 200, body
         status, body = call(port, "POST", "/v1/completions", QUESTION_TEXT, AUTH)
@@ -351,9 +412,10 @@ def test_a_client_at_its_connection_share_gets_503_and_another_client_is_served(
     with ExitStack() as stack:
         for _ in range(PER_CLIENT):
             sock = stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=30))
-            sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-                         "Content-Type: application/json\r\nContent-Length: 100\r\nExpect: 100-continue\r\n\r\n"
-                         .encode())
+            sock.sendall(
+                f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                "Content-Type: application/json\r\nContent-Length: 100\r\nExpect: 100-continue\r\n\r\n".encode()
+            )
             # the 100 Continue says the server is reading its body: a request in progress
             assert sock.recv(4096).startswith(b"HTTP/1.1 100"), "the upload did not start"
         status, body = call(port, "POST", "/v1/completions", QUESTION_TEXT, AUTH)
@@ -364,7 +426,9 @@ def test_a_client_at_its_connection_share_gets_503_and_another_client_is_served(
         assert status == 200, body
     # its uploads abandoned, the client gets its share back
     end = time.monotonic() + 30
-    while (status := call(port, "POST", "/v1/completions", QUESTION_TEXT, AUTH)[0]) == 503 and time.monotonic() < end:
+    while (
+        status := call(port, "POST", "/v1/completions", QUESTION_TEXT, AUTH)[0]
+    ) == 503 and time.monotonic() < end:
         time.sleep(0.1)
     assert status == 200
 
@@ -374,8 +438,10 @@ def test_a_connection_that_never_completes_its_headers_is_closed_after_the_heade
     sending a header line every half second are both closed; a server without the timeout keeps them for good."""
     port, _ = keyed_server
     default = 10.0  # --header-timeout
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as silent, \
-            socket.create_connection(("127.0.0.1", port), timeout=30) as dripping:
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=30) as silent,
+        socket.create_connection(("127.0.0.1", port), timeout=30) as dripping,
+    ):
         opened = time.monotonic()
         dripping.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
         while not answered(dripping) and time.monotonic() - opened < default + 15:
@@ -400,17 +466,24 @@ def test_an_api_key_is_read_without_surrounding_whitespace(monkeypatch):
 
 def test_connection_limits_are_checked_and_a_client_share_defaults_to_a_quarter():
     assert ServerLimits(max_connections=16).connections_per_client == PER_CLIENT
-    with pytest.raises(ServingInputError, match=r"--max-connections-per-client \(32\) cannot exceed "
-                                                r"--max-connections \(16\)"):
+    with pytest.raises(
+        ServingInputError,
+        match=r"--max-connections-per-client \(32\) cannot exceed "
+        r"--max-connections \(16\)",
+    ):
         ServerLimits(max_connections=16, max_connections_per_client=32)
-    for field, flag in (("header_timeout_s", "--header-timeout"), ("body_timeout_s", "--body-timeout"),
-                        ("keep_alive_timeout_s", "--keep-alive-timeout")):
+    for field, flag in (
+        ("header_timeout_s", "--header-timeout"),
+        ("body_timeout_s", "--body-timeout"),
+        ("keep_alive_timeout_s", "--keep-alive-timeout"),
+    ):
         with pytest.raises(ServingInputError, match=flag):
             ServerLimits(**{field: 0.0})
 
 
 def _has_vllm() -> bool:
     import importlib.util
+
     return importlib.util.find_spec("vllm") is not None
 
 
@@ -428,8 +501,13 @@ BIG = {"prompt": "1+1", "n": 32, "max_tokens": 1000, "temperature": 2.0, "seed":
 
 
 def grpoflow_serve(*args: str, env: dict | None = None, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=REPO_ROOT, text=True,
-                            env={**os.environ, **(env or {})}, **kwargs)
+    return subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", *args],
+        cwd=REPO_ROOT,
+        text=True,
+        env={**os.environ, **(env or {})},
+        **kwargs,
+    )
 
 
 @contextmanager
@@ -438,8 +516,17 @@ def served(model: str, tmp: Path, *flags: str):
     process)."""
     err_path = tmp / "server.stderr"
     with open(err_path, "w") as err:
-        proc = grpoflow_serve("serve-model", model, "--json", "--api-key-env", KEY_VAR, *flags,
-                              env={KEY_VAR: KEY}, stdout=subprocess.PIPE, stderr=err)
+        proc = grpoflow_serve(
+            "serve-model",
+            model,
+            "--json",
+            "--api-key-env",
+            KEY_VAR,
+            *flags,
+            env={KEY_VAR: KEY},
+            stdout=subprocess.PIPE,
+            stderr=err,
+        )
     try:
         box: list[str] = []
         reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
@@ -457,8 +544,9 @@ def served(model: str, tmp: Path, *flags: str):
                 proc.wait()
 
 
-def call_json(port: int, method: str, path: str, body=None, headers: dict | None = None,
-              timeout: float = 300):
+def call_json(
+    port: int, method: str, path: str, body=None, headers: dict | None = None, timeout: float = 300
+):
     """(status, parsed JSON body) of one request on its own connection; `body` may be raw bytes."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
@@ -493,8 +581,11 @@ def raw_request(port: int, path: str, body: dict, headers: dict = AUTH) -> socke
     data = json.dumps(body).encode()
     head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
     sock = socket.create_connection(("127.0.0.1", port), timeout=60)
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{head}"
-                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    sock.sendall(
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{head}"
+        f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
     return sock
 
 
@@ -518,9 +609,20 @@ def read_response(sock: socket.socket) -> tuple[int, dict]:
 @pytest.fixture(scope="module")
 def limited_server(tiny_base, tmp_path_factory):
     """A server with small limits, so that each is easy to cross."""
-    with served(tiny_base["path"], tmp_path_factory.mktemp("server"), "--max-sequences", "32", "--max-tokens",
-                "1000", "--max-stop", "4", "--max-stop-length", "16", "--max-body-bytes", "100000") \
-            as (port, err, proc):
+    with served(
+        tiny_base["path"],
+        tmp_path_factory.mktemp("server"),
+        "--max-sequences",
+        "32",
+        "--max-tokens",
+        "1000",
+        "--max-stop",
+        "4",
+        "--max-stop-length",
+        "16",
+        "--max-body-bytes",
+        "100000",
+    ) as (port, err, proc):
         yield port, err
         assert proc.poll() is None, "the server died during the tests"
     assert KEY not in err.read_text(), "the API key was written to the server's log"
@@ -536,7 +638,7 @@ TOO_MUCH = {
 }
 # malformed inputs: each is a 400 naming its field, never a 500 or a crashed generation
 MALFORMED = {
-    "seed": ("/v1/completions", {"prompt": "1+1", "max_tokens": 2, "temperature": 1.0, "seed": 2 ** 70}),
+    "seed": ("/v1/completions", {"prompt": "1+1", "max_tokens": 2, "temperature": 1.0, "seed": 2**70}),
     "body": ("/v1/completions", b"[" * 40_000 + b"]" * 40_000),  # nested deeper than the JSON decoder goes
     "top_p": ("/v1/completions", b'{"prompt": "1+1", "max_tokens": 2, "top_p": NaN}'),
     "temperature": ("/v1/completions", b'{"prompt": "1+1", "max_tokens": 2, "temperature": Infinity}'),
@@ -572,15 +674,19 @@ def test_an_oversized_body_is_refused_before_it_is_read(limited_server):
     port, _ = limited_server
     # a 1.2 MB body announced: the headers alone get the answer, no byte of the body is sent
     with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
-        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-                     f"Content-Type: application/json\r\nContent-Length: 1200000\r\n\r\n".encode())
+        sock.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: 1200000\r\n\r\n".encode()
+        )
         status, reply = read_response(sock)
     assert status == 413 and reply["error"]["param"] == "body", reply
     assert "1200000 bytes" in reply["error"]["message"] and "--max-body-bytes" in reply["error"]["message"]
     # without a Content-Length (chunked), the count stops at the limit: 60 kB sent, then 60 kB more
     with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
-        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-                     "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode())
+        sock.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+        )
         for _ in range(2):
             assert not answered(sock)
             sock.sendall(b"%x\r\n%s\r\n" % (60_000, b"x" * 60_000))
@@ -591,14 +697,16 @@ def test_an_oversized_body_is_refused_before_it_is_read(limited_server):
 
 # ---- scheduling: fairness, cancellation ---------------------------------------------------------------
 
+
 def test_a_small_request_completes_while_a_big_one_is_still_generated(limited_server):
     port, _ = limited_server
     before = health(port)
     big = raw_request(port, "/v1/completions", BIG)
     with big:
         wait_for(port, lambda h: h["active"] == before["active"] + 1, "the big request started")
-        status, small = call_json(port, "POST", "/v1/completions",
-                                  {"prompt": "2+2", "max_tokens": 8, "temperature": 0}, AUTH)
+        status, small = call_json(
+            port, "POST", "/v1/completions", {"prompt": "2+2", "max_tokens": 8, "temperature": 0}, AUTH
+        )
         assert status == 200 and small["usage"]["completion_tokens"] <= 8
         # the big one has not answered yet and is still being generated
         assert not answered(big)
@@ -612,12 +720,17 @@ def test_a_disconnected_client_stops_its_generation(limited_server):
     before = health(port)
     with raw_request(port, "/v1/completions", {**BIG, "seed": 2}):
         wait_for(port, lambda h: h["active"] == before["active"] + 1, "the big request started")
-    after = wait_for(port,
-                     lambda h: h["cancelled"] == before["cancelled"] + 1 and h["active"] == before["active"],
-                     "the generation of the disconnected request stopped")
+    after = wait_for(
+        port,
+        lambda h: h["cancelled"] == before["cancelled"] + 1 and h["active"] == before["active"],
+        "the generation of the disconnected request stopped",
+    )
     assert after["requests"] == before["requests"], "the disconnected request was generated to the end"
-    stopped = re.findall(r"cmpl-\w+: the client disconnected; its generation stopped after (\d+) of 1000 "
-                         r"tokens", err.read_text())
+    stopped = re.findall(
+        r"cmpl-\w+: the client disconnected; its generation stopped after (\d+) of 1000 "
+        r"tokens",
+        err.read_text(),
+    )
     assert stopped and int(stopped[-1]) < 1000
 
 
@@ -636,8 +749,16 @@ def test_the_api_key_is_required_on_v1_and_health_stays_open(limited_server):
 @pytest.fixture(scope="module")
 def roomy_server(tiny_base, tmp_path_factory):
     """A server whose limits let a body of megabytes and hundreds of thousands of stop strings in."""
-    with served(tiny_base["path"], tmp_path_factory.mktemp("roomy"), "--max-body-bytes", "4000000",
-                "--max-stop", "300000", "--max-stop-length", "64") as (port, err, proc):
+    with served(
+        tiny_base["path"],
+        tmp_path_factory.mktemp("roomy"),
+        "--max-body-bytes",
+        "4000000",
+        "--max-stop",
+        "300000",
+        "--max-stop-length",
+        "64",
+    ) as (port, err, proc):
         yield port, err
 
 
@@ -646,8 +767,11 @@ def test_health_answers_while_a_huge_body_is_handled(roomy_server):
     thread, so the event loop keeps answering /health meanwhile."""
     port, _ = roomy_server
     stops = [f"zz{i:07d}" for i in range(250_000)] + [" "]  # the space is found: the text is cut
-    huge = raw_request(port, "/v1/completions", {"prompt": "1+1", "n": 64, "max_tokens": 32,
-                                                 "temperature": 1.0, "seed": 3, "stop": stops})
+    huge = raw_request(
+        port,
+        "/v1/completions",
+        {"prompt": "1+1", "n": 64, "max_tokens": 32, "temperature": 1.0, "seed": 3, "stop": stops},
+    )
     with huge:
         wait_for(port, lambda h: h["requests"] >= 1, "the huge request was generated")
         # generation is over; its response is being cut at the stop strings: /health still answers at once
@@ -664,17 +788,21 @@ def test_a_request_past_its_timeout_gets_504_and_stops_being_generated(tiny_base
         assert status == 504 and "--request-timeout" in reply["error"]["message"], reply
         after = wait_for(port, lambda h: h["active"] == 0, "the timed-out request stopped")
         assert after["timed_out"] == 1 and after["requests"] == 0
-        assert re.search(r"timed out after 2 s; its generation stopped after \d+ of 1000 tokens",
-                         err.read_text())
+        assert re.search(
+            r"timed out after 2 s; its generation stopped after \d+ of 1000 tokens", err.read_text()
+        )
         # a body that never arrives in full is answered too (408), not waited for
         with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
-            sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-                         "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"".encode())
+            sock.sendall(
+                f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{"prompt"'.encode()
+            )
             status, reply = read_response(sock)
         assert status == 408 and reply["error"]["param"] == "body"
 
 
 # ---- refusing to start: exit 2, one line naming host:port --------------------------------------------------
+
 
 def run_cli(*args: str, env: dict | None = None) -> tuple[int, str, str]:
     proc = grpoflow_serve("serve-model", *args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -705,8 +833,9 @@ def test_a_port_in_use_or_an_invalid_host_is_exit_2_naming_host_and_port(tiny_ba
     assert f"127.0.0.1:{port}" in err and "already in use" in err
     assert json.loads(out.strip().splitlines()[-1])["exit_code"] == 2
     for host in ("no-such-host.invalid", "300.1.1.1"):
-        code, _, err = run_cli(tiny_base["path"], "--host", host, "--port", "8123", "--api-key-env", KEY_VAR,
-                               env={KEY_VAR: KEY})
+        code, _, err = run_cli(
+            tiny_base["path"], "--host", host, "--port", "8123", "--api-key-env", KEY_VAR, env={KEY_VAR: KEY}
+        )
         assert code == 2 and len(err.strip().splitlines()) == 1 and f"{host}:8123" in err, err
     code, _, err = run_cli(tiny_base["path"], "--port", "70000")
     assert code == 2 and "127.0.0.1:70000" in err

@@ -43,12 +43,19 @@ def flat(tensors) -> torch.Tensor:
     return torch.cat([t.detach().float().reshape(-1) for t in tensors])
 
 
-def test_bf16_policy_is_stepped_through_fp32_master_weights_that_a_checkpoint_keeps(tmp_path, tiny_base,
-                                                                                    tiny_data):
+def test_bf16_policy_is_stepped_through_fp32_master_weights_that_a_checkpoint_keeps(
+    tmp_path, tiny_base, tiny_data
+):
     # Adam's first step moves each weight by about lr; bf16 keeps ~3 digits, so |w| ~ 0.02 has an ulp ~1e-4
     lr = 1e-5
-    recipe = small_recipe(tmp_path, tiny_base, tiny_data, "train.eval_heldout=0", f"train.learning_rate={lr}",
-                          "model.dtype=bfloat16")
+    recipe = small_recipe(
+        tmp_path,
+        tiny_base,
+        tiny_data,
+        "train.eval_heldout=0",
+        f"train.learning_rate={lr}",
+        "model.dtype=bfloat16",
+    )
     trainer = GRPOTrainer(recipe, tiny_base["path"], tiny_data, progress=False)
     trainer.setup()
     strategy = trainer.strategy

@@ -51,9 +51,17 @@ SECOND = "First try \\boxed{3}\n\nFix: \\boxed{4}\n\nDone, \\boxed{4} stands"  #
 
 def test_correct_in_first_paragraph_counts_at_paragraph_one():
     row = metrics(FIRST_PARAGRAPH)
-    assert row == {"reasoning_source": "think_tag", "paragraphs": 2, "reasoning_tokens": 8, "thought_num": 0,
-                   "correct": True, "first_correct_paragraph": 1, "first_correct_tokens": 3,
-                   "reflection_tokens": 5, "token_efficiency": 3 / 8}
+    assert row == {
+        "reasoning_source": "think_tag",
+        "paragraphs": 2,
+        "reasoning_tokens": 8,
+        "thought_num": 0,
+        "correct": True,
+        "first_correct_paragraph": 1,
+        "first_correct_tokens": 3,
+        "reflection_tokens": 5,
+        "token_efficiency": 3 / 8,
+    }
 
 
 def test_never_correct_leaves_first_correct_metrics_undefined():
@@ -86,14 +94,24 @@ def test_empty_reasoning():
 
 def test_reasoning_content_field_think_tag_and_evalscope_block_give_the_same_numbers():
     field = metrics({"reasoning_content": SECOND, "content": "The answer is \\boxed{4}."})
-    blocks = metrics({"content": [{"type": "reasoning", "reasoning": SECOND},
-                                  {"type": "text", "text": "The answer is \\boxed{4}."}]})
+    blocks = metrics(
+        {
+            "content": [
+                {"type": "reasoning", "reasoning": SECOND},
+                {"type": "text", "text": "The answer is \\boxed{4}."},
+            ]
+        }
+    )
     tagged = metrics(f"<think>{SECOND}</think>The answer is \\boxed{{4}}.")
     assert field["reasoning_source"] == blocks["reasoning_source"] == "reasoning_content"
     assert tagged["reasoning_source"] == "think_tag"
     for row in (field, blocks, tagged):
         assert (row["paragraphs"], row["reasoning_tokens"], row["first_correct_paragraph"]) == (3, 8, 2)
-        assert (row["first_correct_tokens"], row["reflection_tokens"], row["token_efficiency"]) == (5, 3, 5 / 8)
+        assert (row["first_correct_tokens"], row["reflection_tokens"], row["token_efficiency"]) == (
+            5,
+            3,
+            5 / 8,
+        )
 
 
 def test_split_reasoning_sources():
@@ -149,8 +167,12 @@ def test_summary_means_and_over_and_underthinking():
     summary = summarize(rows)
     assert summary["samples"] == summary["graded"] == 6 and summary["correct"] == 4
     assert summary["accuracy"] == pytest.approx(4 / 6)
-    assert summary["reasoning_tokens"] == pytest.approx(31 / 6) and summary["thought_num"] == pytest.approx(2 / 6)
-    assert summary["first_correct_tokens"] == (3 + 5 + 0 + 5) / 4 and summary["reflection_tokens"] == (5 + 3) / 4
+    assert summary["reasoning_tokens"] == pytest.approx(31 / 6) and summary["thought_num"] == pytest.approx(
+        2 / 6
+    )
+    assert (
+        summary["first_correct_tokens"] == (3 + 5 + 0 + 5) / 4 and summary["reflection_tokens"] == (5 + 3) / 4
+    )
     assert summary["token_efficiency"] == pytest.approx((3 / 8 + 1 + 5 / 8) / 3)  # EMPTY has no efficiency
     # overthinking: FIRST_PARAGRAPH (5 of 8 after) and SECOND (3 of 8 after) had the answer early
     assert summary["overthinking"] == {"samples": 2, "reflection_tokens": 4.0, "reflection_fraction": 0.5}
@@ -178,6 +200,7 @@ def test_openai_judge_asks_the_endpoint(monkeypatch):
 
 # ---- inputs and the command ---------------------------------------------------------------------------------
 
+
 def write_jsonl(path, rows):
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return path
@@ -199,22 +222,37 @@ def test_jsonl_errors_name_file_line_and_field(tmp_path):
 
 
 def grpoflow(*args):
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600
+    )
 
 
 def test_cli_on_a_jsonl_with_the_tiny_models_tokenizer(tiny_base, tmp_path):
-    rows = [{"id": "a", "output": FIRST_PARAGRAPH, "answer": "4"}, {"id": "b", "output": NEVER, "answer": 4},
-            {"id": "c", "output": "2+2", "reasoning_content": SECOND, "answer": ["4"]}]
+    rows = [
+        {"id": "a", "output": FIRST_PARAGRAPH, "answer": "4"},
+        {"id": "b", "output": NEVER, "answer": 4},
+        {"id": "c", "output": "2+2", "reasoning_content": SECOND, "answer": ["4"]},
+    ]
     source = write_jsonl(tmp_path / "outs.jsonl", rows)
     proc = grpoflow("thinking", str(source), "--tokenizer", tiny_base["path"], "--json")
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert {"reasoning_tokens", "thought_num", "first_correct_tokens", "reflection_tokens", "token_efficiency",
-            "accuracy", "samples", "per_benchmark", "samples_path"} <= set(summary)
+    assert {
+        "reasoning_tokens",
+        "thought_num",
+        "first_correct_tokens",
+        "reflection_tokens",
+        "token_efficiency",
+        "accuracy",
+        "samples",
+        "per_benchmark",
+        "samples_path",
+    } <= set(summary)
     assert summary["samples"] == 3 and summary["accuracy"] == pytest.approx(2 / 3)
     assert summary["samples_path"] == str(tmp_path / "outs.thinking.jsonl")
-    assert list(summary["per_benchmark"]) == ["outs"] and list(summary["per_benchmark"]["outs"]["subsets"]) == ["default"]
+    assert list(summary["per_benchmark"]) == ["outs"] and list(
+        summary["per_benchmark"]["outs"]["subsets"]
+    ) == ["default"]
     out = [json.loads(line) for line in open(summary["samples_path"])]
     assert [r["id"] for r in out] == ["a", "b", "c"] and [r["correct"] for r in out] == [True, False, True]
     assert [r["first_correct_paragraph"] for r in out] == [1, None, 2]
@@ -223,10 +261,14 @@ def test_cli_on_a_jsonl_with_the_tiny_models_tokenizer(tiny_base, tmp_path):
         assert r["reflection_tokens"] == r["reasoning_tokens"] - r["first_correct_tokens"]
         assert r["token_efficiency"] == pytest.approx(r["first_correct_tokens"] / r["reasoning_tokens"])
     assert summary["reasoning_tokens"] == pytest.approx(sum(r["reasoning_tokens"] for r in out) / 3)
-    assert summary["reflection_tokens"] == pytest.approx((out[0]["reflection_tokens"] + out[2]["reflection_tokens"]) / 2)
+    assert summary["reflection_tokens"] == pytest.approx(
+        (out[0]["reflection_tokens"] + out[2]["reflection_tokens"]) / 2
+    )
 
     # the table, and --out
-    proc = grpoflow("thinking", str(source), "--tokenizer", tiny_base["path"], "--out", str(tmp_path / "x.jsonl"))
+    proc = grpoflow(
+        "thinking", str(source), "--tokenizer", tiny_base["path"], "--out", str(tmp_path / "x.jsonl")
+    )
     assert proc.returncode == 0, proc.stderr
     assert "overall" in proc.stdout and "outs" in proc.stdout and (tmp_path / "x.jsonl").is_file()
 
@@ -241,14 +283,17 @@ def test_cli_on_a_jsonl_with_the_tiny_models_tokenizer(tiny_base, tmp_path):
 def test_real_evalscope_work_dir(memorised_eval, memorising_model, tmp_path):
     from transformers import AutoTokenizer
 
-    work_dir = shutil.copytree(memorised_eval.work_dir, tmp_path / "eval")  # the session's evaluation stays as it is
+    work_dir = shutil.copytree(
+        memorised_eval.work_dir, tmp_path / "eval"
+    )  # the session's evaluation stays as it is
     result = load_result(work_dir)
     report = analyze(work_dir, memorising_model)
     summary = report.summary
     assert report.samples_path == work_dir / "thinking" / "samples.jsonl" and report.samples_path.is_file()
     assert {b: s["samples"] for b, s in summary["per_benchmark"].items()} == result.num_samples
-    assert {b: set(s["subsets"]) for b, s in summary["per_benchmark"].items()} == \
-        {b: set(subsets) for b, subsets in result.subsets.items()}
+    assert {b: set(s["subsets"]) for b, s in summary["per_benchmark"].items()} == {
+        b: set(subsets) for b, subsets in result.subsets.items()
+    }
     for bench, s in summary["per_benchmark"].items():
         # EvalScope's own per-sample verdicts, carried along, average to its report's score; ours agree with them
         assert s["evalscope_accuracy"] == pytest.approx(result.scores[bench])
@@ -258,15 +303,20 @@ def test_real_evalscope_work_dir(memorised_eval, memorising_model, tmp_path):
     # reasoning up to the paragraph holding the first \boxed{} (the second of three) is the first correct prefix
     tokenizer = AutoTokenizer.from_pretrained(memorising_model)
     count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
-    outputs = {(bench, path.stem.removeprefix(f"{bench}_"), line["index"]): line["model_output"]["choices"][0]["message"]
-               for bench, paths in result.predictions_paths.items() for path in paths
-               for line in map(json.loads, path.read_text().splitlines())}
+    outputs = {
+        (bench, path.stem.removeprefix(f"{bench}_"), line["index"]): line["model_output"]["choices"][0][
+            "message"
+        ]
+        for bench, paths in result.predictions_paths.items()
+        for path in paths
+        for line in map(json.loads, path.read_text().splitlines())
+    }
     right = [r for r in report.rows if r["correct"]]
     assert len(right) == 5 and all(r["evalscope_score"] == 1.0 for r in right)
     firsts, reflections = [], []
     for row in right:
         text = reasoning_of(outputs[row["benchmark"], row["subset"], row["id"]])
-        first = text[:text.index("\n\n", text.index("\\boxed{"))]
+        first = text[: text.index("\n\n", text.index("\\boxed{"))]
         assert first == f"I think.\n\nThe answer is \\boxed{{{row['gold'][0]}}}."  # what it was taught
         assert (row["paragraphs"], row["first_correct_paragraph"]) == (3, 2)
         assert (row["reasoning_tokens"], row["first_correct_tokens"]) == (count(text), count(first))
@@ -274,11 +324,16 @@ def test_real_evalscope_work_dir(memorised_eval, memorising_model, tmp_path):
         assert row["token_efficiency"] == pytest.approx(count(first) / count(text))
         firsts.append(count(first))
         reflections.append(count(text) - count(first))
-    assert summary["first_correct_tokens"] == pytest.approx(sum(firsts) / 5) and summary["first_correct_tokens"] > 0
+    assert (
+        summary["first_correct_tokens"] == pytest.approx(sum(firsts) / 5)
+        and summary["first_correct_tokens"] > 0
+    )
     assert summary["overthinking"]["samples"] == 5
     assert summary["overthinking"]["reflection_tokens"] == pytest.approx(sum(reflections) / 5)
     # the other 7 are wrong, with no first-correct numbers, and none stated the right answer along the way
     wrong = [r for r in report.rows if not r["correct"]]
-    assert len(wrong) == 7 and all(r["first_correct_tokens"] is None and r["evalscope_score"] == 0.0 for r in wrong)
+    assert len(wrong) == 7 and all(
+        r["first_correct_tokens"] is None and r["evalscope_score"] == 0.0 for r in wrong
+    )
     assert summary["underthinking"]["samples"] == 7 and summary["underthinking"]["abandoned_correct"] == 0
     assert all(0 < r["reasoning_tokens"] <= MAX_TOKENS for r in report.rows)

@@ -24,10 +24,19 @@ TINY = REPO_ROOT / "configs" / "tiny-cpu.yaml"
 
 
 def small_recipe(tmp_path: Path, tiny_base: dict, data: Path, *overrides: str):
-    return load_recipe(TINY, [f"bootstrap.out={tiny_base['path']}", f"data.out={data}",
-                              f"train.output_dir={tmp_path / 'run'}", "train.prompts_per_step=2",
-                              "train.num_generations=4", "train.eval_heldout=16", "train.micro_batch_size=4",
-                              *overrides])
+    return load_recipe(
+        TINY,
+        [
+            f"bootstrap.out={tiny_base['path']}",
+            f"data.out={data}",
+            f"train.output_dir={tmp_path / 'run'}",
+            "train.prompts_per_step=2",
+            "train.num_generations=4",
+            "train.eval_heldout=16",
+            "train.micro_batch_size=4",
+            *overrides,
+        ],
+    )
 
 
 def test_prompt_indices_are_a_seeded_permutation_per_epoch():
@@ -38,7 +47,9 @@ def test_prompt_indices_are_a_seeded_permutation_per_epoch():
 
 
 def test_ratio_is_exactly_one_on_first_pass_and_not_after_an_update(tmp_path, tiny_base, tiny_data):
-    recipe = small_recipe(tmp_path, tiny_base, tiny_data, "train.num_iterations=2", "train.learning_rate=1e-3")
+    recipe = small_recipe(
+        tmp_path, tiny_base, tiny_data, "train.num_iterations=2", "train.learning_rate=1e-3"
+    )
     trainer = GRPOTrainer(recipe, tiny_base["path"], tiny_data, progress=False)
     trainer.setup()
     batch, _ = trainer.rollout_source().next(0)
@@ -73,9 +84,16 @@ def test_a_raising_reward_is_counted_and_training_goes_on(tmp_path, tiny_base, t
         "        if len(c) % 2:\n"
         "            raise RuntimeError('flaky reward saw an odd length')\n"
         "        out.append(0.5)\n"
-        "    return out\n")
-    recipe = small_recipe(tmp_path, tiny_base, tiny_data, "train.max_steps=2", "train.eval_heldout=0",
-                          f"rewards=[{{name: accuracy}}, {{name: '{plugin}:flaky', weight: 0.5}}]")
+        "    return out\n"
+    )
+    recipe = small_recipe(
+        tmp_path,
+        tiny_base,
+        tiny_data,
+        "train.max_steps=2",
+        "train.eval_heldout=0",
+        f"rewards=[{{name: accuracy}}, {{name: '{plugin}:flaky', weight: 0.5}}]",
+    )
     result = GRPOTrainer(recipe, tiny_base["path"], tiny_data, progress=False).train()
     assert result.steps == 2
     rows = [json.loads(line) for line in Path(result.metrics_path).read_text().splitlines()]
@@ -91,7 +109,7 @@ def test_a_raising_reward_is_counted_and_training_goes_on(tmp_path, tiny_base, t
         lengths = seen[start]
         odd = sum(n % 2 for n in lengths)
         # a raising batch is retried one completion at a time, in order; a clean batch is not retried
-        assert seen[start + 1:end] == ([[n] for n in lengths] if odd else [])
+        assert seen[start + 1 : end] == ([[n] for n in lengths] if odd else [])
         expected.append(odd)
     assert [r["rewards/flaky/errors"] for r in rows] == expected
     assert [r["reward_errors"] for r in rows] == expected
@@ -104,21 +122,41 @@ def test_a_raising_reward_is_counted_and_training_goes_on(tmp_path, tiny_base, t
 
 
 def _train_cmd(tmp_path: Path, tiny_base: dict, data: Path) -> list[str]:
-    return [sys.executable, "-m", "flows.cli", "train", "--config", str(TINY), f"bootstrap.out={tiny_base['path']}",
-            f"data.out={data}", f"train.output_dir={tmp_path / 'run'}", "train.max_steps=6", "train.save_steps=2",
-            "train.prompts_per_step=2", "train.num_generations=4", "train.eval_heldout=8",
-            "train.learning_rate=3e-4", "train.num_iterations=2", "--json"]
+    return [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "train",
+        "--config",
+        str(TINY),
+        f"bootstrap.out={tiny_base['path']}",
+        f"data.out={data}",
+        f"train.output_dir={tmp_path / 'run'}",
+        "train.max_steps=6",
+        "train.save_steps=2",
+        "train.prompts_per_step=2",
+        "train.num_generations=4",
+        "train.eval_heldout=8",
+        "train.learning_rate=3e-4",
+        "train.num_iterations=2",
+        "--json",
+    ]
 
 
 def test_sigkill_then_rerun_resumes_exactly(tmp_path, tiny_base, tiny_data):
     straight = tmp_path / "straight"
-    done = subprocess.run(_train_cmd(straight, tiny_base, tiny_data), cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        _train_cmd(straight, tiny_base, tiny_data), cwd=REPO_ROOT, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr
 
     crashed = tmp_path / "crashed"
-    proc = subprocess.Popen(_train_cmd(crashed, tiny_base, tiny_data), cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        _train_cmd(crashed, tiny_base, tiny_data),
+        cwd=REPO_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     latest = crashed / "run" / "latest"
     deadline = time.time() + 300
     while not latest.exists() and time.time() < deadline and proc.poll() is None:
@@ -129,14 +167,16 @@ def test_sigkill_then_rerun_resumes_exactly(tmp_path, tiny_base, tiny_data):
     killed_at = latest.read_text().strip()
     assert killed_at != "checkpoint-6", "the run finished before it could be killed"
 
-    resumed = subprocess.run(_train_cmd(crashed, tiny_base, tiny_data), cwd=REPO_ROOT, capture_output=True,
-                             text=True, timeout=600)
+    resumed = subprocess.run(
+        _train_cmd(crashed, tiny_base, tiny_data), cwd=REPO_ROOT, capture_output=True, text=True, timeout=600
+    )
     assert resumed.returncode == 0, resumed.stderr
     summary = json.loads(resumed.stdout.strip().splitlines()[-1])
     assert summary["resumed_from_step"] == int(killed_at.split("-")[1])
     # the held-out answers scored before and after training are kept in the run directory, named in the
     # summary: before training's from the killed attempt (kept in its checkpoint's state), after's from the rerun
     from trainer.heldout import read_samples
+
     straight_summary = json.loads(done.stdout.strip().splitlines()[-1])
     for moment in ("before", "after"):
         scores = summary[f"heldout_{moment}"]
@@ -156,6 +196,7 @@ def test_sigkill_then_rerun_resumes_exactly(tmp_path, tiny_base, tiny_data):
         assert x["reward"] == y["reward"] and x["completions/mean_length"] == y["completions/mean_length"]
 
     from safetensors.torch import load_file
+
     wa = load_file(straight / "run" / "checkpoint-6" / "model.safetensors")
     wb = load_file(crashed / "run" / "checkpoint-6" / "model.safetensors")
     assert wa.keys() == wb.keys()
@@ -167,16 +208,44 @@ def test_sigkill_then_rerun_resumes_exactly(tmp_path, tiny_base, tiny_data):
 def test_tiny_cpu_recipe_learns(tmp_path, tiny_base, tiny_recipe):
     """The acceptance run: the embedded default's recipe raises held-out greedy accuracy by >= 10 points."""
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "train", "--config", str(TINY), f"bootstrap.out={tiny_base['path']}",
-         f"data.out={tmp_path / 'data'}", f"train.output_dir={tmp_path / 'run'}", "--json"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=1200)
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "train",
+            "--config",
+            str(TINY),
+            f"bootstrap.out={tiny_base['path']}",
+            f"data.out={tmp_path / 'data'}",
+            f"train.output_dir={tmp_path / 'run'}",
+            "--json",
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = json.loads(proc.stdout.strip().splitlines()[-1])
     assert s["heldout_before"]["n"] >= 200
     assert s["heldout_accuracy_after"] >= s["heldout_accuracy_before"] + 0.10, s
     assert s["steps"] == tiny_recipe.train.max_steps and Path(s["checkpoint"]).is_dir()
     rows = [json.loads(line) for line in Path(s["metrics"]).read_text().splitlines()]
-    for key in ("reward", "reward_std", "rewards/accuracy/mean", "rewards/format/std", "completions/mean_length",
-                "completions/clipped_ratio", "kl", "clip_ratio/region_mean", "entropy", "frac_reward_zero_std",
-                "grad_norm", "learning_rate", "timing/rollout_s", "timing/step_s", "tokens_per_s"):
+    for key in (
+        "reward",
+        "reward_std",
+        "rewards/accuracy/mean",
+        "rewards/format/std",
+        "completions/mean_length",
+        "completions/clipped_ratio",
+        "kl",
+        "clip_ratio/region_mean",
+        "entropy",
+        "frac_reward_zero_std",
+        "grad_norm",
+        "learning_rate",
+        "timing/rollout_s",
+        "timing/step_s",
+        "tokens_per_s",
+    ):
         assert key in rows[-1], key

@@ -32,8 +32,10 @@ ALL_KEPT = torch.ones(8)
 def reward_plugin(tmp_path: Path, rewards: list[float]) -> str:
     """The `rewards=` override of one reward function that gives completion i of a batch `rewards[i]`."""
     path = tmp_path / "fixed_rewards.py"
-    path.write_text(f"REWARDS = {rewards!r}\n\n\ndef fixed(prompts, completions, **kw):\n"
-                    "    return REWARDS[:len(completions)]\n")
+    path.write_text(
+        f"REWARDS = {rewards!r}\n\n\ndef fixed(prompts, completions, **kw):\n"
+        "    return REWARDS[:len(completions)]\n"
+    )
     return f"rewards=[{{name: '{path}:fixed'}}]"
 
 
@@ -58,12 +60,17 @@ def record_updates(trainer: GRPOTrainer) -> list[tuple[torch.Tensor, float]]:
 
 def flat(grads, params) -> torch.Tensor:
     """One float64 vector: a float32 norm over ~1M entries can be off by 1e-4 on CPU."""
-    return torch.cat([(torch.zeros_like(p) if g is None else g.detach()).reshape(-1).double() for g, p in
-                      zip(grads, params, strict=True)])
+    return torch.cat(
+        [
+            (torch.zeros_like(p) if g is None else g.detach()).reshape(-1).double()
+            for g, p in zip(grads, params, strict=True)
+        ]
+    )
 
 
-def token_weights(batch, loss_type: str, kept: torch.Tensor, max_completion_length: int,
-                  sequences: int | None = None) -> torch.Tensor:
+def token_weights(
+    batch, loss_type: str, kept: torch.Tensor, max_completion_length: int, sequences: int | None = None
+) -> torch.Tensor:
     """[B, C]: each completion token's weight in the loss, as reduce_loss's docstring defines the four types
     (0 for padding and for the completions not `kept`); `sequences`: the batch's count (default: all of it)."""
     sequences = len(batch) if sequences is None else sequences
@@ -76,7 +83,9 @@ def token_weights(batch, loss_type: str, kept: torch.Tensor, max_completion_leng
     return tokens / tokens.sum()  # bnpo, dapo: one mean over the tokens in the loss
 
 
-def first_pass_loss_and_gradient(trainer: GRPOTrainer, batch, weights: torch.Tensor) -> tuple[float, torch.Tensor]:
+def first_pass_loss_and_gradient(
+    trainer: GRPOTrainer, batch, weights: torch.Tensor
+) -> tuple[float, torch.Tensor]:
     """The loss of an on-policy batch before its update, written out: there ratio = exp(logp - logp.detach()) = 1,
     nothing is clipped, and -min(ratio * A, clip(ratio) * A) has value -A and the gradient of -A * logp."""
     mb = batch.micro_batch(torch.arange(len(batch)), trainer.tokenizer.pad_token_id)
@@ -141,29 +150,50 @@ def test_beta_loads_the_reference_and_its_k3_kl_reaches_the_loss(tmp_path, tiny_
 
 
 # ------------------------------------------------------------------------------ advantages and loss normalisation
-@pytest.mark.parametrize(("scale_rewards", "expected"), [
-    ("group", DEVIATIONS / torch.tensor([1.825742 + EPS] * 4 + [2.0 + EPS] * 4)),
-    ("batch", DEVIATIONS / (1.851640 + EPS)),
-    ("none", DEVIATIONS),
-])
-def test_scale_rewards_sets_the_advantages_the_update_follows(tmp_path, tiny_base, tiny_data, scale_rewards,
-                                                              expected):
-    trainer = ready_trainer(tmp_path, tiny_base, tiny_data, reward_plugin(tmp_path, REWARDS),
-                            f"train.scale_rewards={scale_rewards}", "train.max_grad_norm=0")
+@pytest.mark.parametrize(
+    ("scale_rewards", "expected"),
+    [
+        ("group", DEVIATIONS / torch.tensor([1.825742 + EPS] * 4 + [2.0 + EPS] * 4)),
+        ("batch", DEVIATIONS / (1.851640 + EPS)),
+        ("none", DEVIATIONS),
+    ],
+)
+def test_scale_rewards_sets_the_advantages_the_update_follows(
+    tmp_path, tiny_base, tiny_data, scale_rewards, expected
+):
+    trainer = ready_trainer(
+        tmp_path,
+        tiny_base,
+        tiny_data,
+        reward_plugin(tmp_path, REWARDS),
+        f"train.scale_rewards={scale_rewards}",
+        "train.max_grad_norm=0",
+    )
     batch, metrics = trainer.rollout_source().next(0)
     torch.testing.assert_close(batch.advantages, expected, atol=1e-5, rtol=0)
-    assert metrics["reward"] == pytest.approx(2.5) and metrics["reward_std"] == pytest.approx(1.851640, abs=1e-6)
+    assert metrics["reward"] == pytest.approx(2.5) and metrics["reward_std"] == pytest.approx(
+        1.851640, abs=1e-6
+    )
     loss, gradient = first_pass_loss_and_gradient(
-        trainer, batch, token_weights(batch, "dapo", ALL_KEPT, trainer.cfg.max_completion_length))
+        trainer, batch, token_weights(batch, "dapo", ALL_KEPT, trainer.cfg.max_completion_length)
+    )
     applied = record_updates(trainer)
     assert trainer.optimize(batch)["loss"] == pytest.approx(loss, rel=1e-4, abs=1e-7)
     assert_same_direction_and_size(applied[0][0], gradient)
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
-def test_loss_type_sets_each_tokens_weight_in_the_loss_and_gradient(tmp_path, tiny_base, tiny_data, loss_type):
-    trainer = ready_trainer(tmp_path, tiny_base, tiny_data, reward_plugin(tmp_path, REWARDS),
-                            f"train.loss_type={loss_type}", "train.max_grad_norm=0")
+def test_loss_type_sets_each_tokens_weight_in_the_loss_and_gradient(
+    tmp_path, tiny_base, tiny_data, loss_type
+):
+    trainer = ready_trainer(
+        tmp_path,
+        tiny_base,
+        tiny_data,
+        reward_plugin(tmp_path, REWARDS),
+        f"train.loss_type={loss_type}",
+        "train.max_grad_norm=0",
+    )
     # with equal lengths grpo's per-sequence means would weigh tokens as dapo's one token mean does
     batch, _ = batch_where(trainer.rollout_source(), lengths_differ, "has completions of different lengths")
     # group advantages sum to 0 in each group, which would make the grpo loss 0 whatever its weights
@@ -177,16 +207,26 @@ def test_loss_type_sets_each_tokens_weight_in_the_loss_and_gradient(tmp_path, ti
 
 # ------------------------------------------------------------------------------------- what is left out of the loss
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
-def test_dynamic_sampling_leaves_groups_with_equal_rewards_out_of_the_loss(tmp_path, tiny_base, tiny_data,
-                                                                          loss_type):
-    trainer = ready_trainer(tmp_path, tiny_base, tiny_data, reward_plugin(tmp_path, [1.0] * 4 + [0, 1, 2, 3]),
-                            "train.dynamic_sampling=true", "train.max_grad_norm=0", f"train.loss_type={loss_type}")
+def test_dynamic_sampling_leaves_groups_with_equal_rewards_out_of_the_loss(
+    tmp_path, tiny_base, tiny_data, loss_type
+):
+    trainer = ready_trainer(
+        tmp_path,
+        tiny_base,
+        tiny_data,
+        reward_plugin(tmp_path, [1.0] * 4 + [0, 1, 2, 3]),
+        "train.dynamic_sampling=true",
+        "train.max_grad_norm=0",
+        f"train.loss_type={loss_type}",
+    )
     batch, metrics = trainer.rollout_source().next(0)
     assert metrics["frac_reward_zero_std"] == 0.5
     kept = torch.tensor([0.0] * 4 + [1.0] * 4)  # group 1 alone: [0, 1, 2, 3], mean 1.5, std sqrt(5/3)
     torch.testing.assert_close(batch.loss_mask, kept)
     assert batch.sampled_out == 4
-    torch.testing.assert_close(batch.advantages, torch.tensor([0.0] * 4 + [-1.5, -0.5, 0.5, 1.5]) / (1.290994 + EPS))
+    torch.testing.assert_close(
+        batch.advantages, torch.tensor([0.0] * 4 + [-1.5, -0.5, 0.5, 1.5]) / (1.290994 + EPS)
+    )
     # the dropped group's advantages are 0 already: what dropping changes is that the group leaves the batch,
     # its tokens the token mean (dapo) and its sequences the sequence count (grpo, dr_grpo: 4 sequences, not 8)
     weights = token_weights(batch, loss_type, kept, trainer.cfg.max_completion_length, sequences=4)
@@ -196,20 +236,34 @@ def test_dynamic_sampling_leaves_groups_with_equal_rewards_out_of_the_loss(tmp_p
     assert_same_direction_and_size(applied[0][0], gradient)
 
 
-def test_mask_truncated_completions_leaves_cut_off_completions_out_of_the_loss(tmp_path, tiny_base, tiny_data):
-    trainer = ready_trainer(tmp_path, tiny_base, tiny_data, "train.mask_truncated_completions=true",
-                            "train.max_completion_length=16", "train.max_grad_norm=0")
+def test_mask_truncated_completions_leaves_cut_off_completions_out_of_the_loss(
+    tmp_path, tiny_base, tiny_data
+):
+    trainer = ready_trainer(
+        tmp_path,
+        tiny_base,
+        tiny_data,
+        "train.mask_truncated_completions=true",
+        "train.max_completion_length=16",
+        "train.max_grad_norm=0",
+    )
     # the tiny model writes "<think>a+b=c</think><answer>c</answer>" in 14 to 17 tokens: some are cut at 16
-    batch, metrics = batch_where(trainer.rollout_source(), lambda b: 0 < sum(truncated(b)) < len(b),
-                                 "mixes truncated and finished completions")
+    batch, metrics = batch_where(
+        trainer.rollout_source(),
+        lambda b: 0 < sum(truncated(b)) < len(b),
+        "mixes truncated and finished completions",
+    )
     cut = torch.tensor(truncated(batch))
     assert all(len(c.token_ids) == 16 for c, is_cut in zip(batch.completions, cut, strict=True) if is_cut)
     assert metrics["completions/clipped_ratio"] == cut.float().mean().item()
     kept = (~cut).float()
     torch.testing.assert_close(batch.loss_mask, kept)
-    batch.advantages = torch.linspace(-1, 1.5, len(batch))  # truncated completions too: the mask must drop them
+    batch.advantages = torch.linspace(
+        -1, 1.5, len(batch)
+    )  # truncated completions too: the mask must drop them
     loss, gradient = first_pass_loss_and_gradient(
-        trainer, batch, token_weights(batch, "dapo", kept, trainer.cfg.max_completion_length))
+        trainer, batch, token_weights(batch, "dapo", kept, trainer.cfg.max_completion_length)
+    )
     applied = record_updates(trainer)
     assert trainer.optimize(batch)["loss"] == pytest.approx(loss, rel=1e-4)
     assert_same_direction_and_size(applied[0][0], gradient)
@@ -218,18 +272,35 @@ def test_mask_truncated_completions_leaves_cut_off_completions_out_of_the_loss(t
 # --------------------------------------------------------------------------------------------- the optimizer
 # f(u) for update u (0-based) of T = max_steps * num_iterations with w warm-up updates: (u + 1) / w while
 # u < w, then with progress p = (u - w) / (T - w): linear 1 - p, cosine (1 + cos(pi p)) / 2.
-@pytest.mark.parametrize(("schedule", "max_steps", "mu", "factors"), [
-    # T = 5, w = 2: p = 0, 1/3, 2/3 for u = 2, 3, 4
-    ("linear", 5, 1, [0.5, 1.0, 1.0, 2 / 3, 1 / 3]),
-    # T = 6, w = 2: p = 0, 1/4, 1/2, 3/4 for u = 2..5; two updates per step
-    ("cosine", 3, 2, [0.5, 1.0, 1.0, (1 + math.cos(math.pi / 4)) / 2, 0.5, (1 + math.cos(3 * math.pi / 4)) / 2]),
-])
-def test_learning_rate_follows_the_schedule_after_warmup(tmp_path, tiny_base, tiny_data, schedule, max_steps, mu,
-                                                         factors):
+@pytest.mark.parametrize(
+    ("schedule", "max_steps", "mu", "factors"),
+    [
+        # T = 5, w = 2: p = 0, 1/3, 2/3 for u = 2, 3, 4
+        ("linear", 5, 1, [0.5, 1.0, 1.0, 2 / 3, 1 / 3]),
+        # T = 6, w = 2: p = 0, 1/4, 1/2, 3/4 for u = 2..5; two updates per step
+        (
+            "cosine",
+            3,
+            2,
+            [0.5, 1.0, 1.0, (1 + math.cos(math.pi / 4)) / 2, 0.5, (1 + math.cos(3 * math.pi / 4)) / 2],
+        ),
+    ],
+)
+def test_learning_rate_follows_the_schedule_after_warmup(
+    tmp_path, tiny_base, tiny_data, schedule, max_steps, mu, factors
+):
     lr = 1e-3
-    trainer = ready_trainer(tmp_path, tiny_base, tiny_data, f"train.lr_scheduler_type={schedule}",
-                            "train.warmup_steps=2", f"train.max_steps={max_steps}", f"train.num_iterations={mu}",
-                            f"train.learning_rate={lr}", "train.max_completion_length=8")
+    trainer = ready_trainer(
+        tmp_path,
+        tiny_base,
+        tiny_data,
+        f"train.lr_scheduler_type={schedule}",
+        "train.warmup_steps=2",
+        f"train.max_steps={max_steps}",
+        f"train.num_iterations={mu}",
+        f"train.learning_rate={lr}",
+        "train.max_completion_length=8",
+    )
     updates = record_updates(trainer)
     rollouts, logged = trainer.rollout_source(), []
     for step in range(max_steps):
@@ -237,13 +308,19 @@ def test_learning_rate_follows_the_schedule_after_warmup(tmp_path, tiny_base, ti
         logged.append(trainer.optimize(batch)["learning_rate"])
     assert [rate for _, rate in updates] == pytest.approx([lr * f for f in factors], rel=1e-6)
     # a step logs the rate its (last) update applied, as TRL does: not the next update's
-    assert logged == pytest.approx([lr * f for f in factors[mu - 1::mu]], rel=1e-6)
+    assert logged == pytest.approx([lr * f for f in factors[mu - 1 :: mu]], rel=1e-6)
 
 
 def test_weight_decay_shrinks_weights_that_get_no_gradient_by_lr_times_decay(tmp_path, tiny_base, tiny_data):
     lr, decay = 1e-2, 0.1
-    trainer = ready_trainer(tmp_path, tiny_base, tiny_data, f"train.learning_rate={lr}",
-                            f"train.weight_decay={decay}", "train.max_completion_length=8")
+    trainer = ready_trainer(
+        tmp_path,
+        tiny_base,
+        tiny_data,
+        f"train.learning_rate={lr}",
+        f"train.weight_decay={decay}",
+        "train.max_completion_length=8",
+    )
     batch, _ = trainer.rollout_source().next(0)
     batch.advantages = torch.zeros(len(batch))  # no gradient anywhere: Adam's own step is 0 / (0 + eps) = 0
     before = [p.detach().clone() for p in trainer.model.parameters()]
@@ -252,13 +329,17 @@ def test_weight_decay_shrinks_weights_that_get_no_gradient_by_lr_times_decay(tmp
         torch.testing.assert_close(new.detach(), old * (1 - lr * decay), rtol=1e-6, atol=0)
 
 
-def test_gradient_is_clipped_to_max_grad_norm_and_its_norm_before_clipping_logged(tmp_path, tiny_base, tiny_data):
+def test_gradient_is_clipped_to_max_grad_norm_and_its_norm_before_clipping_logged(
+    tmp_path, tiny_base, tiny_data
+):
     max_norm = 1e-3
-    trainer = ready_trainer(tmp_path, tiny_base, tiny_data, reward_plugin(tmp_path, REWARDS),
-                            f"train.max_grad_norm={max_norm}")
+    trainer = ready_trainer(
+        tmp_path, tiny_base, tiny_data, reward_plugin(tmp_path, REWARDS), f"train.max_grad_norm={max_norm}"
+    )
     batch, _ = trainer.rollout_source().next(0)
     _, gradient = first_pass_loss_and_gradient(
-        trainer, batch, token_weights(batch, "dapo", ALL_KEPT, trainer.cfg.max_completion_length))
+        trainer, batch, token_weights(batch, "dapo", ALL_KEPT, trainer.cfg.max_completion_length)
+    )
     assert gradient.norm() > 10 * max_norm
     applied = record_updates(trainer)
     metrics = trainer.optimize(batch)
@@ -270,8 +351,16 @@ def test_gradient_is_clipped_to_max_grad_norm_and_its_norm_before_clipping_logge
 # ------------------------------------------------------------------------------------------------- checkpoints
 @pytest.mark.parametrize(("limit", "kept"), [(2, [3, 4]), (0, [1, 2, 3, 4])])
 def test_save_total_limit_prunes_the_oldest_checkpoints(tmp_path, tiny_base, tiny_data, limit, kept):
-    recipe = small_recipe(tmp_path, tiny_base, tiny_data, "train.eval_heldout=0", "train.max_steps=4",
-                          "train.save_steps=1", f"train.save_total_limit={limit}", "train.max_completion_length=8")
+    recipe = small_recipe(
+        tmp_path,
+        tiny_base,
+        tiny_data,
+        "train.eval_heldout=0",
+        "train.max_steps=4",
+        "train.save_steps=1",
+        f"train.save_total_limit={limit}",
+        "train.max_completion_length=8",
+    )
     result = GRPOTrainer(recipe, tiny_base["path"], tiny_data, progress=False).train()
     run = tmp_path / "run"
     assert sorted(p.name for p in run.glob("checkpoint-*")) == [f"checkpoint-{s}" for s in kept]

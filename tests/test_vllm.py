@@ -45,6 +45,7 @@ ROLLOUT_SERVER = pytest.mark.xdist_group("vllm-rollout-server")
 
 # ---- helpers ---------------------------------------------------------------------------------------------------
 
+
 def perturbed(model, seed: int, scale: float = 0.02):
     """A copy of `model` whose weights moved: what an optimizer step does, without the optimizer."""
     model = copy.deepcopy(model)
@@ -75,15 +76,33 @@ def token_ids(groups) -> list[list[tuple[int, ...]]]:
 
 
 def grpoflow(*args: str, env: dict | None = None, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=REPO_ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, **kwargs)
+    return subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", *args],
+        cwd=REPO_ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        **kwargs,
+    )
 
 
 def small_run(tmp_path: Path, tiny_base: dict, data: Path, *overrides: str) -> list[str]:
-    return ["--config", str(TINY), f"bootstrap.out={tiny_base['path']}", f"data.out={data}",
-            f"train.output_dir={tmp_path / 'run'}", "train.prompts_per_step=2", "train.num_generations=4",
-            "train.eval_heldout=16", "train.micro_batch_size=8", "rollout.engine=vllm", "rollout.enforce_eager=true",
-            *overrides, "--json"]
+    return [
+        "--config",
+        str(TINY),
+        f"bootstrap.out={tiny_base['path']}",
+        f"data.out={data}",
+        f"train.output_dir={tmp_path / 'run'}",
+        "train.prompts_per_step=2",
+        "train.num_generations=4",
+        "train.eval_heldout=16",
+        "train.micro_batch_size=8",
+        "rollout.engine=vllm",
+        "rollout.enforce_eager=true",
+        *overrides,
+        "--json",
+    ]
 
 
 def metrics_rows(run_dir: Path) -> list[dict]:
@@ -106,6 +125,7 @@ def wait_for_health(url: str, proc: subprocess.Popen, log: Path, timeout_s: floa
 
 
 # ---- one in-process engine ---------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def policy(tiny_base):
@@ -132,9 +152,13 @@ def built(tiny_base) -> dict:
     random.seed(1234)
     before = (torch.get_rng_state(), random.getstate())
     # a budget under one sequence, so that a batch of prompts spans many engine steps of prefill
-    engine = make_engine(RolloutConfig(engine="vllm", enforce_eager=True, max_num_batched_tokens=MAX_LEN // 2),
-                         tiny_base["path"], model_cfg=ModelConfig(dtype="float32"), seed=0,
-                         max_model_len=MAX_LEN)
+    engine = make_engine(
+        RolloutConfig(engine="vllm", enforce_eager=True, max_num_batched_tokens=MAX_LEN // 2),
+        tiny_base["path"],
+        model_cfg=ModelConfig(dtype="float32"),
+        seed=0,
+        max_model_len=MAX_LEN,
+    )
     return {"engine": engine, "rng_before": before, "rng_after": (torch.get_rng_state(), random.getstate())}
 
 
@@ -174,8 +198,13 @@ def test_a_recipe_silent_on_the_budget_gets_vllms_default_and_one_step_prefills_
     """Passing max_model_len as the budget (what the engine once did on CPU) also capped max_num_seqs to 88 and
     prefilled one prompt per engine step: the tiny recipe's rollout took 2.15 s a step instead of 0.89 s. In a
     process of its own: a second in-process vLLM engine here would tear down the module engine's parallel state."""
-    proc = subprocess.run([sys.executable, "-c", SILENT_BUDGET, tiny_base["path"], str(MAX_LEN)], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", SILENT_BUDGET, tiny_base["path"], str(MAX_LEN)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     built = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "max_num_batched_tokens" not in built["settings"]
@@ -233,25 +262,36 @@ def test_a_seeded_batch_over_the_batched_token_budget_generates_and_repeats(engi
 
 # ---- training with vLLM rollouts -------------------------------------------------------------------------------
 
+
 def test_train_with_vllm_rollouts_learns_on_the_tiny_recipe(tmp_path, tiny_base, tiny_data):
     """The embedded default's recipe as it is, with vLLM doing the rollouts and the held-out evaluation."""
-    proc = grpoflow("train", "--config", str(TINY), f"bootstrap.out={tiny_base['path']}",
-                    f"train.output_dir={tmp_path / 'run'}", "rollout.engine=vllm", "rollout.enforce_eager=true",
-                    "--json")
+    proc = grpoflow(
+        "train",
+        "--config",
+        str(TINY),
+        f"bootstrap.out={tiny_base['path']}",
+        f"train.output_dir={tmp_path / 'run'}",
+        "rollout.engine=vllm",
+        "rollout.enforce_eager=true",
+        "--json",
+    )
     out, err = proc.communicate(timeout=3000)
     assert proc.returncode == 0, err[-4000:]
     summary = json.loads(out.strip().splitlines()[-1])
     gain = summary["heldout_accuracy_after"] - summary["heldout_accuracy_before"]
-    print(f"vLLM rollouts, tiny recipe: held-out {summary['heldout_accuracy_before']:.3f} -> "
-          f"{summary['heldout_accuracy_after']:.3f} in {summary['steps']} steps")
+    print(
+        f"vLLM rollouts, tiny recipe: held-out {summary['heldout_accuracy_before']:.3f} -> "
+        f"{summary['heldout_accuracy_after']:.3f} in {summary['steps']} steps"
+    )
     assert summary["steps"] == 300 and gain >= 0.10, summary
     rows = metrics_rows(tmp_path / "run")
     assert len(rows) == 300 and all(r["staleness"] == 0.0 for r in rows)
 
 
 def test_colocated_training_on_cpu_runs_with_a_logged_no_op_sleep(tmp_path, tiny_base, tiny_data):
-    proc = grpoflow("train", *small_run(tmp_path, tiny_base, tiny_data, "rollout.colocate=true",
-                                        "train.max_steps=3"))
+    proc = grpoflow(
+        "train", *small_run(tmp_path, tiny_base, tiny_data, "rollout.colocate=true", "train.max_steps=3")
+    )
     out, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-4000:]
     assert "cannot sleep on this platform" in err
@@ -262,15 +302,24 @@ def test_colocated_training_on_cpu_runs_with_a_logged_no_op_sleep(tmp_path, tiny
 def test_async_vllm_worker_killed_fails_the_run_naming_it_and_a_rerun_resumes(tmp_path, tiny_base, tiny_data):
     import psutil
 
-    args = small_run(tmp_path, tiny_base, tiny_data, "rollout.async=true", "rollout.sync_timeout_s=120",
-                     "train.max_steps=12", "train.save_steps=2")
+    args = small_run(
+        tmp_path,
+        tiny_base,
+        tiny_data,
+        "rollout.async=true",
+        "rollout.sync_timeout_s=120",
+        "train.max_steps=12",
+        "train.save_steps=2",
+    )
     proc = grpoflow("train", *args)
     latest = tmp_path / "run" / "latest"
     deadline = time.time() + 900
     while not latest.exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
     assert latest.exists(), proc.communicate()[1][-4000:]
-    workers = [c for c in psutil.Process(proc.pid).children(recursive=True) if "spawn_main" in " ".join(c.cmdline())]
+    workers = [
+        c for c in psutil.Process(proc.pid).children(recursive=True) if "spawn_main" in " ".join(c.cmdline())
+    ]
     assert workers, "no rollout worker process found"
     # the worker generates with vLLM: its compiled kernels are mapped into that process
     assert any("vllm" in m.path for m in workers[0].memory_maps()), "the rollout worker has not loaded vLLM"
@@ -288,11 +337,12 @@ def test_async_vllm_worker_killed_fails_the_run_naming_it_and_a_rerun_resumes(tm
     rows = metrics_rows(tmp_path / "run")
     assert [r["step"] for r in rows] == list(range(1, 13))
     assert rows[checkpoint_step]["staleness"] == 0.0 and rows[checkpoint_step + 1]["staleness"] == 1.0
-    for r in rows[checkpoint_step + 1:]:  # vLLM's behaviour log-probs against the trainer's: a bounded ratio
+    for r in rows[checkpoint_step + 1 :]:  # vLLM's behaviour log-probs against the trainer's: a bounded ratio
         assert 0 < r["importance_ratio/min"] <= r["importance_ratio/mean"] <= r["importance_ratio/max"] <= 2.0
 
 
 # ---- a vLLM server -----------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def rollout_server(tiny_base, tmp_path_factory):
@@ -301,10 +351,27 @@ def rollout_server(tiny_base, tmp_path_factory):
     from trainer.launch import free_port
 
     port, log = free_port(), tmp_path_factory.mktemp("vllm-server") / "server.log"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_base["path"],
-           "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--enforce-eager", "--max-model-len", str(MAX_LEN), "--logprobs-mode", "processed_logprobs",
-           "--no-enable-chunked-prefill"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        tiny_base["path"],
+        "--served-model-name",
+        "tiny",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        str(MAX_LEN),
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--no-enable-chunked-prefill",
+    ]
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
     with open(log, "w") as sink:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -337,29 +404,49 @@ def test_server_engine_with_the_checkpoint_reload_sync_matches_the_trainer(rollo
 
 
 @ROLLOUT_SERVER
-def test_train_through_a_vllm_server_syncs_the_final_weights(rollout_server, tmp_path, tiny_base, tiny_data, prompts):
+def test_train_through_a_vllm_server_syncs_the_final_weights(
+    rollout_server, tmp_path, tiny_base, tiny_data, prompts
+):
     from trainer.model_loading import load_model
     from trainer.rollout.vllm_server import VLLMServerEngine
 
-    proc = grpoflow("train", *small_run(tmp_path, tiny_base, tiny_data, f"rollout.server_url={rollout_server}",
-                                        f"rollout.weights_dir={tmp_path / 'shared-weights'}", "train.max_steps=3",
-                                        "train.learning_rate=1e-3"))
+    proc = grpoflow(
+        "train",
+        *small_run(
+            tmp_path,
+            tiny_base,
+            tiny_data,
+            f"rollout.server_url={rollout_server}",
+            f"rollout.weights_dir={tmp_path / 'shared-weights'}",
+            "train.max_steps=3",
+            "train.learning_rate=1e-3",
+        ),
+    )
     out, err = proc.communicate(timeout=900)
     assert proc.returncode == 0, err[-4000:]
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["steps"] == 3 and [p.name for p in (tmp_path / "shared-weights").iterdir()] == ["v3"]
     # the held-out evaluation after training ran on the server: it holds the final checkpoint's weights
     final, tokenizer = load_model(summary["checkpoint"], ModelConfig(dtype="float32"), "cpu")
-    server = VLLMServerEngine(rollout_server, timeout_s=120, weight_sync="reload",
-                              weights_dir=tmp_path / "shared-weights")
+    server = VLLMServerEngine(
+        rollout_server, timeout_s=120, weight_sync="reload", weights_dir=tmp_path / "shared-weights"
+    )
     groups = server.generate(prompts, 2, SamplingParams(max_tokens=16, temperature=1.0, seed=4))
     assert logp_gap(final.eval(), tokenizer, prompts, groups, 1.0) < 1e-4
 
 
 @contextmanager
 def serve_model_vllm(checkpoint: str):
-    proc = grpoflow("serve-model", checkpoint, "--engine", "vllm", "--max-batch-size", "4", "--json",
-                    start_new_session=True)
+    proc = grpoflow(
+        "serve-model",
+        checkpoint,
+        "--engine",
+        "vllm",
+        "--max-batch-size",
+        "4",
+        "--json",
+        start_new_session=True,
+    )
     try:
         line = proc.stdout.readline()  # the ready line; vLLM's own log goes to stderr
         assert line.strip(), f"serve-model exited before it was ready:\n{proc.stderr.read()[-4000:]}"
@@ -377,8 +464,12 @@ def test_serve_model_with_vllm_answers_openai_requests_and_stops_cleanly(tiny_ba
         assert ready["engine"] == "vllm" and ready["model"] == "tiny-base"
         client = OpenAI(base_url=ready["url"], api_key="EMPTY", max_retries=0, timeout=120)
         assert [m.id for m in client.models.list().data] == ["tiny-base"]
-        reply = client.chat.completions.create(model="tiny-base", max_tokens=16, temperature=0,
-                                               messages=[{"role": "user", "content": "What is 12 + 7?"}])
+        reply = client.chat.completions.create(
+            model="tiny-base",
+            max_tokens=16,
+            temperature=0,
+            messages=[{"role": "user", "content": "What is 12 + 7?"}],
+        )
         assert reply.choices[0].message.content and reply.usage.completion_tokens <= 16
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
@@ -387,10 +478,24 @@ def test_serve_model_with_vllm_answers_openai_requests_and_stops_cleanly(tiny_ba
 
 
 def test_eval_serve_scores_through_a_vllm_server(tiny_base, tmp_path):
-    proc = grpoflow("eval", tiny_base["path"], "eval.limit=1", "eval.max_tokens=16", "eval.benchmarks=[aime24]",
-                    f"eval.local_paths={{aime24: {shared('aime24')}}}", f"eval.out={tmp_path / 'eval'}",
-                    f"data.out={tmp_path / 'no-prepared-data'}", "--serve", "--serve-engine", "vllm",
-                    "--concurrency", "4", "--state-dir", str(tmp_path / "state"), "--json")
+    proc = grpoflow(
+        "eval",
+        tiny_base["path"],
+        "eval.limit=1",
+        "eval.max_tokens=16",
+        "eval.benchmarks=[aime24]",
+        f"eval.local_paths={{aime24: {shared('aime24')}}}",
+        f"eval.out={tmp_path / 'eval'}",
+        f"data.out={tmp_path / 'no-prepared-data'}",
+        "--serve",
+        "--serve-engine",
+        "vllm",
+        "--concurrency",
+        "4",
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--json",
+    )
     out, err = proc.communicate(timeout=1500)
     assert proc.returncode == 0, err[-4000:]
     result = json.loads(out.strip().splitlines()[-1])

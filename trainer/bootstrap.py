@@ -68,10 +68,16 @@ def build_model(cfg: BootstrapConfig, tokenizer):
 
     torch.manual_seed(cfg.seed)
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_heads, max_position_embeddings=1024, tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_heads,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
     )
     return Qwen2ForCausalLM(config)
@@ -79,12 +85,22 @@ def build_model(cfg: BootstrapConfig, tokenizer):
 
 def _rows(task: str, n: int, seed: int, pool: str, system_prompt: str) -> list[dict]:
     raw = synthetic.generate(n, seed, task, pool=pool)
-    return [make_row(f"boot-{pool}-{i}", r["question"], r["answer"], "synthetic", system_prompt,
-                     **{k: v for k, v in r.items() if k in ("nums", "target")}) for i, r in enumerate(raw)]
+    return [
+        make_row(
+            f"boot-{pool}-{i}",
+            r["question"],
+            r["answer"],
+            "synthetic",
+            system_prompt,
+            **{k: v for k, v in r.items() if k in ("nums", "target")},
+        )
+        for i, r in enumerate(raw)
+    ]
 
 
-def resolve_base_model(model: ModelConfig, cfg: BootstrapConfig, system_prompt: str | None = None,
-                       progress: bool | None = None) -> dict:
+def resolve_base_model(
+    model: ModelConfig, cfg: BootstrapConfig, system_prompt: str | None = None, progress: bool | None = None
+) -> dict:
     """The base model of a recipe: {"path", "heldout_accuracy", "bootstrapped", ...}. A hub id or path is
     taken as given (nothing known of its accuracy); 'bootstrap' is `bootstrap(cfg)`, made on first use and
     cached by its config hash, with `system_prompt` the data's (a preset name or text)."""
@@ -93,8 +109,12 @@ def resolve_base_model(model: ModelConfig, cfg: BootstrapConfig, system_prompt: 
     return {**bootstrap(cfg, system_prompt=system_prompt, progress=progress), "bootstrapped": True}
 
 
-def bootstrap(cfg: BootstrapConfig, out: str | Path | None = None, system_prompt: str | None = None,
-              progress: bool | None = None) -> dict:
+def bootstrap(
+    cfg: BootstrapConfig,
+    out: str | Path | None = None,
+    system_prompt: str | None = None,
+    progress: bool | None = None,
+) -> dict:
     """Make (or return the cached) tiny base model; returns a summary with `heldout_accuracy` and `path`.
 
     `system_prompt` (a preset name or text, as `data.system_prompt`) should match the data GRPO will use.
@@ -131,7 +151,9 @@ def _cached(out: Path, digest: str) -> dict | None:
 def _make(cfg: BootstrapConfig, out: Path, system_prompt: str, digest: str, progress: bool | None) -> dict:
     started = time.time()
     torch.manual_seed(cfg.seed)
-    if cfg.task == "counting":  # the vision demo: a tiny Qwen2-VL-architecture model on synthetic counting images
+    if (
+        cfg.task == "counting"
+    ):  # the vision demo: a tiny Qwen2-VL-architecture model on synthetic counting images
         from trainer import tiny_vl as kit
     else:
         kit = TextKit
@@ -142,12 +164,19 @@ def _make(cfg: BootstrapConfig, out: Path, system_prompt: str, digest: str, prog
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
     warmup = max(1, cfg.max_steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        optim, lambda s: min(1.0, (s + 1) / warmup) * max(0.0, 1 - s / cfg.max_steps))
+        optim, lambda s: min(1.0, (s + 1) / warmup) * max(0.0, 1 - s / cfg.max_steps)
+    )
     batches = kit.sft_batches(model, tokenizer, train_rows, cfg.batch_size, cfg.seed)
     lo, hi = cfg.target_accuracy
     history, accuracy, step = [], 0.0, 0
-    evaluate = lambda: evaluate_greedy(engine, tokenizer, heldout_rows, accuracy_reward, format_reward,  # noqa: E731
-                                       max_tokens=24)
+    evaluate = lambda: evaluate_greedy(
+        engine,
+        tokenizer,
+        heldout_rows,
+        accuracy_reward,
+        format_reward,  # noqa: E731
+        max_tokens=24,
+    )
     with Progress(total=cfg.max_steps, description="warm-up", enabled=progress) as bar:
         for step in range(1, cfg.max_steps + 1):
             model.train()
@@ -163,16 +192,24 @@ def _make(cfg: BootstrapConfig, out: Path, system_prompt: str, digest: str, prog
                 result = evaluate()
                 accuracy = result["accuracy"]
                 history.append({"step": step, "loss": round(loss.item(), 4), **result})
-                log.info("warm-up step %d: loss %.3f, held-out accuracy %.3f, format %.3f (%.0fs)", step,
-                         loss.item(), accuracy, result["format_rate"], time.time() - started)
+                log.info(
+                    "warm-up step %d: loss %.3f, held-out accuracy %.3f, format %.3f (%.0fs)",
+                    step,
+                    loss.item(),
+                    accuracy,
+                    result["format_rate"],
+                    time.time() - started,
+                )
                 if lo <= accuracy <= hi or accuracy > hi:
                     break
     final = history[-1] if history and history[-1]["step"] == step else {"step": step, **evaluate()}
     accuracy = final["accuracy"]
     if not lo <= accuracy <= hi:
-        raise RuntimeError(f"bootstrap: warm-up ended at step {step} with held-out accuracy {accuracy:.3f}, "
-                           f"outside target_accuracy [{lo}, {hi}]; adjust bootstrap.eval_every, "
-                           "bootstrap.learning_rate or bootstrap.max_steps")
+        raise RuntimeError(
+            f"bootstrap: warm-up ended at step {step} with held-out accuracy {accuracy:.3f}, "
+            f"outside target_accuracy [{lo}, {hi}]; adjust bootstrap.eval_every, "
+            "bootstrap.learning_rate or bootstrap.max_steps"
+        )
     with atomic_dir(out, kind=KIND) as tmp:
         model.generation_config.eos_token_id = tokenizer.eos_token_id
         model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -181,12 +218,19 @@ def _make(cfg: BootstrapConfig, out: Path, system_prompt: str, digest: str, prog
         save_tokenizer(tokenizer, tmp)  # with the image processor of a vision model
         files = file_hashes(tmp)
         manifest = {
-            "kind": KIND, "config_hash": digest, "config": dataclasses.asdict(cfg),
-            "heldout_accuracy": accuracy, "heldout_format_rate": final["format_rate"],
-            "heldout_rows": len(heldout_rows), "warmup_steps": step, "history": history,
+            "kind": KIND,
+            "config_hash": digest,
+            "config": dataclasses.asdict(cfg),
+            "heldout_accuracy": accuracy,
+            "heldout_format_rate": final["format_rate"],
+            "heldout_rows": len(heldout_rows),
+            "warmup_steps": step,
+            "history": history,
             "parameters": sum(p.numel() for p in model.parameters()),
-            "seconds": round(time.time() - started, 1), "code_version": code_version(),
-            "sha256": combined_sha256(files), "files": files,
+            "seconds": round(time.time() - started, 1),
+            "code_version": code_version(),
+            "sha256": combined_sha256(files),
+            "files": files,
         }
         write_json_atomic(Path(tmp) / MANIFEST, manifest)
     return {**_summary(manifest, out), "cached": False}
@@ -214,8 +258,12 @@ def _corpus(rows: list[dict], system_prompt: str) -> list[str]:
 
 
 def _summary(manifest: dict, out: Path) -> dict:
-    return {"path": str(out), "heldout_accuracy": manifest["heldout_accuracy"],
-            "heldout_format_rate": manifest.get("heldout_format_rate"), "warmup_steps": manifest["warmup_steps"],
-            "parameters": manifest["parameters"], "seconds": manifest["seconds"],
-            "manifest": str(out / MANIFEST)}
-
+    return {
+        "path": str(out),
+        "heldout_accuracy": manifest["heldout_accuracy"],
+        "heldout_format_rate": manifest.get("heldout_format_rate"),
+        "warmup_steps": manifest["warmup_steps"],
+        "parameters": manifest["parameters"],
+        "seconds": manifest["seconds"],
+        "manifest": str(out / MANIFEST),
+    }

@@ -64,15 +64,26 @@ from trainer.vision import save_tokenizer
 
 LATEST = "latest"
 KIND = "checkpoint"
-ZERO_DIR = "zero"  # DeepSpeed's optimizer state (one shard per trainer rank) inside a checkpoint trained under ZeRO
+ZERO_DIR = (
+    "zero"  # DeepSpeed's optimizer state (one shard per trainer rank) inside a checkpoint trained under ZeRO
+)
 TRAINER_STATE = "trainer_state.pt"
 # What resumes training and serves nothing: left out of `serving_copy` (for a 7B policy with fp32 Adam moments,
 # about twice the model's own size)
 TRAINING_STATE = (TRAINER_STATE, ZERO_DIR)
 # The recipe sections that decide what a checkpoint holds (the pipeline's run-directory fingerprint).
 TRAINING_SECTIONS = ("model", "bootstrap", "data", "train", "rollout", "rewards")
-RESUMABLE_CHANGES = frozenset({"train.max_steps", "train.save_steps", "train.save_total_limit", "train.callbacks",
-                               "train.output_dir", "rollout.sync_timeout_s", "rollout.gpu_memory_utilization"})
+RESUMABLE_CHANGES = frozenset(
+    {
+        "train.max_steps",
+        "train.save_steps",
+        "train.save_total_limit",
+        "train.callbacks",
+        "train.output_dir",
+        "rollout.sync_timeout_s",
+        "rollout.gpu_memory_utilization",
+    }
+)
 _UNSET = object()
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 # What a writer killed mid-checkpoint leaves (`data.manifest.atomic_dir`, `_point_latest`, DeepSpeed's staging)
@@ -119,8 +130,16 @@ def remove_leftovers(output_dir: Path) -> list[Path]:
     return removed
 
 
-def save_checkpoint(output_dir: Path, step: int, model, tokenizer, trainer_state: dict, manifest: dict,
-                    keep: int, extra: Path | None = None) -> Path:
+def save_checkpoint(
+    output_dir: Path,
+    step: int,
+    model,
+    tokenizer,
+    trainer_state: dict,
+    manifest: dict,
+    keep: int,
+    extra: Path | None = None,
+) -> Path:
     """Write checkpoint `step` whole or not at all; `extra`, a directory of more state (DeepSpeed's optimizer
     shards), is moved into it as `zero/` and covered by its manifest like every other file."""
     output_dir = Path(output_dir)
@@ -133,8 +152,17 @@ def save_checkpoint(output_dir: Path, step: int, model, tokenizer, trainer_state
             os.replace(extra, tmp / ZERO_DIR)
         torch.save({**trainer_state, "rng": rng_state()}, tmp / TRAINER_STATE)
         files = file_hashes(tmp)
-        write_json_atomic(tmp / MANIFEST, {**manifest, "kind": KIND, "step": step, "code_version": code_version(),
-                                           "sha256": combined_sha256(files), "files": files})
+        write_json_atomic(
+            tmp / MANIFEST,
+            {
+                **manifest,
+                "kind": KIND,
+                "step": step,
+                "code_version": code_version(),
+                "sha256": combined_sha256(files),
+                "files": files,
+            },
+        )
     _point_latest(output_dir, final.name)
     _prune(output_dir, keep, final)
     return final
@@ -153,8 +181,11 @@ def resume_checkpoint(output_dir: Path, repair: bool = True) -> Path | None:
     named = pointer.read_text().strip() if pointer.is_file() else None
     found = _checkpoints(output_dir)
     if named is not None and named not in {p.name for _, p in found}:
-        log.warning("%s names %s, which is missing; looking for the newest intact checkpoint instead",
-                    pointer, output_dir / named)
+        log.warning(
+            "%s names %s, which is missing; looking for the newest intact checkpoint instead",
+            pointer,
+            output_dir / named,
+        )
     bad = []
     for _, path in reversed(found):
         problem = checkpoint_problem(path)
@@ -164,8 +195,12 @@ def resume_checkpoint(output_dir: Path, repair: bool = True) -> Path | None:
             return path
         bad.append(path)
         if repair:
-            log.warning("checkpoint %s is corrupt and will not be trained on (%s); moved to %s", path, problem,
-                        _set_aside(path).name)
+            log.warning(
+                "checkpoint %s is corrupt and will not be trained on (%s); moved to %s",
+                path,
+                problem,
+                _set_aside(path).name,
+            )
     if (bad or named is not None) and repair:
         pointer.unlink(missing_ok=True)
         log.warning("no intact checkpoint left in %s: starting fresh from the base model", output_dir)
@@ -185,7 +220,10 @@ def checkpoint_problem(path: Path) -> str | None:
 
 def config_changes(saved: dict, current: dict) -> list[str]:
     """`key: old -> new` for each training setting that differs and may not change on resume."""
-    flat_saved, flat_now = _flatten(_json(saved), TRAINING_SECTIONS), _flatten(_json(current), TRAINING_SECTIONS)
+    flat_saved, flat_now = (
+        _flatten(_json(saved), TRAINING_SECTIONS),
+        _flatten(_json(current), TRAINING_SECTIONS),
+    )
     allowed = set(RESUMABLE_CHANGES)
     if flat_now.get("train.lr_scheduler_type") != "constant":
         allowed.discard("train.max_steps")  # a decaying schedule is defined by max_steps
@@ -193,9 +231,11 @@ def config_changes(saved: dict, current: dict) -> list[str]:
     def show(flat: dict, key: str) -> str:
         return repr(flat[key]) if key in flat else "(unset)"
 
-    return [f"{key}: {show(flat_saved, key)} -> {show(flat_now, key)}"
-            for key in sorted(set(flat_saved) | set(flat_now))
-            if key not in allowed and flat_saved.get(key, _UNSET) != flat_now.get(key, _UNSET)]
+    return [
+        f"{key}: {show(flat_saved, key)} -> {show(flat_now, key)}"
+        for key in sorted(set(flat_saved) | set(flat_now))
+        if key not in allowed and flat_saved.get(key, _UNSET) != flat_now.get(key, _UNSET)
+    ]
 
 
 def check_resumable(checkpoint: Path, recipe: Recipe, data_dir: Path, data_sha256: str | None) -> None:
@@ -205,17 +245,23 @@ def check_resumable(checkpoint: Path, recipe: Recipe, data_dir: Path, data_sha25
     saved = manifest.get("recipe")
     changes = config_changes(saved, recipe.to_dict()) if isinstance(saved, dict) else []
     if changes:
-        raise ConfigError(f"{where}, trained with a different configuration: {'; '.join(changes)}. Resuming "
-                          "would half-apply it: use a new train.output_dir, or the recipe it was trained with "
-                          f"(only {', '.join(sorted(RESUMABLE_CHANGES))} may change on resume)")
+        raise ConfigError(
+            f"{where}, trained with a different configuration: {'; '.join(changes)}. Resuming "
+            "would half-apply it: use a new train.output_dir, or the recipe it was trained with "
+            f"(only {', '.join(sorted(RESUMABLE_CHANGES))} may change on resume)"
+        )
     recorded = manifest.get("data_sha256")
     if recorded and recorded != data_sha256:
-        raise ConfigError(f"{where}, trained on other data: {data_dir / 'manifest.json'} has sha256 "
-                          f"{data_sha256}, the checkpoint recorded {recorded}. Use a new train.output_dir, "
-                          "or restore the data it was trained on")
+        raise ConfigError(
+            f"{where}, trained on other data: {data_dir / 'manifest.json'} has sha256 "
+            f"{data_sha256}, the checkpoint recorded {recorded}. Use a new train.output_dir, "
+            "or restore the data it was trained on"
+        )
     if manifest.get("step", 0) > recipe.train.max_steps:
-        raise ConfigError(f"{where}, past train.max_steps={recipe.train.max_steps}; use train.max_steps >= "
-                          f"{manifest['step']} or a new train.output_dir")
+        raise ConfigError(
+            f"{where}, past train.max_steps={recipe.train.max_steps}; use train.max_steps >= "
+            f"{manifest['step']} or a new train.output_dir"
+        )
 
 
 def load_trainer_state(checkpoint: Path) -> dict:
@@ -287,7 +333,12 @@ def serving_copy(checkpoint: str | os.PathLike, dest: str | os.PathLike) -> dict
             os.link(checkpoint / name, target)
         except OSError:  # another filesystem, or one without hard links
             shutil.copy2(checkpoint / name, target)
-    served = {**manifest, "files": kept, "sha256": combined_sha256(kept), "checkpoint_sha256": manifest["sha256"],
-              "left_out": sorted(set(manifest["files"]) - set(kept))}
+    served = {
+        **manifest,
+        "files": kept,
+        "sha256": combined_sha256(kept),
+        "checkpoint_sha256": manifest["sha256"],
+        "left_out": sorted(set(manifest["files"]) - set(kept)),
+    }
     write_json_atomic(dest / MANIFEST, served)
     return served

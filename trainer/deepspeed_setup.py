@@ -40,8 +40,13 @@ from trainer.typed_config import ConfigError
 log = logging.getLogger("grpoflow.train")
 
 
-def zero_config(stage: int = 2, micro_batch_size: int = 1, grad_accum: int = 1, max_grad_norm: float = 1.0,
-                bf16: bool = True) -> dict:
+def zero_config(
+    stage: int = 2,
+    micro_batch_size: int = 1,
+    grad_accum: int = 1,
+    max_grad_norm: float = 1.0,
+    bf16: bool = True,
+) -> dict:
     """A DeepSpeed config dict for ZeRO `stage` (1, 2 or 3): bf16 compute with fp32 master weights when `bf16`."""
     if stage not in (1, 2, 3):
         raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
@@ -52,7 +57,7 @@ def zero_config(stage: int = 2, micro_batch_size: int = 1, grad_accum: int = 1, 
         "bf16": {"enabled": bf16},
         "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True},
         "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10 ** 9,
+        "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
 
@@ -63,36 +68,51 @@ def recipe_config(spec: str, *, micro_batch_size: int, max_grad_norm: float, bf1
         return zero_config(int(spec[-1]), micro_batch_size, 1, max_grad_norm, bf16)
     path = Path(spec)
     if not path.is_file():
-        raise MissingPathError(f"train.deepspeed: {path} is not a file (expected zero1, zero2, zero3 or a DeepSpeed "
-                               "ds_config.json)")
+        raise MissingPathError(
+            f"train.deepspeed: {path} is not a file (expected zero1, zero2, zero3 or a DeepSpeed "
+            "ds_config.json)"
+        )
     try:
         config = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"train.deepspeed: {path} is not readable JSON: {e}") from e
     if not isinstance(config, dict) or not isinstance(config.get("zero_optimization", {}), dict):
-        raise ConfigError(f"train.deepspeed: {path} must hold a JSON object with a 'zero_optimization' object")
-    ours = {"train_micro_batch_size_per_gpu": micro_batch_size, "gradient_accumulation_steps": 1,
-            "gradient_clipping": max_grad_norm if max_grad_norm > 0 else 0.0}
+        raise ConfigError(
+            f"train.deepspeed: {path} must hold a JSON object with a 'zero_optimization' object"
+        )
+    ours = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": max_grad_norm if max_grad_norm > 0 else 0.0,
+    }
     for key, value in ours.items():
         if config.get(key, "auto") not in ("auto", value):
-            log.warning("train.deepspeed: %s sets %s = %r; the recipe's %r is used", path, key, config[key], value)
+            log.warning(
+                "train.deepspeed: %s sets %s = %r; the recipe's %r is used", path, key, config[key], value
+            )
     config.pop("train_batch_size", None)  # derived from the two above and the world size
     for key in ("optimizer", "scheduler"):
         if key in config:
-            log.warning("train.deepspeed: %s has an %r section; the recipe's AdamW and schedule are used", path, key)
+            log.warning(
+                "train.deepspeed: %s has an %r section; the recipe's AdamW and schedule are used", path, key
+            )
             del config[key]
     config.update(ours)
     config["bf16"] = {**config.get("bf16", {}), "enabled": bf16}
     config.setdefault("zero_allow_untested_optimizer", True)
-    config.setdefault("steps_per_print", 10 ** 9)
+    config.setdefault("steps_per_print", 10**9)
     return config
 
 
 def trainer_config(recipe: Recipe) -> dict:
     """The DeepSpeed config of a recipe with `train.deepspeed` set (its ZeRO stage checked against the rollout)."""
     cfg = recipe.train
-    config = recipe_config(cfg.deepspeed, micro_batch_size=cfg.micro_batch_size, max_grad_norm=cfg.max_grad_norm,
-                           bf16=recipe.model.dtype == "bfloat16")
+    config = recipe_config(
+        cfg.deepspeed,
+        micro_batch_size=cfg.micro_batch_size,
+        max_grad_norm=cfg.max_grad_norm,
+        bf16=recipe.model.dtype == "bfloat16",
+    )
     check_stage(int(config.get("zero_optimization", {}).get("stage", 0)), recipe)  # a JSON config's own stage
     return config
 
@@ -102,13 +122,19 @@ def check_stage(stage: int, recipe: Recipe) -> None:
     rank 0 with the other ranks gathering alongside (tested with 2 gloo ranks); a rollout server's sync has the
     same shape but has not run under ZeRO-3 anywhere yet (the vLLM venv has no DeepSpeed), so it is refused."""
     if stage == 3 and recipe.rollout.server_url:
-        raise ConfigError("train.deepspeed: ZeRO stage 3 with rollout.server_url is not supported yet: the server's "
-                          "weight sync under ZeRO-3 has never run. Use zero2 (weights whole on every rank), or "
-                          "rollout.async / synchronous in-process rollout with zero3.")
+        raise ConfigError(
+            "train.deepspeed: ZeRO stage 3 with rollout.server_url is not supported yet: the server's "
+            "weight sync under ZeRO-3 has never run. Use zero2 (weights whole on every rank), or "
+            "rollout.async / synchronous in-process rollout with zero3."
+        )
 
 
-def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: dict,
-               lr_lambda: Callable[[int], float] | None = None):
+def initialize(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: dict,
+    lr_lambda: Callable[[int], float] | None = None,
+):
     """The DeepSpeed engine for `model` (its optimizer steps the LambdaLR `lr_lambda` at every update);
     a single process without torchrun gets a world of one."""
     if not torch.cuda.is_available():
@@ -122,8 +148,12 @@ def initialize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config:
         os.environ["MASTER_PORT"] = str(free_port())
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     scheduler = None if lr_lambda is None else (lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda))
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
-    offload = getattr(engine.optimizer, "parameter_offload", None)  # ZeRO-3 only: the owner of the module hooks
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
+    )
+    offload = getattr(
+        engine.optimizer, "parameter_offload", None
+    )  # ZeRO-3 only: the owner of the module hooks
     if offload is not None:
         _ZERO3_HOOKS[model] = offload
     return engine
@@ -160,10 +190,17 @@ def load_state(engine, checkpoint: Path) -> None:
 
     state = Path(checkpoint) / ZERO_DIR
     if not (state / STATE_TAG).is_dir():
-        raise MissingPathError(f"{checkpoint} has no DeepSpeed state ({state / STATE_TAG} is missing): it was not "
-                               "written by a run with train.deepspeed, or was cut short")
-    loaded, _ = engine.load_checkpoint(str(state), tag=STATE_TAG, load_module_strict=False,
-                                       load_optimizer_states=True, load_lr_scheduler_states=True)
+        raise MissingPathError(
+            f"{checkpoint} has no DeepSpeed state ({state / STATE_TAG} is missing): it was not "
+            "written by a run with train.deepspeed, or was cut short"
+        )
+    loaded, _ = engine.load_checkpoint(
+        str(state),
+        tag=STATE_TAG,
+        load_module_strict=False,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+    )
     if loaded is None:
         raise MissingPathError(f"DeepSpeed could not load its state from {state}")
 
@@ -218,7 +255,9 @@ def whole_parameters(model: torch.nn.Module):
             offload._register_deepspeed_module(offload.module)
 
 
-def gathered(named: Iterable[tuple[str, torch.Tensor]], budget_mb: int = 512) -> Iterator[tuple[str, torch.Tensor]]:
+def gathered(
+    named: Iterable[tuple[str, torch.Tensor]], budget_mb: int = 512
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, whole tensor) for each pair, in order. ZeRO-3 shards are gathered a group at a time (at most
     `budget_mb` of whole parameters at once, and at least one) and copied out, so a weight sync of a model
     larger than one device holds one group, not the model. Collective under ZeRO-3: every trainer rank
@@ -253,5 +292,15 @@ def _gather_group(group: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, 
     yield from copies
 
 
-__all__ = ["check_stage", "gathered", "initialize", "is_sharded", "load_state", "recipe_config", "save",
-           "trainer_config", "whole_parameters", "zero_config"]
+__all__ = [
+    "check_stage",
+    "gathered",
+    "initialize",
+    "is_sharded",
+    "load_state",
+    "recipe_config",
+    "save",
+    "trainer_config",
+    "whole_parameters",
+    "zero_config",
+]

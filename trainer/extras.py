@@ -34,5 +34,7 @@ def import_extra(module: str, what: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError as e:
         hint = INSTALL_HINTS.get(module, f"pip install {module}")
-        raise MissingExtraError(f"{what} needs the {module!r} package, which is not installed here ({e}). "
-                                f"Install its extra: {hint}.{CPU_NOTES.get(module, '')}") from e
+        raise MissingExtraError(
+            f"{what} needs the {module!r} package, which is not installed here ({e}). "
+            f"Install its extra: {hint}.{CPU_NOTES.get(module, '')}"
+        ) from e

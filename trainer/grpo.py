@@ -80,8 +80,14 @@ log = logging.getLogger("grpoflow.train")
 
 
 class GRPOTrainer:
-    def __init__(self, recipe: Recipe, model_path: str, data_dir: str | Path,
-                 callbacks: list[TrainerCallback] = (), progress: bool | None = None):
+    def __init__(
+        self,
+        recipe: Recipe,
+        model_path: str,
+        data_dir: str | Path,
+        callbacks: list[TrainerCallback] = (),
+        progress: bool | None = None,
+    ):
         check_supported(recipe)
         self.recipe, self.cfg = recipe, recipe.train
         self.model_path, self.data_dir = model_path, Path(data_dir)
@@ -107,26 +113,45 @@ class GRPOTrainer:
             state = load_trainer_state(self.checkpoint)
             self.start_step = state["step"]
             log.info("resuming from %s (step %d)", self.checkpoint, self.start_step)
-        device = trainer_device(self.recipe.rollout)  # this rank's GPU in the plan (trainer.placement), or cpu
+        device = trainer_device(
+            self.recipe.rollout
+        )  # this rank's GPU in the plan (trainer.placement), or cpu
         # a resumed checkpoint was verified just now; the base model is verified when it is loaded
-        self.model, self.tokenizer = load_model(str(self.checkpoint or self.model_path), self.recipe.model, device,
-                                                 verify=self.checkpoint is None)
+        self.model, self.tokenizer = load_model(
+            str(self.checkpoint or self.model_path), self.recipe.model, device, verify=self.checkpoint is None
+        )
         self.model.train()
         self.ref_model = None
         if cfg.beta > 0:  # the reference is the starting policy, never the resumed one
-            self.ref_model, _ = load_model(self.model_path, self.recipe.model, device, verify=self.checkpoint is not None)
+            self.ref_model, _ = load_model(
+                self.model_path, self.recipe.model, device, verify=self.checkpoint is not None
+            )
             self.ref_model.eval().requires_grad_(False)
         # synchronous rollout and held-out evaluation; it holds the current policy whenever it is used
-        engine = make_engine(self.recipe.rollout, str(self.checkpoint or self.model_path), model=self.model,
-                             tokenizer=self.tokenizer, model_cfg=self.recipe.model, seed=cfg.seed,
-                             max_model_len=cfg.max_prompt_length + cfg.max_completion_length)
+        engine = make_engine(
+            self.recipe.rollout,
+            str(self.checkpoint or self.model_path),
+            model=self.model,
+            tokenizer=self.tokenizer,
+            model_cfg=self.recipe.model,
+            seed=cfg.seed,
+            max_model_len=cfg.max_prompt_length + cfg.max_completion_length,
+        )
         self.local_engine = LocalEngine(engine, self.recipe.rollout, version=self.start_step)
         self.callbacks += [load_plugin(spec, what="training callback")() for spec in cfg.callbacks]
-        self.rewards = RewardRunner([(s.name.rsplit(":", 1)[-1], resolve_reward(s.name, s.args), s.weight)
-                                     for s in self.recipe.rewards], timeout_s=cfg.reward_timeout_s)
+        self.rewards = RewardRunner(
+            [
+                (s.name.rsplit(":", 1)[-1], resolve_reward(s.name, s.args), s.weight)
+                for s in self.recipe.rewards
+            ],
+            timeout_s=cfg.reward_timeout_s,
+        )
         # `model` stays the plain module (engines, checkpoints); the strategy holds what the loss runs through
-        self.strategy.wrap(self.model, functools.partial(torch.optim.AdamW, lr=cfg.learning_rate,
-                                                         weight_decay=cfg.weight_decay), self._lr_factor)
+        self.strategy.wrap(
+            self.model,
+            functools.partial(torch.optim.AdamW, lr=cfg.learning_rate, weight_decay=cfg.weight_decay),
+            self._lr_factor,
+        )
         self.metrics = MetricsFile(self.output_dir / "metrics.jsonl")
         self.heldout_before = None
         if state is not None:
@@ -167,46 +192,79 @@ class GRPOTrainer:
             if self.rank == 0:
                 log.info("held-out before training: %s", _fmt(self.heldout_before))
         step_times, last = [], self.checkpoint
-        with self.rollout_source() as rollouts, \
-                Progress(cfg.max_steps, "GRPO", self.progress, completed=self.start_step) as bar:
-            rollouts.start(self.start_step)  # async: the workers start on the first batch before it is asked for
+        with (
+            self.rollout_source() as rollouts,
+            Progress(cfg.max_steps, "GRPO", self.progress, completed=self.start_step) as bar,
+        ):
+            rollouts.start(
+                self.start_step
+            )  # async: the workers start on the first batch before it is asked for
             for step in range(self.start_step, cfg.max_steps):
                 started = time.perf_counter()
                 # sync: generated now by the current policy; async: generated by the workers while the last step
                 # trained, so one version behind (the loss corrects for that with importance weights)
                 batch, metrics = rollouts.next(step)
                 metrics.update(self.optimize(batch))  # mu passes over the batch, one optimizer update each
-                rollouts.after_update(step, metrics)  # async without overlap: the next batch may only start now
-                metrics["timing/step_s"] = time.perf_counter() - started  # weight sync included: it holds the step up
+                rollouts.after_update(
+                    step, metrics
+                )  # async without overlap: the next batch may only start now
+                metrics["timing/step_s"] = (
+                    time.perf_counter() - started
+                )  # weight sync included: it holds the step up
                 metrics.update(rollouts.idle_metrics(metrics))  # async: how long trainer and workers waited
                 metrics["tokens_per_s"] = batch.num_tokens() / metrics["timing/step_s"]
                 step_times.append(metrics["timing/step_s"])
                 if self.rank == 0:  # under DDP / ZeRO every rank trains on its share; rank 0 alone logs
                     self.metrics.append(step + 1, metrics)
                     self._notify("on_step", step + 1, metrics)
-                    bar.update(1, reward=f"{metrics['reward']:.3f}", s_per_step=f"{metrics['timing/step_s']:.2f}")
+                    bar.update(
+                        1, reward=f"{metrics['reward']:.3f}", s_per_step=f"{metrics['timing/step_s']:.2f}"
+                    )
                 if (step + 1) % cfg.save_steps == 0 or step + 1 == cfg.max_steps:
                     last = self.save(step + 1) or last  # every rank takes part; rank 0 writes the checkpoint
         heldout_after = self._heldout_on_rank0()
         if self.rank != 0:
             return None
         log.info("held-out after training: %s", _fmt(heldout_after))
-        result = TrainResult(cfg.max_steps, self.heldout_before, heldout_after, str(last),
-                             str(self.metrics.path), statistics.fmean(step_times) if step_times else 0.0,
-                             self.start_step)
+        result = TrainResult(
+            cfg.max_steps,
+            self.heldout_before,
+            heldout_after,
+            str(last),
+            str(self.metrics.path),
+            statistics.fmean(step_times) if step_times else 0.0,
+            self.start_step,
+        )
         self._notify("on_train_end", result.summary())
         return result
 
     def rollout_source(self) -> RolloutSource:
         """Where this run's batches come from: generated here when asked for, or by rollout workers meanwhile."""
-        prompts = functools.partial(step_prompts, rows=self.train_rows, tokenizer=self.tokenizer, cfg=self.cfg)
+        prompts = functools.partial(
+            step_prompts, rows=self.train_rows, tokenizer=self.tokenizer, cfg=self.cfg
+        )
         score = functools.partial(score_groups, self.rewards, self.cfg)
         if not self.recipe.rollout.async_:
-            return SyncRollout(self.local_engine, self.cfg, prompts=prompts, score=score, policy=self.current_policy,
-                               rank=self.rank, world=self.world)
-        return AsyncRollout(self.recipe.rollout, self.cfg, str(self.checkpoint or self.model_path),
-                            self.recipe.model, prompts=prompts, score=score, policy=self.current_policy,
-                            rank=self.rank, world=self.world)
+            return SyncRollout(
+                self.local_engine,
+                self.cfg,
+                prompts=prompts,
+                score=score,
+                policy=self.current_policy,
+                rank=self.rank,
+                world=self.world,
+            )
+        return AsyncRollout(
+            self.recipe.rollout,
+            self.cfg,
+            str(self.checkpoint or self.model_path),
+            self.recipe.model,
+            prompts=prompts,
+            score=score,
+            policy=self.current_policy,
+            rank=self.rank,
+            world=self.world,
+        )
 
     def current_policy(self) -> tuple[torch.nn.Module, int]:
         """The plain policy module and its version (the number of batches trained on so far)."""
@@ -219,10 +277,17 @@ class GRPOTrainer:
         micro = self.strategy.shard(len(batch)).split(cfg.micro_batch_size)
         device = self.model.device
         micro_batches = [batch.micro_batch(idx, self.tokenizer.pad_token_id).to(device) for idx in micro]
-        active = sum(len(c.token_ids) * float(m) for c, m in zip(batch.completions, batch.loss_mask, strict=True))
-        sequences = max(1, len(batch) - batch.sampled_out)  # dynamic sampling's drops leave; masked truncations stay (TRL)
-        totals = {"total_sequences": sequences, "max_completion_length": cfg.max_completion_length,
-                  "total_tokens": max(1, int(active))}
+        active = sum(
+            len(c.token_ids) * float(m) for c, m in zip(batch.completions, batch.loss_mask, strict=True)
+        )
+        sequences = max(
+            1, len(batch) - batch.sampled_out
+        )  # dynamic sampling's drops leave; masked truncations stay (TRL)
+        totals = {
+            "total_sequences": sequences,
+            "max_completion_length": cfg.max_completion_length,
+            "total_tokens": max(1, int(active)),
+        }
         off_policy = batch.policy_version != self.version
         old_logps, ref_logps, is_weights = [None] * len(micro), [None] * len(micro), [None] * len(micro)
         sums: dict[str, float] = {}
@@ -240,7 +305,8 @@ class GRPOTrainer:
                             ref_logps[k] = self.strategy.logps(mb, cfg.temperature, model=self.ref_model)[0]
                         if off_policy:
                             is_weights[k] = L.truncated_importance_weights(
-                                old_logps[k], mb.behaviour_logps, self.recipe.rollout.importance_ratio_cap)
+                                old_logps[k], mb.behaviour_logps, self.recipe.rollout.importance_ratio_cap
+                            )
                         # the engine's log-probs against the trainer's on the same tokens (TRL's metric); on an
                         # on-policy batch (staleness 0) only the two sides' numerics differ. Every rank adds
                         # the key (the all-reduce below needs the same keys); unreported (nan) tokens count 0.
@@ -249,9 +315,15 @@ class GRPOTrainer:
                         key = "sampling/sampling_logp_difference/mean"
                         sums[key] = sums.get(key, 0.0) + gap.sum().item() / totals["total_tokens"]
                 per_token, stats = L.per_token_loss(
-                    logps, old_logps[k], mb.advantages, epsilon_low=cfg.epsilon,
+                    logps,
+                    old_logps[k],
+                    mb.advantages,
+                    epsilon_low=cfg.epsilon,
                     epsilon_high=cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon,
-                    beta=cfg.beta, ref_logps=ref_logps[k], is_weights=is_weights[k])
+                    beta=cfg.beta,
+                    ref_logps=ref_logps[k],
+                    is_weights=is_weights[k],
+                )
                 loss = L.reduce_loss(per_token, mb.completion_mask, cfg.loss_type, **totals)
                 self.strategy.backward(loss, last=k == len(micro_batches) - 1)
                 pass_loss = loss.detach() if pass_loss is None else pass_loss + loss.detach()
@@ -262,12 +334,19 @@ class GRPOTrainer:
                     sums["loss"] = sums.get("loss", 0.0) + loss.item()
                     if is_weights[k] is not None:
                         w = is_weights[k][mb.completion_mask > 0]
-                        sums["importance_ratio/mean"] = sums.get("importance_ratio/mean", 0.0) + w.sum().item() / totals["total_tokens"]
+                        sums["importance_ratio/mean"] = (
+                            sums.get("importance_ratio/mean", 0.0) + w.sum().item() / totals["total_tokens"]
+                        )
             rate = self.strategy.learning_rate()  # what this update applies: the step logs it, as TRL does
-            grad_norms.append(self.strategy.step(pass_loss, functools.partial(
-                self._stop_unless_finite, when="before its optimizer update")))
-        self._stop_unless_finite(updated_policy_extremes(self.model, micro_batches[0] if micro_batches else None),
-                                 "after its optimizer update")
+            grad_norms.append(
+                self.strategy.step(
+                    pass_loss, functools.partial(self._stop_unless_finite, when="before its optimizer update")
+                )
+            )
+        self._stop_unless_finite(
+            updated_policy_extremes(self.model, micro_batches[0] if micro_batches else None),
+            "after its optimizer update",
+        )
         keys = sorted(sums)  # the ranks' shares of the batch metrics add up
         packed = torch.tensor([sums[k] for k in keys] + [entropy], dtype=torch.float64)
         packed = self.strategy.all_reduce_sum(packed)
@@ -275,11 +354,18 @@ class GRPOTrainer:
         staleness = self.version - batch.policy_version
         self.version += 1  # one policy version per generated batch trained on
         if off_policy:
-            w = torch.cat([iw[mb.completion_mask > 0] for iw, mb in zip(is_weights, micro_batches, strict=True)])
+            w = torch.cat(
+                [iw[mb.completion_mask > 0] for iw, mb in zip(is_weights, micro_batches, strict=True)]
+            )
             sums.update({"importance_ratio/min": w.min().item(), "importance_ratio/max": w.max().item()})
-        return {**sums, "entropy": entropy / totals["total_tokens"], "grad_norm": grad_norms[-1],
-                "learning_rate": rate, "timing/train_s": time.perf_counter() - t0,
-                "staleness": float(staleness)}
+        return {
+            **sums,
+            "entropy": entropy / totals["total_tokens"],
+            "grad_norm": grad_norms[-1],
+            "learning_rate": rate,
+            "timing/train_s": time.perf_counter() - t0,
+            "staleness": float(staleness),
+        }
 
     def _stop_unless_finite(self, values: dict[str, torch.Tensor], when: str) -> None:
         stop_unless_finite(values, when, step=self.version + 1, output_dir=self.output_dir, world=self.world)
@@ -299,9 +385,16 @@ class GRPOTrainer:
             return {}
         name = name or ("before" if self.heldout_before is None else "after")
         with self.local_engine.holding(self.model, self.version) as engine:
-            result = evaluate_greedy(engine, self.tokenizer, self.heldout_rows, accuracy_reward,
-                                     format_reward, max_tokens=self.cfg.max_completion_length,
-                                     max_prompt_length=self.cfg.max_prompt_length, return_samples=True)
+            result = evaluate_greedy(
+                engine,
+                self.tokenizer,
+                self.heldout_rows,
+                accuracy_reward,
+                format_reward,
+                max_tokens=self.cfg.max_completion_length,
+                max_prompt_length=self.cfg.max_prompt_length,
+                return_samples=True,
+            )
         return write_samples(self.output_dir, name, result)
 
     def _heldout_on_rank0(self) -> dict | None:
@@ -311,12 +404,24 @@ class GRPOTrainer:
 
     def save(self, step: int) -> Path | None:
         """Checkpoint `step`; every rank calls this (the strategy adds its optimizer state, rank 0 writes)."""
-        manifest = {"base_model": self.model_path, "data": str(self.data_dir),
-                    "data_sha256": self.data_sha256, "recipe": self.recipe.to_dict()}
+        manifest = {
+            "base_model": self.model_path,
+            "data": str(self.data_dir),
+            "data_sha256": self.data_sha256,
+            "recipe": self.recipe.to_dict(),
+        }
 
         def write(state: dict, extra: Path | None) -> Path:
-            path = save_checkpoint(self.output_dir, step, self.model, self.tokenizer, state, manifest,
-                                   self.cfg.save_total_limit, extra=extra)
+            path = save_checkpoint(
+                self.output_dir,
+                step,
+                self.model,
+                self.tokenizer,
+                state,
+                manifest,
+                self.cfg.save_total_limit,
+                extra=extra,
+            )
             self._notify("on_checkpoint", step, path)
             return path
 
@@ -333,8 +438,10 @@ def check_supported(recipe: Recipe) -> None:
     if recipe.model.modality == "vision" and recipe.rollout.engine != "transformers":
         # Images reach the in-process transformers engine and the trainer's forward; the other engines would
         # generate from the questions without their images and the policy would learn the wrong task.
-        raise ConfigError("model.modality: vision trains with rollout.engine: transformers and without "
-                          f"DeepSpeed for now; images do not reach the {recipe.rollout.engine} engine yet")
+        raise ConfigError(
+            "model.modality: vision trains with rollout.engine: transformers and without "
+            f"DeepSpeed for now; images do not reach the {recipe.rollout.engine} engine yet"
+        )
     check_recipe(recipe)  # and what the distributed mode cannot train
 
 
@@ -359,4 +466,11 @@ def train_recipe(recipe: Recipe, callbacks: list[TrainerCallback] = (), progress
     return result.summary() if result is not None else None
 
 
-__all__ = ["GRPOTrainer", "NonFiniteError", "TrainResult", "check_supported", "prepare_inputs", "train_recipe"]
+__all__ = [
+    "GRPOTrainer",
+    "NonFiniteError",
+    "TrainResult",
+    "check_supported",
+    "prepare_inputs",
+    "train_recipe",
+]

@@ -54,12 +54,22 @@ def needs_launch(recipe: Recipe, environ: Mapping[str, str] | None = None, count
 
 
 def launch_command(recipe: Recipe, cli_args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={len(plan(recipe.rollout, node_gpus()).trainers)}", "-m", "flows.cli", "train",
-            *cli_args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={len(plan(recipe.rollout, node_gpus()).trainers)}",
+        "-m",
+        "flows.cli",
+        "train",
+        *cli_args,
+    ]
 
 
-def launch_env(recipe: Recipe, environ: Mapping[str, str] | None = None, count: int | None = None) -> dict[str, str]:
+def launch_env(
+    recipe: Recipe, environ: Mapping[str, str] | None = None, count: int | None = None
+) -> dict[str, str]:
     """The environment the trainer ranks are started with (see `trainer.placement.trainer_env`)."""
     environ = os.environ if environ is None else environ
     return trainer_env(plan(recipe.rollout, node_gpus(environ, count)), environ)
@@ -87,7 +97,9 @@ def init_distributed(timeout_s: float, rollout: RolloutConfig | None = None) -> 
     current device first: NCCL and the object collectives use the current device."""
     cuda = torch.cuda.is_available()
     if cuda:
-        device = trainer_device(rollout) if rollout is not None else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        device = (
+            trainer_device(rollout) if rollout is not None else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        )
         torch.cuda.set_device(torch.device(device))
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return 0, 1

@@ -17,8 +17,9 @@ from trainer.rollout.hf_engine import cache_kwarg
 from trainer.vision import vision_forward_kwargs
 
 
-def completion_logps(model, mb: MicroBatch, temperature: float, *, share_prompts: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def completion_logps(
+    model, mb: MicroBatch, temperature: float, *, share_prompts: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs [b, C] of `mb`'s completion tokens at `temperature`, and the logits they came from.
 
     Vision prompts always take the plain way: sharing their prefill would have to split the images by row."""
@@ -33,8 +34,13 @@ def full_logits(model, mb: MicroBatch) -> torch.Tensor:
     inputs = {"position_ids": mb.position_ids}
     if mb.vision is not None:  # pixels, grids and the 3-D positions the rollout's prefill used
         inputs = vision_forward_kwargs(model, mb.input_ids, mb.attention_mask, mb.vision)
-    out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, logits_to_keep=c_len + 1, use_cache=False,
-                **inputs)
+    out = model(
+        input_ids=mb.input_ids,
+        attention_mask=mb.attention_mask,
+        logits_to_keep=c_len + 1,
+        use_cache=False,
+        **inputs,
+    )
     return out.logits[:, :-1]
 
 
@@ -45,15 +51,26 @@ def shared_prompt_logits(model, mb: MicroBatch) -> torch.Tensor:
     P, cache_kw = mb.prompt_width, cache_kwarg(model)
     mask, pos, firsts, inverse = mb.attention_mask, mb.position_ids, mb.prompt_rows, mb.prompt_inverse
     cache = DynamicCache(config=model.config)
-    out = model(input_ids=mb.input_ids[firsts, :P], attention_mask=mask[firsts, :P], position_ids=pos[firsts, :P],
-                use_cache=True, logits_to_keep=1, **{cache_kw: cache})
+    out = model(
+        input_ids=mb.input_ids[firsts, :P],
+        attention_mask=mask[firsts, :P],
+        position_ids=pos[firsts, :P],
+        use_cache=True,
+        logits_to_keep=1,
+        **{cache_kw: cache},
+    )
     first_logits = out.logits[:, -1][inverse]
     cache.batch_select_indices(inverse)
     completion = mb.completion_ids
     if completion.shape[1] == 1:
         return first_logits[:, None]
-    rest = model(input_ids=completion[:, :-1], attention_mask=mask[:, :-1], position_ids=pos[:, P:-1],
-                 use_cache=True, **{cache_kw: cache}).logits
+    rest = model(
+        input_ids=completion[:, :-1],
+        attention_mask=mask[:, :-1],
+        position_ids=pos[:, P:-1],
+        use_cache=True,
+        **{cache_kw: cache},
+    ).logits
     return torch.cat([first_logits[:, None], rest], dim=1)
 
 

@@ -50,8 +50,10 @@ def _all_equal(x: Tensor) -> Tensor:
 
 def _check_groups(rewards: Tensor, group_size: int) -> None:
     if rewards.dim() != 1 or group_size < 1 or rewards.numel() % group_size:
-        raise ValueError(f"rewards must be 1-D with a length divisible by group_size={group_size}, "
-                         f"got shape {tuple(rewards.shape)}")
+        raise ValueError(
+            f"rewards must be 1-D with a length divisible by group_size={group_size}, "
+            f"got shape {tuple(rewards.shape)}"
+        )
 
 
 def zero_std_groups(rewards: Tensor, group_size: int) -> Tensor:
@@ -92,7 +94,9 @@ def group_advantages(
     stats = {
         "reward": rewards[valid].mean().item() if valid.any() else float("nan"),
         "reward_std": batch_std.item(),
-        "frac_reward_zero_std": flat.float().mean().item(),  # groups are equal-sized: per completion = per group
+        "frac_reward_zero_std": flat.float()
+        .mean()
+        .item(),  # groups are equal-sized: per completion = per group
     }
     return advantages, valid, stats
 
@@ -157,8 +161,13 @@ def per_token_loss(
         loss = loss + beta * kl
     low = (ratio < 1 - epsilon_low) & (adv < 0)
     high = (ratio > 1 + epsilon_high) & (adv > 0)
-    stats = {"ratio": ratio.detach(), "kl": kl.detach(), "low_clipped": low, "high_clipped": high,
-             "region_clipped": low | high}
+    stats = {
+        "ratio": ratio.detach(),
+        "kl": kl.detach(),
+        "low_clipped": low,
+        "high_clipped": high,
+        "region_clipped": low | high,
+    }
     return loss, stats
 
 
@@ -193,8 +202,10 @@ def reduce_loss(
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
     if total_sequences < 1 or max_completion_length < 1:
-        raise ValueError(f"need total_sequences >= 1 and max_completion_length >= 1, got {total_sequences} "
-                         f"and {max_completion_length}")
+        raise ValueError(
+            f"need total_sequences >= 1 and max_completion_length >= 1, got {total_sequences} "
+            f"and {max_completion_length}"
+        )
     mask = mask.to(per_token.dtype)
     masked = per_token * mask
     if loss_type == "grpo":
@@ -221,8 +232,9 @@ def clip_metrics(stats: dict[str, Tensor], mask: Tensor) -> dict[str, float]:
     }
 
 
-def sequence_logps(model_logits: Tensor, target_ids: Tensor, temperature: float = 1.0,
-                   chunk_size: int = 1024) -> Tensor:
+def sequence_logps(
+    model_logits: Tensor, target_ids: Tensor, temperature: float = 1.0, chunk_size: int = 1024
+) -> Tensor:
     """log_softmax(logits / temperature)[target] per token, in float32: x_t - logsumexp(x) with x = logits / T.
 
     Alignment is the caller's: logits[:, i] of a causal LM predicts token i + 1, so for input_ids =
@@ -234,7 +246,9 @@ def sequence_logps(model_logits: Tensor, target_ids: Tensor, temperature: float 
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if model_logits.shape[:-1] != target_ids.shape:
-        raise ValueError(f"logits {tuple(model_logits.shape)} do not align with targets {tuple(target_ids.shape)}")
+        raise ValueError(
+            f"logits {tuple(model_logits.shape)} do not align with targets {tuple(target_ids.shape)}"
+        )
     flat_logits = model_logits.reshape(-1, model_logits.shape[-1])
     flat_ids = target_ids.reshape(-1)
     out = [torch.zeros(0, device=model_logits.device)]

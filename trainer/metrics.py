@@ -67,14 +67,21 @@ class MetricsFile:
             except json.JSONDecodeError as e:
                 if lineno == len(lines) and not raw.endswith("\n"):
                     if warn:
-                        log.warning("%s:%d: dropping a partial last line (a write the run did not finish)",
-                                    self.path, lineno)
+                        log.warning(
+                            "%s:%d: dropping a partial last line (a write the run did not finish)",
+                            self.path,
+                            lineno,
+                        )
                     break
-                raise DataError(f"{self.path}:{lineno}: not valid JSON ({e.msg}); the file was edited or "
-                                "corrupted: fix or remove that line to resume") from None
+                raise DataError(
+                    f"{self.path}:{lineno}: not valid JSON ({e.msg}); the file was edited or "
+                    "corrupted: fix or remove that line to resume"
+                ) from None
             if not isinstance(row, dict) or not isinstance(row.get("step"), int):
-                raise DataError(f"{self.path}:{lineno}: expected a JSON object with an integer 'step', got "
-                                f"{line[:80]!r}; fix or remove that line to resume")
+                raise DataError(
+                    f"{self.path}:{lineno}: expected a JSON object with an integer 'step', got "
+                    f"{line[:80]!r}; fix or remove that line to resume"
+                )
             out.append((line, row))
         return out
 
@@ -90,8 +97,14 @@ class TrainResult:
     resumed_from: int
 
     def summary(self) -> dict:
-        return {"steps": self.steps, "heldout_accuracy_before": self.heldout_before.get("accuracy"),
-                "heldout_accuracy_after": self.heldout_after.get("accuracy"),
-                "heldout_before": self.heldout_before, "heldout_after": self.heldout_after,
-                "seconds_per_step": self.seconds_per_step, "checkpoint": self.checkpoint,
-                "metrics": self.metrics_path, "resumed_from_step": self.resumed_from}
+        return {
+            "steps": self.steps,
+            "heldout_accuracy_before": self.heldout_before.get("accuracy"),
+            "heldout_accuracy_after": self.heldout_after.get("accuracy"),
+            "heldout_before": self.heldout_before,
+            "heldout_after": self.heldout_after,
+            "seconds_per_step": self.seconds_per_step,
+            "checkpoint": self.checkpoint,
+            "metrics": self.metrics_path,
+            "resumed_from_step": self.resumed_from,
+        }

@@ -20,8 +20,13 @@ from trainer.recipe import ModelConfig
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
 
-def load_model(name_or_path: str, cfg: ModelConfig | None = None, device: str | torch.device = "cpu", *,
-               verify: bool = True):
+def load_model(
+    name_or_path: str,
+    cfg: ModelConfig | None = None,
+    device: str | torch.device = "cpu",
+    *,
+    verify: bool = True,
+):
     """Model and tokenizer through transformers' Auto classes, exactly as for any hub model; `cfg` gives the
     dtype, `trust_remote_code` and attention implementation (`ModelConfig()`'s defaults when None).
 
@@ -45,8 +50,10 @@ def load_model(name_or_path: str, cfg: ModelConfig | None = None, device: str | 
         if cfg.modality == "vision":
             tokenizer.vision = _vision_encoder(name_or_path, tokenizer, model.config, cfg)
     except OSError as e:
-        raise OSError(f"could not load model {name_or_path!r}: {e}. Give a local checkpoint directory, or a hub "
-                      "id on a machine that can reach the hub.") from e
+        raise OSError(
+            f"could not load model {name_or_path!r}: {e}. Give a local checkpoint directory, or a hub "
+            "id on a machine that can reach the hub."
+        ) from e
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
@@ -60,8 +67,9 @@ def _vision_encoder(name_or_path: str, tokenizer, config, cfg: ModelConfig):
 
     from trainer.vision import VisionEncoder
 
-    processor = AutoImageProcessor.from_pretrained(name_or_path, backend="pil",
-                                                   trust_remote_code=cfg.trust_remote_code)
+    processor = AutoImageProcessor.from_pretrained(
+        name_or_path, backend="pil", trust_remote_code=cfg.trust_remote_code
+    )
     return VisionEncoder(processor, tokenizer, config)
 
 

@@ -59,7 +59,9 @@ class Placement:
     train_devices: list[int]  # one per trainer rank, rank order
     rollout_devices: list[list[int]]  # one list per engine
     processes: list[Process] = field(default_factory=list)
-    executor: str | None = None  # vLLM's distributed_executor_backend for the trainer ranks' in-process engines
+    executor: str | None = (
+        None  # vLLM's distributed_executor_backend for the trainer ranks' in-process engines
+    )
 
     @property
     def trainers(self) -> list[Process]:
@@ -70,10 +72,16 @@ class Placement:
         return [p for p in self.processes if p.role == "rollout"]
 
     def to_dict(self) -> dict:
-        return {"gpus": len(self.gpus), "mode": self.mode, "colocate": self.colocate,
-                "trainer_ranks": len(self.trainers), "train_devices": self.train_devices,
-                "rollout_devices": self.rollout_devices, "executor": self.executor,
-                "processes": [p.to_dict() for p in self.processes]}
+        return {
+            "gpus": len(self.gpus),
+            "mode": self.mode,
+            "colocate": self.colocate,
+            "trainer_ranks": len(self.trainers),
+            "train_devices": self.train_devices,
+            "rollout_devices": self.rollout_devices,
+            "executor": self.executor,
+            "processes": [p.to_dict() for p in self.processes],
+        }
 
 
 def _mask(gpus: Sequence[str], ids: Sequence[int]) -> str:
@@ -84,8 +92,9 @@ def _check_ids(cfg: RolloutConfig, n: int) -> None:
     for name in ("train_devices", "rollout_devices"):
         bad = [d for d in getattr(cfg, name) if d >= n]
         if bad:
-            raise PlacementError(f"rollout.{name}: device {bad[0]} does not exist, this node has {n} GPUs "
-                                 f"(ids 0-{n - 1})")
+            raise PlacementError(
+                f"rollout.{name}: device {bad[0]} does not exist, this node has {n} GPUs (ids 0-{n - 1})"
+            )
 
 
 def plan(cfg: RolloutConfig, gpus: int | Sequence[str], cpu_ranks: int | None = None) -> Placement:
@@ -93,7 +102,15 @@ def plan(cfg: RolloutConfig, gpus: int | Sequence[str], cpu_ranks: int | None = 
     entries that recipe ids index). Without GPUs there are `cpu_ranks` trainer ranks (default: one per
     train_devices entry, at least one). Raises PlacementError for devices the node lacks or a mode they do not fit."""
     gpus = [str(i) for i in range(gpus)] if isinstance(gpus, int) else [str(g).strip() for g in gpus]
-    mode = "server" if cfg.server_url else "colocated" if cfg.colocate else "workers" if cfg.async_ else "in-process"
+    mode = (
+        "server"
+        if cfg.server_url
+        else "colocated"
+        if cfg.colocate
+        else "workers"
+        if cfg.async_
+        else "in-process"
+    )
     if not gpus:
         return _cpu_plan(cfg, mode, cpu_ranks or max(1, len(cfg.train_devices)))
     n, tp = len(gpus), cfg.tensor_parallel_size
@@ -101,24 +118,34 @@ def plan(cfg: RolloutConfig, gpus: int | Sequence[str], cpu_ranks: int | None = 
     rollout = list(cfg.rollout_devices)
     train = list(cfg.train_devices) or [d for d in range(n) if cfg.colocate or d not in rollout]
     if not train:
-        raise PlacementError(f"rollout.rollout_devices takes all {n} GPUs: none is left for training "
-                             "(set rollout.train_devices, or rollout.colocate: true to share them)")
-    own_engines = mode == "colocated" or (mode == "in-process" and not rollout and cfg.engine != "transformers")
+        raise PlacementError(
+            f"rollout.rollout_devices takes all {n} GPUs: none is left for training "
+            "(set rollout.train_devices, or rollout.colocate: true to share them)"
+        )
+    own_engines = mode == "colocated" or (
+        mode == "in-process" and not rollout and cfg.engine != "transformers"
+    )
     if own_engines:  # each trainer rank's engine on the ranks' own GPUs, tp consecutive ranks per engine
         if len(train) % tp:
-            raise PlacementError(f"rollout.tensor_parallel_size {tp} does not divide the {len(train)} trainer "
-                                 "ranks' GPUs that the engines share")
-        engines = [train[i:i + tp] for i in range(0, len(train), tp)]
+            raise PlacementError(
+                f"rollout.tensor_parallel_size {tp} does not divide the {len(train)} trainer "
+                "ranks' GPUs that the engines share"
+            )
+        engines = [train[i : i + tp] for i in range(0, len(train), tp)]
         if tp > 1 and len(train) > 1:
-            raise PlacementError(f"rollout.tensor_parallel_size {tp} with in-process engines on {len(train)} trainer "
-                                 "ranks is not supported: the ranks of one engine must generate together, and the "
-                                 "held-out evaluation runs on rank 0 alone. Use tensor_parallel_size 1, or rollout "
-                                 "workers (rollout.async with rollout_devices)")
+            raise PlacementError(
+                f"rollout.tensor_parallel_size {tp} with in-process engines on {len(train)} trainer "
+                "ranks is not supported: the ranks of one engine must generate together, and the "
+                "held-out evaluation runs on rank 0 alone. Use tensor_parallel_size 1, or rollout "
+                "workers (rollout.async with rollout_devices)"
+            )
         if mode == "colocated" and cfg.num_engines != len(engines):
-            raise PlacementError(f"rollout.num_engines is {cfg.num_engines}, but colocated on {len(train)} trainer "
-                                 f"GPUs with tensor_parallel_size {tp} there are {len(engines)} engines")
+            raise PlacementError(
+                f"rollout.num_engines is {cfg.num_engines}, but colocated on {len(train)} trainer "
+                f"GPUs with tensor_parallel_size {tp} there are {len(engines)} engines"
+            )
     else:
-        engines = [rollout[i:i + tp] for i in range(0, len(rollout), tp)] if mode != "server" else []
+        engines = [rollout[i : i + tp] for i in range(0, len(rollout), tp)] if mode != "server" else []
     _check_mode(cfg, mode, train, rollout)
     separate = mode == "in-process" and bool(rollout)  # a lone trainer's engine on GPUs of its own
     order = (engines[0] + train) if separate else train + [d for d in rollout if d not in train]
@@ -127,29 +154,44 @@ def plan(cfg: RolloutConfig, gpus: int | Sequence[str], cpu_ranks: int | None = 
     processes = []
     for rank, d in enumerate(train):
         device = f"cuda:{order.index(d)}"
-        engine = None if _engine_here(cfg, mode) is None else \
-            f"cuda:{order.index(engines[0][0])}" if separate else device
+        engine = (
+            None
+            if _engine_here(cfg, mode) is None
+            else f"cuda:{order.index(engines[0][0])}"
+            if separate
+            else device
+        )
         processes.append(Process(f"trainer rank {rank}", "trainer", [d], trainer_mask, device, engine))
     if mode == "workers":
-        processes += [Process(f"rollout worker {k}", "rollout", e, _mask(gpus, e), "cuda:0")
-                      for k, e in enumerate(engines, start=1)]
-    return Placement(gpus, mode, cfg.colocate, train, engines if mode != "server" else [], processes, executor)
+        processes += [
+            Process(f"rollout worker {k}", "rollout", e, _mask(gpus, e), "cuda:0")
+            for k, e in enumerate(engines, start=1)
+        ]
+    return Placement(
+        gpus, mode, cfg.colocate, train, engines if mode != "server" else [], processes, executor
+    )
 
 
 def _check_mode(cfg: RolloutConfig, mode: str, train: list[int], rollout: list[int]) -> None:
     if mode == "workers" and not rollout:
-        raise PlacementError("rollout.async on GPUs needs rollout.rollout_devices: the rollout workers' GPUs "
-                             "(num_engines x tensor_parallel_size of them)")
+        raise PlacementError(
+            "rollout.async on GPUs needs rollout.rollout_devices: the rollout workers' GPUs "
+            "(num_engines x tensor_parallel_size of them)"
+        )
     if mode == "in-process" and rollout:
         if cfg.engine == "transformers":
-            raise PlacementError("rollout.rollout_devices with the synchronous transformers engine: it generates "
-                                 "with the trainer's own module, on the trainer's GPU; leave rollout_devices empty "
-                                 "or set rollout.async: true (rollout workers on those GPUs)")
+            raise PlacementError(
+                "rollout.rollout_devices with the synchronous transformers engine: it generates "
+                "with the trainer's own module, on the trainer's GPU; leave rollout_devices empty "
+                "or set rollout.async: true (rollout workers on those GPUs)"
+            )
         if len(train) > 1 or cfg.num_engines > 1:
-            raise PlacementError(f"rollout.rollout_devices with {len(train)} trainer ranks and {cfg.num_engines} "
-                                 "engines, synchronous: an in-process engine on GPUs of its own is supported for one "
-                                 "trainer rank and one engine. Set rollout.async: true (rollout workers on those GPUs), "
-                                 "rollout.colocate: true, or rollout.server_url")
+            raise PlacementError(
+                f"rollout.rollout_devices with {len(train)} trainer ranks and {cfg.num_engines} "
+                "engines, synchronous: an in-process engine on GPUs of its own is supported for one "
+                "trainer rank and one engine. Set rollout.async: true (rollout workers on those GPUs), "
+                "rollout.colocate: true, or rollout.server_url"
+            )
 
 
 def _engine_here(cfg: RolloutConfig, mode: str) -> str | None:
@@ -165,14 +207,19 @@ def _cpu_plan(cfg: RolloutConfig, mode: str, ranks: int) -> Placement:
     engine = None if _engine_here(cfg, mode) is None else "cpu"
     processes = [Process(f"trainer rank {r}", "trainer", [], None, "cpu", engine) for r in range(ranks)]
     if mode == "workers":
-        processes += [Process(f"rollout worker {k}", "rollout", [], None, "cpu")
-                      for k in range(1, cfg.num_engines + 1)]
-    executor = "external_launcher" if ranks > 1 and cfg.engine == "vllm" and mode in ("colocated", "in-process") \
+        processes += [
+            Process(f"rollout worker {k}", "rollout", [], None, "cpu") for k in range(1, cfg.num_engines + 1)
+        ]
+    executor = (
+        "external_launcher"
+        if ranks > 1 and cfg.engine == "vllm" and mode in ("colocated", "in-process")
         else None
+    )
     return Placement([], mode, cfg.colocate, [], [], processes, executor)
 
 
 # ---- the environment of a process ---------------------------------------------------------------------------------
+
 
 def visible_gpus(environ: Mapping[str, str] | None = None, count: int | None = None) -> list[str]:
     """This process's GPUs in ordinal order: its CUDA_VISIBLE_DEVICES, or all `count` GPUs (default: as many as
@@ -208,8 +255,9 @@ def trainer_env(placement: Placement, environ: Mapping[str, str]) -> dict[str, s
     return env
 
 
-def this_trainer(cfg: RolloutConfig, environ: Mapping[str, str] | None = None,
-                 count: int | None = None) -> tuple[Placement, Process]:
+def this_trainer(
+    cfg: RolloutConfig, environ: Mapping[str, str] | None = None, count: int | None = None
+) -> tuple[Placement, Process]:
     """The plan, and the trainer rank this process is (LOCAL_RANK), checked against its CUDA_VISIBLE_DEVICES:
     each device must be visible, and vLLM's engines must find theirs where they look. `count`: the GPUs torch
     sees (default: asks torch)."""
@@ -219,33 +267,44 @@ def this_trainer(cfg: RolloutConfig, environ: Mapping[str, str] | None = None,
     if not placement.gpus:  # on CPU the launcher decides the number of ranks
         return placement, placement.trainers[min(local_rank, len(placement.trainers) - 1)]
     if local_rank >= len(placement.trainers):
-        raise PlacementError(f"this is trainer rank {local_rank} on its node, but the recipe places "
-                             f"{len(placement.trainers)} (rollout.train_devices)")
+        raise PlacementError(
+            f"this is trainer rank {local_rank} on its node, but the recipe places "
+            f"{len(placement.trainers)} (rollout.train_devices)"
+        )
     me = placement.trainers[local_rank]
     visible, wanted = visible_gpus(environ, count), me.cuda_visible_devices
     if visible == wanted.split(","):
         return placement, me
     # started some other way (a Prefect task, one's own torchrun): address the devices where they are
-    where = (f"this process has CUDA_VISIBLE_DEVICES={','.join(visible)}; start it with CUDA_VISIBLE_DEVICES={wanted}, "
-             "as `grpoflow train` does")
+    where = (
+        f"this process has CUDA_VISIBLE_DEVICES={','.join(visible)}; start it with CUDA_VISIBLE_DEVICES={wanted}, "
+        "as `grpoflow train` does"
+    )
     mine = placement.gpus[me.devices[0]]
     if mine not in visible:
         raise PlacementError(f"{me.name} trains on GPU {me.devices[0]}, which it does not see: {where}")
     device = f"cuda:{visible.index(mine)}"
     if placement.executor and visible.index(mine) != local_rank:
-        raise PlacementError(f"{me.name}'s vLLM engine (external launcher) runs on ordinal LOCAL_RANK = {local_rank}, "
-                             f"not on its training GPU: {where}")
+        raise PlacementError(
+            f"{me.name}'s vLLM engine (external launcher) runs on ordinal LOCAL_RANK = {local_rank}, "
+            f"not on its training GPU: {where}"
+        )
     if me.engine_device not in (None, me.device):  # vLLM's single-process engine computes on ordinal 0..tp-1
         engine = [placement.gpus[d] for d in placement.rollout_devices[0]]
-        if visible[:len(engine)] != engine:
-            raise PlacementError(f"{me.name}'s in-process engine runs on GPUs {placement.rollout_devices[0]}, which "
-                                 f"vLLM looks for at the first ordinals: {where}")
+        if visible[: len(engine)] != engine:
+            raise PlacementError(
+                f"{me.name}'s in-process engine runs on GPUs {placement.rollout_devices[0]}, which "
+                f"vLLM looks for at the first ordinals: {where}"
+            )
         return placement, Process(me.name, me.role, me.devices, ",".join(visible), device, "cuda:0")
-    return placement, Process(me.name, me.role, me.devices, ",".join(visible), device,
-                              None if me.engine_device is None else device)
+    return placement, Process(
+        me.name, me.role, me.devices, ",".join(visible), device, None if me.engine_device is None else device
+    )
 
 
-def trainer_device(cfg: RolloutConfig, environ: Mapping[str, str] | None = None, count: int | None = None) -> str:
+def trainer_device(
+    cfg: RolloutConfig, environ: Mapping[str, str] | None = None, count: int | None = None
+) -> str:
     """The torch device this trainer rank trains on ("cpu" without GPUs)."""
     return this_trainer(cfg, environ, count)[1].device
 
@@ -262,11 +321,24 @@ def dry_run(cfg: RolloutConfig, gpus: int | None = None) -> tuple[dict, str]:
         source = "the recipe's device ids" if node else "no GPU (CPU)"
     placement = plan(cfg, node)
     lines = [f"{len(node)} GPUs ({source}), rollout {placement.mode} ({cfg.engine})"]
-    lines += [f"  {p.name:<18} devices {p.devices} -> {p.device:<7} CUDA_VISIBLE_DEVICES={p.cuda_visible_devices}"
-              + (f", {_engine_here(cfg, placement.mode)} engine on {p.engine_device}" if p.engine_device else "")
-              for p in placement.processes]
+    lines += [
+        f"  {p.name:<18} devices {p.devices} -> {p.device:<7} CUDA_VISIBLE_DEVICES={p.cuda_visible_devices}"
+        + (f", {_engine_here(cfg, placement.mode)} engine on {p.engine_device}" if p.engine_device else "")
+        for p in placement.processes
+    ]
     return {"engine": cfg.engine, "gpus_from": source, **placement.to_dict()}, "\n".join(lines)
 
 
-__all__ = ["GPUS_ENV", "Placement", "PlacementError", "Process", "dry_run", "node_gpus", "plan", "this_trainer",
-           "trainer_device", "trainer_env", "visible_gpus"]
+__all__ = [
+    "GPUS_ENV",
+    "Placement",
+    "PlacementError",
+    "Process",
+    "dry_run",
+    "node_gpus",
+    "plan",
+    "this_trainer",
+    "trainer_device",
+    "trainer_env",
+    "visible_gpus",
+]

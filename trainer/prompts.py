@@ -26,14 +26,18 @@ def encode_prompts(tokenizer, rows: list[dict], max_prompt_length: int | None = 
             continue
         ids.append(vision.encode(tokenizer, row))
         if max_prompt_length and len(ids[-1]) > max_prompt_length:
-            raise ValueError(f"row {row.get('id')!r}: its prompt is {len(ids[-1])} tokens with its images, over "
-                             f"train.max_prompt_length {max_prompt_length}; image tokens cannot be cut: raise the "
-                             "limit or lower the image processor's max_pixels")
+            raise ValueError(
+                f"row {row.get('id')!r}: its prompt is {len(ids[-1])} tokens with its images, over "
+                f"train.max_prompt_length {max_prompt_length}; image tokens cannot be cut: raise the "
+                "limit or lower the image processor's max_pixels"
+            )
     return ids
 
 
 def _encode_text(tokenizer, rows: list[dict], max_prompt_length: int | None) -> list[list[int]]:
-    texts = [tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows]
+    texts = [
+        tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows
+    ]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     if max_prompt_length:
         ids = [s[-max_prompt_length:] for s in ids]

@@ -32,17 +32,23 @@ def _f(default, help: str, **meta):
 
 @dataclass
 class ModelConfig:
-    name_or_path: str = _f("bootstrap", "HF hub id, local checkpoint path, or 'bootstrap' for the built-in "
-                                        "tiny model (made by `grpoflow bootstrap-model`)")
+    name_or_path: str = _f(
+        "bootstrap",
+        "HF hub id, local checkpoint path, or 'bootstrap' for the built-in "
+        "tiny model (made by `grpoflow bootstrap-model`)",
+    )
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = _f("float32", "weights dtype for training")
     modality: Literal["text", "vision"] = _f("text", "'vision' for image+text models (e.g. Qwen2.5-VL)")
     trust_remote_code: bool = _f(False, "passed to from_pretrained")
-    attn_implementation: str | None = _f(None, "e.g. 'sdpa' or 'flash_attention_2'; None lets transformers choose")
+    attn_implementation: str | None = _f(
+        None, "e.g. 'sdpa' or 'flash_attention_2'; None lets transformers choose"
+    )
 
 
 @dataclass
 class BootstrapConfig:
     """The embedded default's tiny base model: a small Qwen2 LM + local tokenizer + short SFT warm-up."""
+
     out: str = _f(".state/models/tiny-base", "where the model is saved (a cache keyed by this config's hash)")
     task: str = _f("addition", "synthetic task kind it is warmed up on")
     vocab_size: int = _f(384, "byte-level BPE vocabulary size, trained locally", ge=1, le=MAX_WIDTH)
@@ -54,10 +60,16 @@ class BootstrapConfig:
     heldout_rows: int = _f(256, "held-out problems for the accuracy check", ge=1, le=MAX_ROWS)
     batch_size: int = _f(64, "warm-up batch size", ge=1, le=MAX_BATCH)
     learning_rate: float = _f(3e-3, "warm-up peak learning rate (AdamW, linear decay)", gt=0)
-    max_steps: int = _f(700, "upper bound on warm-up steps (the learning rate decays linearly to 0 there)", ge=1)
+    max_steps: int = _f(
+        700, "upper bound on warm-up steps (the learning rate decays linearly to 0 there)", ge=1
+    )
     eval_every: int = _f(25, "held-out greedy accuracy is measured every this many steps", ge=1)
-    target_accuracy: list[float] = _f([0.3, 0.6], "the warm-up stops once greedy held-out accuracy is in "
-                                                  "this band: a base that GRPO can still improve", ge=0, le=1)
+    target_accuracy: list[float] = _f(
+        [0.3, 0.6],
+        "the warm-up stops once greedy held-out accuracy is in this band: a base that GRPO can still improve",
+        ge=0,
+        le=1,
+    )
     seed: int = _f(0, "seed for data, init and training")
 
     def __post_init__(self):
@@ -65,14 +77,21 @@ class BootstrapConfig:
             raise ValueError(f"target_accuracy must be [lo, hi], got {short_repr(self.target_accuracy)}")
         lo, hi = self.target_accuracy
         if not 0 <= lo < hi <= 1:
-            raise ValueError(f"target_accuracy must be [lo, hi] with 0 <= lo < hi <= 1, got {self.target_accuracy}")
+            raise ValueError(
+                f"target_accuracy must be [lo, hi] with 0 <= lo < hi <= 1, got {self.target_accuracy}"
+            )
 
 
 @dataclass
 class DataConfig:
-    task: str | None = _f(None, "task adapter: gsm8k, math, numina, countdown, counting, synthetic; unset, "
-                                "'synthetic' for a synthetic source and required for any other")
-    source: str = _f("synthetic:addition", "local JSONL/Parquet/CSV file or directory, HF hub id, or synthetic[:kind]")
+    task: str | None = _f(
+        None,
+        "task adapter: gsm8k, math, numina, countdown, counting, synthetic; unset, "
+        "'synthetic' for a synthetic source and required for any other",
+    )
+    source: str = _f(
+        "synthetic:addition", "local JSONL/Parquet/CSV file or directory, HF hub id, or synthetic[:kind]"
+    )
     out: str = _f(".state/data/prepared", "prepared output directory")
     split: str = _f("train", "split to read from a hub dataset or a directory")
     hub_config: str | None = _f(None, "hub dataset configuration name")
@@ -81,27 +100,44 @@ class DataConfig:
     skip_invalid: bool = _f(False, "drop malformed rows (recorded in the manifest) instead of failing")
     limit: int | None = _f(None, "read at most this many source rows", ge=1)
     synthetic_rows: int = _f(4000, "rows generated for a synthetic source", ge=1, le=MAX_ROWS)
-    system_prompt: str = _f("r1", "system prompt preset (r1, brief, none) or literal text; the tiny base model "
-                                  "is warmed up with this one too")
+    system_prompt: str = _f(
+        "r1",
+        "system prompt preset (r1, brief, none) or literal text; the tiny base model "
+        "is warmed up with this one too",
+    )
 
     def __post_init__(self):
         if self.task is None:  # a guessed adapter would store a gsm8k worked solution as the "answer"
             if self.source != "synthetic" and not self.source.startswith("synthetic:"):
                 from data.adapters import ADAPTERS
-                raise ValueError(f"task: required for source {shown_path(self.source)} (prep --task, or "
-                                 f"data.task); one of {', '.join(ADAPTERS)}")
+
+                raise ValueError(
+                    f"task: required for source {shown_path(self.source)} (prep --task, or "
+                    f"data.task); one of {', '.join(ADAPTERS)}"
+                )
             self.task = "synthetic"
         if self.heldout >= 1 and not float(self.heldout).is_integer():
-            raise ValueError(f"heldout: {short_repr(self.heldout)} is neither a fraction in (0, 1) nor a whole "
-                             "number of rows")
+            raise ValueError(
+                f"heldout: {short_repr(self.heldout)} is neither a fraction in (0, 1) nor a whole "
+                "number of rows"
+            )
 
     def prepare_kwargs(self) -> dict:
         """Arguments of `data.prepare.prepare` (a held-out value >= 1 is a row count)."""
         heldout = int(self.heldout) if self.heldout >= 1 else self.heldout
-        return {"task": self.task, "source": self.source, "out": self.out, "seed": self.seed, "heldout": heldout,
-                "skip_invalid": self.skip_invalid, "limit": self.limit, "split": self.split,
-                "hub_config": self.hub_config, "synthetic_rows": self.synthetic_rows,
-                "system_prompt": self.system_prompt}
+        return {
+            "task": self.task,
+            "source": self.source,
+            "out": self.out,
+            "seed": self.seed,
+            "heldout": heldout,
+            "skip_invalid": self.skip_invalid,
+            "limit": self.limit,
+            "split": self.split,
+            "hub_config": self.hub_config,
+            "synthetic_rows": self.synthetic_rows,
+            "system_prompt": self.system_prompt,
+        }
 
 
 @dataclass
@@ -116,24 +152,36 @@ ZERO_PRESETS = ("zero1", "zero2", "zero3")  # train.deepspeed shorthands: ZeRO s
 
 @dataclass
 class TrainConfig:
-    output_dir: str = _f(".state/runs/train", "checkpoints and metrics.jsonl; rerunning with the same dir resumes")
+    output_dir: str = _f(
+        ".state/runs/train", "checkpoints and metrics.jsonl; rerunning with the same dir resumes"
+    )
     max_steps: int = _f(100, "optimizer steps (one generated batch each)", ge=1)
     prompts_per_step: int = _f(4, "distinct prompts per generated batch", ge=1, le=MAX_BATCH)
     num_generations: int = _f(8, "completions per prompt (the GRPO group size)", le=MAX_BATCH)
     num_iterations: int = _f(1, "optimisation passes over each generated batch (mu)", ge=1)
-    micro_batch_size: int = _f(32, "completions per forward/backward; the batch is accumulated over micro-batches",
-                               ge=1, le=MAX_BATCH)
+    micro_batch_size: int = _f(
+        32,
+        "completions per forward/backward; the batch is accumulated over micro-batches",
+        ge=1,
+        le=MAX_BATCH,
+    )
     beta: float = _f(0.0, "KL weight against the reference model; 0 loads no reference model", ge=0)
     epsilon: float = _f(0.2, "lower clipping bound of the ratio (1 - epsilon)", gt=0)
     epsilon_high: float | None = _f(None, "upper clipping bound (1 + epsilon_high); None uses epsilon", gt=0)
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = _f("dapo", "loss normalisation, as TRL defines them")
-    scale_rewards: Literal["group", "batch", "none"] = _f("group", "divide advantages by the group's std, the batch's, or not at all")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = _f(
+        "dapo", "loss normalisation, as TRL defines them"
+    )
+    scale_rewards: Literal["group", "batch", "none"] = _f(
+        "group", "divide advantages by the group's std, the batch's, or not at all"
+    )
     dynamic_sampling: bool = _f(False, "drop groups whose rewards all match (DAPO's dynamic sampling)")
     temperature: float = _f(1.0, "sampling temperature; the loss uses the same temperature", gt=0)
     top_p: float = _f(1.0, "nucleus sampling", gt=0, le=1)
     max_prompt_length: int = _f(512, "prompts are left-truncated to this many tokens", ge=1, le=MAX_TOKENS)
     max_completion_length: int = _f(256, "completion tokens generated at most", ge=1, le=MAX_TOKENS)
-    mask_truncated_completions: bool = _f(False, "exclude completions that hit max_completion_length from the loss")
+    mask_truncated_completions: bool = _f(
+        False, "exclude completions that hit max_completion_length from the loss"
+    )
     learning_rate: float = _f(1e-6, "peak learning rate (AdamW)", gt=0)
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = _f("constant", "schedule after warm-up")
     warmup_steps: int = _f(0, "linear warm-up steps", ge=0)
@@ -143,19 +191,31 @@ class TrainConfig:
     save_total_limit: int = _f(2, "checkpoints kept on disk (0 keeps all)", ge=0)
     eval_heldout: int = _f(256, "held-out problems for the before/after greedy accuracy (0 skips)", ge=0)
     reward_timeout_s: float = _f(10.0, "a reward function call longer than this gives None", gt=0)
-    callbacks: list[str] = _f([], "extra training callbacks, 'module:factory' or 'file.py:factory'; each factory "
-                                  "returns an object with on_step / on_checkpoint / on_train_end")
+    callbacks: list[str] = _f(
+        [],
+        "extra training callbacks, 'module:factory' or 'file.py:factory'; each factory "
+        "returns an object with on_step / on_checkpoint / on_train_end",
+    )
     seed: int = _f(0, "seed for sampling and data order")
-    deepspeed: str | None = _f(None, "DeepSpeed ZeRO for the trainer ranks: zero2, zero3 or a path to a ds_config.json "
-                                     "(None: plain DDP); with model.dtype bfloat16 it keeps fp32 master weights")
+    deepspeed: str | None = _f(
+        None,
+        "DeepSpeed ZeRO for the trainer ranks: zero2, zero3 or a path to a ds_config.json "
+        "(None: plain DDP); with model.dtype bfloat16 it keeps fp32 master weights",
+    )
 
     def __post_init__(self):
         # Ranges and finiteness of single values are the fields' metadata (typed_config checks them).
         if self.num_generations < 2:
             raise ValueError("num_generations must be >= 2: GRPO compares completions within a group")
-        if self.deepspeed is not None and self.deepspeed not in ZERO_PRESETS and not self.deepspeed.endswith(".json"):
-            raise ValueError(f"deepspeed must be one of {', '.join(ZERO_PRESETS)} or a path to a .json DeepSpeed "
-                             f"config, got {short_repr(self.deepspeed)}")
+        if (
+            self.deepspeed is not None
+            and self.deepspeed not in ZERO_PRESETS
+            and not self.deepspeed.endswith(".json")
+        ):
+            raise ValueError(
+                f"deepspeed must be one of {', '.join(ZERO_PRESETS)} or a path to a .json DeepSpeed "
+                f"config, got {short_repr(self.deepspeed)}"
+            )
 
 
 @dataclass
@@ -163,55 +223,95 @@ class RolloutConfig:
     engine: Literal["transformers", "vllm", "lmdeploy"] = _f("transformers", "generation engine")
     async_: bool = _f(False, "generate batch t+1 while batch t trains (one-step off-policy)", key="async")
     max_staleness: int = _f(1, "how many policy versions a batch may lag behind the trainer", ge=0)
-    importance_ratio_cap: float = _f(2.0, "truncation of the importance ratio against the behaviour policy", ge=1)
+    importance_ratio_cap: float = _f(
+        2.0, "truncation of the importance ratio against the behaviour policy", ge=1
+    )
     colocate: bool = _f(False, "train and generate on the same devices; the engine sleeps during training")
     sleep_level: Literal[1, 2] = _f(1, "vLLM sleep level in colocate mode")
-    train_devices: list[int] = _f([], "device ids of the trainer ranks (empty: all not used for rollout)", ge=0)
+    train_devices: list[int] = _f(
+        [], "device ids of the trainer ranks (empty: all not used for rollout)", ge=0
+    )
     rollout_devices: list[int] = _f([], "device ids of the rollout engines", ge=0)
     num_engines: int = _f(1, "data-parallel engine instances; prompts are sharded across them", ge=1)
     tensor_parallel_size: int = _f(1, "tensor-parallel size of each engine", ge=1)
     gpu_memory_utilization: float = _f(0.9, "fraction of GPU memory the engine may take", gt=0, le=1)
-    max_model_len: int | None = _f(None, "longest sequence the engine holds (None: max_prompt_length + "
-                                         "max_completion_length)", ge=1, le=MAX_TOKENS)
-    max_num_batched_tokens: int | None = _f(None, "vLLM: tokens scheduled per engine step (None: vLLM's default, on "
-                                                  "CPU max(max_model_len, 4096); on CPU a set value is raised to "
-                                                  "max_model_len: prompts are prefilled whole)", ge=1,
-                                                  le=MAX_TOKENS)
-    enforce_eager: bool = _f(False, "vLLM: run eagerly, no CUDA graphs or torch.compile (faster start, slower decode)")
+    max_model_len: int | None = _f(
+        None,
+        "longest sequence the engine holds (None: max_prompt_length + max_completion_length)",
+        ge=1,
+        le=MAX_TOKENS,
+    )
+    max_num_batched_tokens: int | None = _f(
+        None,
+        "vLLM: tokens scheduled per engine step (None: vLLM's default, on "
+        "CPU max(max_model_len, 4096); on CPU a set value is raised to "
+        "max_model_len: prompts are prefilled whole)",
+        ge=1,
+        le=MAX_TOKENS,
+    )
+    enforce_eager: bool = _f(
+        False, "vLLM: run eagerly, no CUDA graphs or torch.compile (faster start, slower decode)"
+    )
     server_url: str | None = _f(None, "an already-running engine server (vLLM) instead of starting one")
     weight_sync: Literal["auto", "nccl", "reload"] = _f(
-        "auto", "server mode: nccl (vLLM's NCCL transfer, GPUs) or reload (write safetensors to weights_dir, the "
-                "server reloads them; anywhere the server can read weights_dir); auto: nccl with a GPU, else reload")
-    weights_dir: str | None = _f(None, "server mode, weight_sync reload: a directory the server can read (None: a "
-                                       "temporary one on this machine)")
+        "auto",
+        "server mode: nccl (vLLM's NCCL transfer, GPUs) or reload (write safetensors to weights_dir, the "
+        "server reloads them; anywhere the server can read weights_dir); auto: nccl with a GPU, else reload",
+    )
+    weights_dir: str | None = _f(
+        None,
+        "server mode, weight_sync reload: a directory the server can read (None: a "
+        "temporary one on this machine)",
+    )
     sync_timeout_s: float = _f(600.0, "timeout of every weight sync and rollout request", gt=0)
 
     def __post_init__(self):
-        if self.colocate and self.rollout_devices and self.train_devices and \
-                set(self.rollout_devices) != set(self.train_devices):
-            raise ValueError("colocate: true shares devices; rollout_devices must equal train_devices (or be empty)")
+        if (
+            self.colocate
+            and self.rollout_devices
+            and self.train_devices
+            and set(self.rollout_devices) != set(self.train_devices)
+        ):
+            raise ValueError(
+                "colocate: true shares devices; rollout_devices must equal train_devices (or be empty)"
+            )
         if not self.colocate and set(self.rollout_devices) & set(self.train_devices):
-            raise ValueError(f"devices {sorted(set(self.rollout_devices) & set(self.train_devices))} are in both "
-                             "train_devices and rollout_devices; set colocate: true to share them")
+            raise ValueError(
+                f"devices {sorted(set(self.rollout_devices) & set(self.train_devices))} are in both "
+                "train_devices and rollout_devices; set colocate: true to share them"
+            )
         n = len(self.rollout_devices)
         if n and n != self.num_engines * self.tensor_parallel_size:
-            raise ValueError(f"{n} rollout devices cannot host num_engines={self.num_engines} x "
-                             f"tensor_parallel_size={self.tensor_parallel_size}")
+            raise ValueError(
+                f"{n} rollout devices cannot host num_engines={self.num_engines} x "
+                f"tensor_parallel_size={self.tensor_parallel_size}"
+            )
 
 
 @dataclass
 class EvalConfig:
-    benchmarks: list[str] = _f(["math_500", "aime24"], "EvalScope benchmarks (math_500, aime24, gpqa_diamond); "
-                                                       "[]: no EvalScope run, the held-out split is the evaluation "
-                                                       "(the vision demo: EvalScope's math sets take no images)")
+    benchmarks: list[str] = _f(
+        ["math_500", "aime24"],
+        "EvalScope benchmarks (math_500, aime24, gpqa_diamond); "
+        "[]: no EvalScope run, the held-out split is the evaluation "
+        "(the vision demo: EvalScope's math sets take no images)",
+    )
     local_paths: dict[str, str] = _f({}, "benchmark -> local directory (EvalScope local_path); else the hub")
-    limit: int | None = _f(None, "problems per benchmark subset, as EvalScope applies it (MATH-500 has 5 level "
-                                 "subsets, so limit 2 scores 10 problems); None: all", ge=1)
+    limit: int | None = _f(
+        None,
+        "problems per benchmark subset, as EvalScope applies it (MATH-500 has 5 level "
+        "subsets, so limit 2 scores 10 problems); None: all",
+        ge=1,
+    )
     repeats: int = _f(1, "samples per problem (pass@k)", ge=1, le=MAX_BATCH)
     max_tokens: int = _f(1024, "generation budget per answer", ge=1, le=MAX_TOKENS)
     temperature: float = _f(0.0, "0 is greedy", ge=0)
-    request_timeout_s: float = _f(600.0, "an endpoint's longest wait for one answer (and its pre-flight check's "
-                                         "connect timeout); a request that takes longer fails", gt=0)
+    request_timeout_s: float = _f(
+        600.0,
+        "an endpoint's longest wait for one answer (and its pre-flight check's "
+        "connect timeout); a request that takes longer fails",
+        gt=0,
+    )
     out: str = _f(".state/eval", "evaluation outputs")
 
 
@@ -225,31 +325,53 @@ class RegistryConfig:
 class Recipe:
     name: str = _f("unnamed", "recipe name")
     description: str = _f("", "what this recipe is for")
-    model: ModelConfig = field(default_factory=ModelConfig, metadata={
-        "help": "the base model trained: where it comes from and how it is loaded"})
-    bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig, metadata={
-        "help": "the built-in tiny base model (model.name_or_path: bootstrap), made and cached locally"})
-    data: DataConfig = field(default_factory=DataConfig, metadata={
-        "help": "the dataset: its source, task adapter, held-out split and system prompt (grpoflow prep)"})
-    train: TrainConfig = field(default_factory=TrainConfig, metadata={
-        "help": "GRPO training: batch, loss, optimiser, checkpoints (TRL's GRPOConfig names)"})
-    rollout: RolloutConfig = field(default_factory=RolloutConfig, metadata={
-        "help": "generation of the completions: engine, devices, async mode, weight sync"})
+    model: ModelConfig = field(
+        default_factory=ModelConfig,
+        metadata={"help": "the base model trained: where it comes from and how it is loaded"},
+    )
+    bootstrap: BootstrapConfig = field(
+        default_factory=BootstrapConfig,
+        metadata={
+            "help": "the built-in tiny base model (model.name_or_path: bootstrap), made and cached locally"
+        },
+    )
+    data: DataConfig = field(
+        default_factory=DataConfig,
+        metadata={
+            "help": "the dataset: its source, task adapter, held-out split and system prompt (grpoflow prep)"
+        },
+    )
+    train: TrainConfig = field(
+        default_factory=TrainConfig,
+        metadata={"help": "GRPO training: batch, loss, optimiser, checkpoints (TRL's GRPOConfig names)"},
+    )
+    rollout: RolloutConfig = field(
+        default_factory=RolloutConfig,
+        metadata={"help": "generation of the completions: engine, devices, async mode, weight sync"},
+    )
     rewards: list[RewardSpec] = field(
         default_factory=lambda: [RewardSpec("format", 0.5), RewardSpec("accuracy", 1.0)],
-        metadata={"help": "the reward functions, summed with their weights; each entry is a name, a weight "
-                          "and args; at least one"})
-    eval: EvalConfig = field(default_factory=EvalConfig, metadata={
-        "help": "the EvalScope benchmarks run on a trained model (grpoflow eval, grpoflow run)"})
-    registry: RegistryConfig = field(default_factory=RegistryConfig, metadata={
-        "help": "where a trained model is registered in MLflow"})
+        metadata={
+            "help": "the reward functions, summed with their weights; each entry is a name, a weight "
+            "and args; at least one"
+        },
+    )
+    eval: EvalConfig = field(
+        default_factory=EvalConfig,
+        metadata={"help": "the EvalScope benchmarks run on a trained model (grpoflow eval, grpoflow run)"},
+    )
+    registry: RegistryConfig = field(
+        default_factory=RegistryConfig, metadata={"help": "where a trained model is registered in MLflow"}
+    )
 
     def __post_init__(self):
         if not self.rewards:
             raise ValueError("rewards: at least one reward function is needed")
         if self.rollout.colocate and self.rollout.async_:
-            raise ValueError("rollout.async with rollout.colocate is not supported: colocated engines sleep "
-                             "while training, so there is nothing to overlap")
+            raise ValueError(
+                "rollout.async with rollout.colocate is not supported: colocated engines sleep "
+                "while training, so there is nothing to overlap"
+            )
 
     def to_dict(self) -> dict:
         return to_dict(self)
@@ -268,5 +390,16 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] | tuple[str
     return build(Recipe, data, source)
 
 
-__all__ = ["BootstrapConfig", "ConfigError", "DataConfig", "EvalConfig", "ModelConfig", "Recipe",
-           "RegistryConfig", "RewardSpec", "RolloutConfig", "TrainConfig", "load_recipe"]
+__all__ = [
+    "BootstrapConfig",
+    "ConfigError",
+    "DataConfig",
+    "EvalConfig",
+    "ModelConfig",
+    "Recipe",
+    "RegistryConfig",
+    "RewardSpec",
+    "RolloutConfig",
+    "TrainConfig",
+    "load_recipe",
+]

@@ -48,8 +48,15 @@ class FieldDoc:
     each: bool = False  # the bounds hold for each item of a list, not for the list
 
     def as_dict(self) -> dict:
-        return {"key": self.key, "section": self.section, "type": self.type, "default": self.default,
-                "bounds": self.bounds, "bounds_text": self.bounds_text(), "help": self.help}
+        return {
+            "key": self.key,
+            "section": self.section,
+            "type": self.type,
+            "default": self.default,
+            "bounds": self.bounds,
+            "bounds_text": self.bounds_text(),
+            "help": self.help,
+        }
 
     def default_text(self) -> str:
         return value_text(self.default)
@@ -62,7 +69,9 @@ class FieldDoc:
             text = "each " + text
         min_len = self.bounds.get("min_len")
         if min_len is not None:
-            text = ", ".join(filter(None, [text, f"at least {min_len} {'entry' if min_len == 1 else 'entries'}"]))
+            text = ", ".join(
+                filter(None, [text, f"at least {min_len} {'entry' if min_len == 1 else 'entries'}"])
+            )
         return text
 
 
@@ -116,8 +125,15 @@ def _fields_of(cls: type, prefix: str, section: str) -> list[FieldDoc]:
 def _doc(f: dataclasses.Field, tp: Any, key: str, section: str) -> FieldDoc:
     default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
     origin = get_origin(tp)
-    return FieldDoc(key=key, section=section, type=type_text(tp), default=to_dict(default),
-                    bounds=field_bounds(f), help=field_help(f), each=origin in (list, tuple))
+    return FieldDoc(
+        key=key,
+        section=section,
+        type=type_text(tp),
+        default=to_dict(default),
+        bounds=field_bounds(f),
+        help=field_help(f),
+        each=origin in (list, tuple),
+    )
 
 
 def explain(key: str | None = None) -> list[Section]:
@@ -130,7 +146,7 @@ def explain(key: str | None = None) -> list[Section]:
         return sections
     wanted = re.sub(r"\[\d*\]", "[]", key.strip())
     if wanted.startswith("rewards.") and wanted != "rewards.":
-        wanted = "rewards[]." + wanted[len("rewards."):]
+        wanted = "rewards[]." + wanted[len("rewards.") :]
     for section in sections:
         if section.name and wanted == section.name:
             return [section]
@@ -138,8 +154,9 @@ def explain(key: str | None = None) -> list[Section]:
             if doc.key == wanted:
                 return [Section(section.name, section.help, (doc,))]
     valid = [s.name for s in sections if s.name] + [doc.key for s in sections for doc in s.fields]
-    raise ConfigError(f"unknown recipe key '{key}'{did_you_mean(wanted, valid)}; `grpoflow recipe explain` "
-                      "lists every key")
+    raise ConfigError(
+        f"unknown recipe key '{key}'{did_you_mean(wanted, valid)}; `grpoflow recipe explain` lists every key"
+    )
 
 
 def render_text(sections: list[Section]) -> str:
@@ -157,18 +174,30 @@ def render_text(sections: list[Section]) -> str:
 
 def render_markdown(sections: list[Section]) -> str:
     """The reference table of `docs/recipe.md`: one table per section, one row per field."""
-    out = ["# Recipe reference", "",
-           "Every field of a recipe (`configs/*.yaml`), with its type, default, bounds and help, generated from",
-           f"the recipe dataclasses in `trainer/recipe.py` by `{GENERATOR}`",
-           "(`tests/test_recipe_help.py` fails when this file is out of date). Keys are the dotted keys an",
-           "override uses: `grpoflow train train.learning_rate=1e-4`. `grpoflow recipe explain KEY` prints one",
-           "field or one section in a terminal.", ""]
+    out = [
+        "# Recipe reference",
+        "",
+        "Every field of a recipe (`configs/*.yaml`), with its type, default, bounds and help, generated from",
+        f"the recipe dataclasses in `trainer/recipe.py` by `{GENERATOR}`",
+        "(`tests/test_recipe_help.py` fails when this file is out of date). Keys are the dotted keys an",
+        "override uses: `grpoflow train train.learning_rate=1e-4`. `grpoflow recipe explain KEY` prints one",
+        "field or one section in a terminal.",
+        "",
+    ]
     for section in sections:
-        out += [f"## {section.name or 'Top level'}", "", _cell(section.help), "",
-                "| key | type | default | bounds | help |", "|---|---|---|---|---|"]
+        out += [
+            f"## {section.name or 'Top level'}",
+            "",
+            _cell(section.help),
+            "",
+            "| key | type | default | bounds | help |",
+            "|---|---|---|---|---|",
+        ]
         for doc in section.fields:
-            out.append(f"| `{_cell(doc.key)}` | `{_cell(doc.type)}` | `{_cell(doc.default_text())}` | "
-                       f"{_cell(doc.bounds_text())} | {_cell(doc.help)} |")
+            out.append(
+                f"| `{_cell(doc.key)}` | `{_cell(doc.type)}` | `{_cell(doc.default_text())}` | "
+                f"{_cell(doc.bounds_text())} | {_cell(doc.help)} |"
+            )
         out.append("")
     return "\n".join(out)
 

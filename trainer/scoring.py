@@ -21,16 +21,26 @@ from trainer.rewards import RewardRunner
 from trainer.rollout.batch import RolloutBatch
 
 
-def score_groups(rewards: RewardRunner, cfg: TrainConfig, rows: list[dict], prompt_ids: list[list[int]],
-                 groups: list, metrics: dict) -> tuple[RolloutBatch, dict]:
+def score_groups(
+    rewards: RewardRunner,
+    cfg: TrainConfig,
+    rows: list[dict],
+    prompt_ids: list[list[int]],
+    groups: list,
+    metrics: dict,
+) -> tuple[RolloutBatch, dict]:
     """The scored batch of `groups` (one group of `cfg.num_generations` completions per row of `rows`), and
     `metrics` with the reward, advantage and completion-length figures added."""
     G = cfg.num_generations
     completions = [c for g in groups for c in g]
     t1 = time.perf_counter()
     expanded = [r for r in rows for _ in range(G)]
-    result = rewards([r["prompt"] for r in expanded], [c.text for c in completions],
-                     completion_ids=[c.token_ids for c in completions], **columns_of(expanded))
+    result = rewards(
+        [r["prompt"] for r in expanded],
+        [c.text for c in completions],
+        completion_ids=[c.token_ids for c in completions],
+        **columns_of(expanded),
+    )
     total = torch.tensor([math.nan if r is None else r for r in result.total])
     advantages, valid, stats = L.group_advantages(total, G, cfg.scale_rewards)
     loss_mask = valid.clone()
@@ -43,13 +53,25 @@ def score_groups(rewards: RewardRunner, cfg: TrainConfig, rows: list[dict], prom
     if cfg.mask_truncated_completions:
         loss_mask &= ~truncated
     lengths = [len(c.token_ids) for c in completions]
-    metrics = {**metrics, **stats, **result.metrics(),
-               "completions/mean_length": statistics.fmean(lengths), "completions/min_length": min(lengths),
-               "completions/max_length": max(lengths), "completions/clipped_ratio": truncated.float().mean().item(),
-               "timing/reward_s": time.perf_counter() - t1, "reward_errors": float(sum(result.errors.values()))}
-    batch = RolloutBatch([p for p in prompt_ids for _ in range(G)], completions, advantages,
-                         loss_mask.float(), policy_version=min(c.policy_version for c in completions),
-                         sampled_out=sampled_out)
+    metrics = {
+        **metrics,
+        **stats,
+        **result.metrics(),
+        "completions/mean_length": statistics.fmean(lengths),
+        "completions/min_length": min(lengths),
+        "completions/max_length": max(lengths),
+        "completions/clipped_ratio": truncated.float().mean().item(),
+        "timing/reward_s": time.perf_counter() - t1,
+        "reward_errors": float(sum(result.errors.values())),
+    }
+    batch = RolloutBatch(
+        [p for p in prompt_ids for _ in range(G)],
+        completions,
+        advantages,
+        loss_mask.float(),
+        policy_version=min(c.policy_version for c in completions),
+        sampled_out=sampled_out,
+    )
     return batch, metrics
 
 

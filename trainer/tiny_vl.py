@@ -29,7 +29,9 @@ CORPUS = [
 ]
 
 
-def build_tiny_vl(out: str | Path, seed: int = 0, hidden_size: int = 64, layers: int = 2, merge: int = 1) -> Path:
+def build_tiny_vl(
+    out: str | Path, seed: int = 0, hidden_size: int = 64, layers: int = 2, merge: int = 1
+) -> Path:
     """An untrained tiny model saved at `out` (the vision tests' model)."""
     model, tokenizer = make(seed, hidden_size, layers, merge)
     out = Path(out)
@@ -39,8 +41,14 @@ def build_tiny_vl(out: str | Path, seed: int = 0, hidden_size: int = 64, layers:
     return out
 
 
-def make(seed: int = 0, hidden_size: int = 64, layers: int = 2, merge: int = 1, corpus: list[str] = CORPUS,
-         vocab_size: int = 400):
+def make(
+    seed: int = 0,
+    hidden_size: int = 64,
+    layers: int = 2,
+    merge: int = 1,
+    corpus: list[str] = CORPUS,
+    vocab_size: int = 400,
+):
     """The model and its tokenizer (with `tokenizer.vision`, as `load_model` gives it), seeded, in memory.
 
     `merge` is the vision tower's spatial merge: 1 gives one token per 14-pixel patch (a 56x56 image is 16
@@ -51,26 +59,53 @@ def make(seed: int = 0, hidden_size: int = 64, layers: int = 2, merge: int = 1, 
 
     tokenizer = build_tokenizer(corpus * max(1, 2000 // len(corpus)), vocab_size=vocab_size)
     tokenizer.add_special_tokens({"additional_special_tokens": [*PLACEHOLDER_TOKENS, VIDEO_PAD]})
-    ids = dict(zip([*PLACEHOLDER_TOKENS, VIDEO_PAD], tokenizer.convert_tokens_to_ids([*PLACEHOLDER_TOKENS, VIDEO_PAD]),
-                   strict=True))
+    ids = dict(
+        zip(
+            [*PLACEHOLDER_TOKENS, VIDEO_PAD],
+            tokenizer.convert_tokens_to_ids([*PLACEHOLDER_TOKENS, VIDEO_PAD]),
+            strict=True,
+        )
+    )
     torch.manual_seed(seed)
     heads = max(1, hidden_size // 32)  # head_dim 32: the smallest vLLM's CPU attention takes
-    half = hidden_size // heads // 2  # M-RoPE splits each head's rotary frequencies into time, height and width
+    half = (
+        hidden_size // heads // 2
+    )  # M-RoPE splits each head's rotary frequencies into time, height and width
     t = half // 4
     sections = [t, (half - t) // 2, half - t - (half - t) // 2]
     config = Qwen2VLConfig(
-        text_config={"vocab_size": len(tokenizer), "hidden_size": hidden_size, "intermediate_size": 2 * hidden_size,
-                     "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": heads,
-                     "max_position_embeddings": 1024, "tie_word_embeddings": True,
-                     "bos_token_id": tokenizer.convert_tokens_to_ids("<|im_start|>"),
-                     "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
-                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": sections}},
-        vision_config={"depth": 2, "embed_dim": hidden_size // 2, "hidden_size": hidden_size, "num_heads": 2,
-                       "mlp_ratio": 2, "patch_size": 14, "spatial_merge_size": merge, "temporal_patch_size": 2},
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids[VIDEO_PAD],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"), tie_word_embeddings=True,
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": hidden_size,
+            "intermediate_size": 2 * hidden_size,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": heads,
+            "max_position_embeddings": 1024,
+            "tie_word_embeddings": True,
+            "bos_token_id": tokenizer.convert_tokens_to_ids("<|im_start|>"),
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": sections},
+        },
+        vision_config={
+            "depth": 2,
+            "embed_dim": hidden_size // 2,
+            "hidden_size": hidden_size,
+            "num_heads": 2,
+            "mlp_ratio": 2,
+            "patch_size": 14,
+            "spatial_merge_size": merge,
+            "temporal_patch_size": 2,
+        },
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids[VIDEO_PAD],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
+        tie_word_embeddings=True,
     )
     model = Qwen2VLForConditionalGeneration(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
@@ -83,17 +118,23 @@ def make(seed: int = 0, hidden_size: int = 64, layers: int = 2, merge: int = 1, 
 
 # ---- the warm-up's pieces, for `trainer.bootstrap` (task: counting) --------------------------------------------------
 
+
 def rows(task: str, n: int, seed: int, pool: str, system_prompt: str) -> list[dict]:
     """`n` counting rows from the train image stream, or (pool 'eval') the held-out one GRPO evaluates on."""
     from data.synthetic import counting_row_images
 
     split = "heldout" if pool == "eval" else "train"
-    return [make_row(f"boot-{pool}-{i}", QUESTION, str(count), "counting", system_prompt, images=[ref])
-            for i, (ref, count) in enumerate(counting_row_images(n, seed, split))]
+    return [
+        make_row(f"boot-{pool}-{i}", QUESTION, str(count), "counting", system_prompt, images=[ref])
+        for i, (ref, count) in enumerate(counting_row_images(n, seed, split))
+    ]
 
 
 def build(cfg, train_rows: list[dict], system_prompt: str):
-    corpus = [f"{system_prompt} {QUESTION} <think>I count the objects.</think><answer>{n}</answer>" for n in range(10)]
+    corpus = [
+        f"{system_prompt} {QUESTION} <think>I count the objects.</think><answer>{n}</answer>"
+        for n in range(10)
+    ]
     return make(cfg.seed, cfg.hidden_size, cfg.num_layers, corpus=corpus + CORPUS, vocab_size=cfg.vocab_size)
 
 

@@ -78,14 +78,17 @@ def build(cls: type, data: Any, source: str = "<config>", prefix: str = ""):
     if unknown:
         key = _key_text(unknown[0])
         hint = did_you_mean(key, fields)
-        raise ConfigError(f"{source}: unknown key '{prefix}{key}'{hint}; valid keys"
-                          f"{' in ' + repr(prefix[:-1]) if prefix else ''}: {', '.join(sorted(fields))}")
+        raise ConfigError(
+            f"{source}: unknown key '{prefix}{key}'{hint}; valid keys"
+            f"{' in ' + repr(prefix[:-1]) if prefix else ''}: {', '.join(sorted(fields))}"
+        )
     hints = get_type_hints(cls)
     kwargs = {}
     for key, value in data.items():
         f = fields[key]
-        kwargs[f.name] = _coerce(hints[f.name], value, source, f"{prefix}{key}",
-                                 finite=f.metadata.get("finite", True))
+        kwargs[f.name] = _coerce(
+            hints[f.name], value, source, f"{prefix}{key}", finite=f.metadata.get("finite", True)
+        )
         _check_bounds(f, kwargs[f.name], source, f"{prefix}{key}")
     try:
         return cls(**kwargs)
@@ -95,15 +98,22 @@ def build(cls: type, data: Any, source: str = "<config>", prefix: str = ""):
         raise ConfigError(f"{_where(source, prefix[:-1])}: {e}") from None
 
 
-_BOUNDS = {"gt": (operator.gt, ">"), "ge": (operator.ge, ">="), "lt": (operator.lt, "<"), "le": (operator.le, "<=")}
+_BOUNDS = {
+    "gt": (operator.gt, ">"),
+    "ge": (operator.ge, ">="),
+    "lt": (operator.lt, "<"),
+    "le": (operator.le, "<="),
+}
 
 
 def _check_bounds(f: dataclasses.Field, value: Any, source: str, key: str) -> None:
     """A field's `gt`/`ge`/`lt`/`le` (on a number, or each number of a list) and `min_len` metadata."""
     min_len = f.metadata.get("min_len")
     if min_len is not None and isinstance(value, (list, tuple, dict)) and len(value) < min_len:
-        raise ConfigError(f"{_where(source, key)}: needs at least {min_len} "
-                          f"{'entry' if min_len == 1 else 'entries'}, got {short_repr(value)}")
+        raise ConfigError(
+            f"{_where(source, key)}: needs at least {min_len} "
+            f"{'entry' if min_len == 1 else 'entries'}, got {short_repr(value)}"
+        )
     bounds = [(name, f.metadata[name]) for name in _BOUNDS if name in f.metadata]
     if not bounds:
         return
@@ -115,8 +125,9 @@ def _check_bounds(f: dataclasses.Field, value: Any, source: str, key: str) -> No
             compare, symbol = _BOUNDS[name]
             if not compare(item, limit):
                 where = key if i is None else f"{key}[{i}]"
-                raise ConfigError(f"{_where(source, where)}: must be {symbol} {limit:,}, "
-                                  f"got {short_repr(item)}")
+                raise ConfigError(
+                    f"{_where(source, where)}: must be {symbol} {limit:,}, got {short_repr(item)}"
+                )
 
 
 def _refuse_nonfinite(value: Any, source: str, key: str) -> None:
@@ -156,13 +167,18 @@ def _coerce(tp: Any, value: Any, source: str, key: str, finite: bool = True):
                 return _coerce(arg, value, source, key, finite)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[0] if len(errors) == 1 else
-                          f"{_where(source, key)}: expected {_type_name(tp)}, got {_show(value)}")
+        raise ConfigError(
+            errors[0]
+            if len(errors) == 1
+            else f"{_where(source, key)}: expected {_type_name(tp)}, got {_show(value)}"
+        )
     if origin is Literal:
         if value in args:
             return value
-        raise ConfigError(f"{_where(source, key)}: {short_repr(value)} is not a valid choice; choose one of "
-                          f"{', '.join(repr(a) for a in args)}")
+        raise ConfigError(
+            f"{_where(source, key)}: {short_repr(value)} is not a valid choice; choose one of "
+            f"{', '.join(repr(a) for a in args)}"
+        )
     if dataclasses.is_dataclass(tp):
         return build(tp, value, source, key + ".")
     if origin in (list, tuple) or tp in (list, tuple):
@@ -282,9 +298,11 @@ def _expanded_size(node: yaml.Node, sizes: dict[int, int], open_nodes: set[int])
     for child in children:
         total += _expanded_size(child, sizes, open_nodes)
         if total > MAX_YAML_VALUES:  # each child's own count is at most the limit: this stops early
-            raise _ExpansionError(f"line {line}: more than {MAX_YAML_VALUES:,} values once its aliases are "
-                                  "expanded (a recipe has a few hundred); write the values out or use fewer "
-                                  "aliases")
+            raise _ExpansionError(
+                f"line {line}: more than {MAX_YAML_VALUES:,} values once its aliases are "
+                "expanded (a recipe has a few hundred); write the values out or use fewer "
+                "aliases"
+            )
     open_nodes.discard(id(node))
     sizes[id(node)] = total
     return total

@@ -31,6 +31,7 @@ UNSUPPORTED_MEDIA = ("videos", "audios")
 @dataclass
 class VisionInputs:
     """The images of one prompt (or of several, concatenated in row order), as the model takes them."""
+
     pixel_values: torch.Tensor  # [patches, channels * temporal_patch * patch * patch]
     image_grid_thw: torch.Tensor  # [images, 3]
     image_token_id: int
@@ -41,12 +42,17 @@ class VisionInputs:
         present = [v for v in items if v is not None]
         if not present:
             return None
-        return VisionInputs(torch.cat([v.pixel_values for v in present]), torch.cat([v.image_grid_thw for v in present]),
-                            present[0].image_token_id, tuple(r for v in present for r in v.refs))
+        return VisionInputs(
+            torch.cat([v.pixel_values for v in present]),
+            torch.cat([v.image_grid_thw for v in present]),
+            present[0].image_token_id,
+            tuple(r for v in present for r in v.refs),
+        )
 
     def to(self, device) -> VisionInputs:
-        return dataclasses.replace(self, pixel_values=self.pixel_values.to(device),
-                                   image_grid_thw=self.image_grid_thw.to(device))
+        return dataclasses.replace(
+            self, pixel_values=self.pixel_values.to(device), image_grid_thw=self.image_grid_thw.to(device)
+        )
 
 
 class PromptIds(list):
@@ -74,8 +80,10 @@ class VisionEncoder:
         self.placeholder = "".join(PLACEHOLDER_TOKENS)
         ids = tokenizer.convert_tokens_to_ids(list(PLACEHOLDER_TOKENS))
         if ids[1] != self.image_token_id:
-            raise ValueError(f"the tokenizer's {PLACEHOLDER_TOKENS[1]} is id {ids[1]}, but the model's config says "
-                             f"image_token_id {self.image_token_id}: tokenizer and model do not belong together")
+            raise ValueError(
+                f"the tokenizer's {PLACEHOLDER_TOKENS[1]} is id {ids[1]}, but the model's config says "
+                f"image_token_id {self.image_token_id}: tokenizer and model do not belong together"
+            )
 
     def inputs(self, refs: list[str]) -> VisionInputs:
         images = [load_image(r) for r in refs]
@@ -90,7 +98,7 @@ class VisionEncoder:
         messages[user]["content"] = self.placeholder * len(row["images"]) + messages[user]["content"]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        sizes = iter((vision.image_grid_thw.prod(-1) // self.merge ** 2).tolist())
+        sizes = iter((vision.image_grid_thw.prod(-1) // self.merge**2).tolist())
         expanded = []
         for token in ids:
             expanded.extend([token] * next(sizes) if token == self.image_token_id else [token])
@@ -101,24 +109,37 @@ def check_media(row: dict, vision: VisionEncoder | None) -> None:
     """ValueError naming the row when it carries media this model cannot take."""
     for key in UNSUPPORTED_MEDIA:
         if row.get(key):
-            raise ValueError(f"row {row.get('id')!r}: it has {key}, which this trainer cannot give a model yet "
-                             "(images only); drop the column or the rows")
+            raise ValueError(
+                f"row {row.get('id')!r}: it has {key}, which this trainer cannot give a model yet "
+                "(images only); drop the column or the rows"
+            )
     if row.get("images") and vision is None:
-        raise ValueError(f"row {row.get('id')!r}: it has images, but the model was loaded without an image "
-                         "processor: set model.modality: vision and use an image-text model (e.g. Qwen2.5-VL)")
+        raise ValueError(
+            f"row {row.get('id')!r}: it has images, but the model was loaded without an image "
+            "processor: set model.modality: vision and use an image-text model (e.g. Qwen2.5-VL)"
+        )
 
 
-def vision_forward_kwargs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                          vision: VisionInputs) -> dict:
+def vision_forward_kwargs(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, vision: VisionInputs
+) -> dict:
     """What a forward over left-padded `input_ids` needs besides ids and mask: pixels, grids, modality types and
     3-D positions (padding at 0), computed once here so that rollout and training agree."""
     vision = vision.to(input_ids.device)
     types = (input_ids == vision.image_token_id).int()
     core = getattr(model, "module", model)  # DDP
-    positions, _ = core.model.get_rope_index(input_ids, image_grid_thw=vision.image_grid_thw,
-                                             attention_mask=attention_mask, mm_token_type_ids=types)
-    return {"pixel_values": vision.pixel_values, "image_grid_thw": vision.image_grid_thw,
-            "mm_token_type_ids": types, "position_ids": positions}
+    positions, _ = core.model.get_rope_index(
+        input_ids,
+        image_grid_thw=vision.image_grid_thw,
+        attention_mask=attention_mask,
+        mm_token_type_ids=types,
+    )
+    return {
+        "pixel_values": vision.pixel_values,
+        "image_grid_thw": vision.image_grid_thw,
+        "mm_token_type_ids": types,
+        "position_ids": positions,
+    }
 
 
 def save_tokenizer(tokenizer, directory) -> None:
@@ -128,4 +149,12 @@ def save_tokenizer(tokenizer, directory) -> None:
         tokenizer.vision.image_processor.save_pretrained(directory)
 
 
-__all__ = ["PromptIds", "save_tokenizer", "VisionEncoder", "VisionInputs", "check_media", "vision_forward_kwargs", "vision_of"]
+__all__ = [
+    "PromptIds",
+    "save_tokenizer",
+    "VisionEncoder",
+    "VisionInputs",
+    "check_media",
+    "vision_forward_kwargs",
+    "vision_of",
+]

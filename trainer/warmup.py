@@ -22,17 +22,27 @@ def build_tokenizer(corpus: list[str], vocab_size: int):
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     # The tags are added afterwards as plain tokens: as special tokens, decoding would drop them.
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(corpus, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   additional_special_tokens=["<|im_start|>"])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
     fast.add_tokens(TAG_TOKENS)  # plain added tokens: kept when decoding with skip_special_tokens
     fast.chat_template = CHAT_TEMPLATE
     fast.padding_side = "left"
@@ -43,8 +53,9 @@ def sft_batches(model, tokenizer, rows: list[dict], batch_size: int, seed: int):
     """Endless seeded batches of (input_ids, attention_mask, labels, more forward inputs) with loss on the
     completion only; a vision model's batches carry their images (`trainer.vision`)."""
     prompts = encode_prompts(tokenizer, rows)
-    completions = tokenizer([worked_solution(r) + tokenizer.eos_token for r in rows],
-                            add_special_tokens=False)["input_ids"]
+    completions = tokenizer(
+        [worked_solution(r) + tokenizer.eos_token for r in rows], add_special_tokens=False
+    )["input_ids"]
     seqs = [p + c for p, c in zip(prompts, completions, strict=False)]
     n_prompt = [len(p) for p in prompts]
     gen = torch.Generator().manual_seed(seed)
@@ -57,9 +68,9 @@ def sft_batches(model, tokenizer, rows: list[dict], batch_size: int, seed: int):
             labels = torch.full_like(ids, -100)
             for row, i in enumerate(chosen):
                 s = torch.tensor(seqs[i])
-                ids[row, :len(s)] = s
-                mask[row, :len(s)] = 1
-                labels[row, n_prompt[i]:len(s)] = s[n_prompt[i]:]
+                ids[row, : len(s)] = s
+                mask[row, : len(s)] = 1
+                labels[row, n_prompt[i] : len(s)] = s[n_prompt[i] :]
             vision = VisionInputs.concat([vision_of(prompts[i]) for i in chosen])
             yield ids, mask, labels, (vision_forward_kwargs(model, ids, mask, vision) if vision else {})
 

@@ -20,5 +20,13 @@ from evaluation.serving.launcher import (
     served_model,
 )
 
-__all__ = ["ServedModel", "ServerLimits", "ServingInputError", "add_server_arguments", "get_json", "serve",
-           "serve_from_args", "served_model"]
+__all__ = [
+    "ServedModel",
+    "ServerLimits",
+    "ServingInputError",
+    "add_server_arguments",
+    "get_json",
+    "serve",
+    "serve_from_args",
+    "served_model",
+]

@@ -41,7 +41,7 @@ from trainer.prompts import encode_prompts
 from trainer.rollout.base import Completion, SamplingParams
 
 log = logging.getLogger("grpoflow.serve")
-_SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)  # what torch.Generator.manual_seed takes
+_SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 _GREEDY_BELOW = 1e-5  # a smaller temperature is greedy (as in vLLM): logits / T would overflow
 _MAX_TOKENS_WITHOUT_CONTEXT = 4096  # for a model that declares no context length, unless --max-tokens says
 
@@ -74,15 +74,31 @@ class ApiError(Exception):
         self.status, self.message, self.param = status, message, param
 
 
-_KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          408: "timeout", 413: "invalid_request_error", 504: "timeout"}
+_KINDS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    408: "timeout",
+    413: "invalid_request_error",
+    504: "timeout",
+}
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
     """An OpenAI-style error: `{"error": {"message", "type", "param", "code"}}`."""
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse({"error": {"message": message, "type": _KINDS.get(status, "server_error"), "param": param,
-                                   "code": status}}, status, headers=headers)
+    return JSONResponse(
+        {
+            "error": {
+                "message": message,
+                "type": _KINDS.get(status, "server_error"),
+                "param": param,
+                "code": status,
+            }
+        },
+        status,
+        headers=headers,
+    )
 
 
 def _bearer_token(authorization: bytes) -> bytes | None:
@@ -102,8 +118,9 @@ class _RequireKey:
             given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             token = _bearer_token(given)
             if token is None or not hmac.compare_digest(token, self.key):
-                refusal = error_response(401, "a valid API key is required: send 'Authorization: Bearer <key>'",
-                                         "authorization")
+                refusal = error_response(
+                    401, "a valid API key is required: send 'Authorization: Bearer <key>'", "authorization"
+                )
                 return await refusal(scope, receive, send)
         await self.app(scope, receive, send)
 
@@ -112,8 +129,10 @@ def _text_of(message: dict, index: int) -> dict:
     """A chat message with string content (OpenAI also allows a list of text parts)."""
     content = message.get("content")
     if isinstance(content, list):
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text", ""), str)
-                   for p in content):
+        if not all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text", ""), str)
+            for p in content
+        ):
             raise ApiError(400, f"messages[{index}]: only text content parts are supported", "messages")
         content = "".join(p.get("text", "") for p in content)
     if not isinstance(message.get("role"), str) or not isinstance(content, str | None):
@@ -137,13 +156,15 @@ def _stop_at(completion: Completion, stops: list[str], tokenizer) -> tuple[str, 
             hi = mid
         else:
             lo = mid + 1
-    return text[:min(text.find(s) for s in found)], lo, "stop"
+    return text[: min(text.find(s) for s in found)], lo, "stop"
 
 
 class _Prepared:
     """A checked request: its prompts as token ids, sampling settings and stop strings."""
 
-    def __init__(self, kind: str, prompts: list[list[int]], n: int, sampling: SamplingParams, stops: list[str]):
+    def __init__(
+        self, kind: str, prompts: list[list[int]], n: int, sampling: SamplingParams, stops: list[str]
+    ):
         self.kind, self.prompts, self.n, self.sampling, self.stops = kind, prompts, n, sampling, stops
 
 
@@ -151,15 +172,21 @@ class _Parser:
     """Turns a request body into a `_Prepared`, raising `ApiError(400, ...)` naming the field. Runs in a thread."""
 
     def __init__(self, tokenizer, model_name: str, context_length: int | None, limits: ServerLimits):
-        self.tokenizer, self.model_name, self.context_length, self.limits = (tokenizer, model_name, context_length,
-                                                                              limits)
+        self.tokenizer, self.model_name, self.context_length, self.limits = (
+            tokenizer,
+            model_name,
+            context_length,
+            limits,
+        )
         self._lock = threading.Lock()  # a fast tokenizer is not safe to call from several threads at once
 
     def parse(self, kind: str, body: bytes) -> _Prepared:
         try:
             data = json.loads(body)
         except (ValueError, RecursionError) as e:  # RecursionError: nesting deeper than the decoder goes
-            raise ApiError(400, f"body: not valid JSON ({type(e).__name__}: {str(e)[:200]})", "body") from None
+            raise ApiError(
+                400, f"body: not valid JSON ({type(e).__name__}: {str(e)[:200]})", "body"
+            ) from None
         if not isinstance(data, dict):
             raise ApiError(400, f"body: expected a JSON object, got {type(data).__name__}", "body")
         try:
@@ -167,57 +194,87 @@ class _Parser:
         except ValidationError as e:
             first = e.errors()[0]
             where = ".".join(str(p) for p in first.get("loc", ())) or "body"
-            raise ApiError(400, f"{where}: {first.get('msg', 'invalid value')}", where.split(".")[0]) from None
+            raise ApiError(
+                400, f"{where}: {first.get('msg', 'invalid value')}", where.split(".")[0]
+            ) from None
         if req.model not in (None, "", self.model_name):
-            raise ApiError(404, f"the model `{req.model}` does not exist; this server serves `{self.model_name}`",
-                           "model")
+            raise ApiError(
+                404,
+                f"the model `{req.model}` does not exist; this server serves `{self.model_name}`",
+                "model",
+            )
         if req.stream:
-            raise ApiError(400, "stream: stream=true is not supported by the transformers engine (the vLLM "
-                                "engine streams)", "stream")
+            raise ApiError(
+                400,
+                "stream: stream=true is not supported by the transformers engine (the vLLM engine streams)",
+                "stream",
+            )
         stops = self._stops(req.stop)
         prompts = self._chat_prompts(req.messages) if kind == "chat" else self._completion_prompts(req.prompt)
         limit = self.limits.max_sequences
         if len(prompts) * req.n > limit:
-            raise ApiError(400, f"n: {len(prompts)} prompt(s) x n={req.n} asks for {len(prompts) * req.n} "
-                                f"completions; this server allows {limit} per request (--max-sequences)", "n")
+            raise ApiError(
+                400,
+                f"n: {len(prompts)} prompt(s) x n={req.n} asks for {len(prompts) * req.n} "
+                f"completions; this server allows {limit} per request (--max-sequences)",
+                "n",
+            )
         return _Prepared(kind, prompts, req.n, self._sampling(req, prompts), stops)
 
     def _stops(self, stop) -> list[str]:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if len(stops) > self.limits.max_stop:
-            raise ApiError(400, f"stop: {len(stops)} stop strings; this server allows {self.limits.max_stop} "
-                                "(--max-stop)", "stop")
+            raise ApiError(
+                400,
+                f"stop: {len(stops)} stop strings; this server allows {self.limits.max_stop} (--max-stop)",
+                "stop",
+            )
         longest = max((len(s) for s in stops), default=0)
         if longest > self.limits.max_stop_length:
-            raise ApiError(400, f"stop: a stop string of {longest} characters; this server allows "
-                                f"{self.limits.max_stop_length} (--max-stop-length)", "stop")
+            raise ApiError(
+                400,
+                f"stop: a stop string of {longest} characters; this server allows "
+                f"{self.limits.max_stop_length} (--max-stop-length)",
+                "stop",
+            )
         return stops
 
     def _chat_prompts(self, messages: list[dict]) -> list[list[int]]:
         if not getattr(self.tokenizer, "chat_template", None):
-            raise ApiError(400, f"messages: {self.model_name} has no chat template; use /v1/completions",
-                           "messages")
+            raise ApiError(
+                400, f"messages: {self.model_name} has no chat template; use /v1/completions", "messages"
+            )
         clean = [_text_of(m, i) for i, m in enumerate(messages)]
         try:
             with self._lock:
                 return encode_prompts(self.tokenizer, [{"prompt": clean}])
         except Exception as e:  # noqa: BLE001 - a template refusing these messages (roles, order) is the client's
-            raise ApiError(400, f"messages: the chat template refused them: {type(e).__name__}: {str(e)[:200]}",
-                           "messages") from None
+            raise ApiError(
+                400,
+                f"messages: the chat template refused them: {type(e).__name__}: {str(e)[:200]}",
+                "messages",
+            ) from None
 
     def _completion_prompts(self, prompt) -> list[list[int]]:
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
         if not prompt or len(prompt) > self.limits.max_sequences:
-            raise ApiError(400, f"prompt: between 1 and {self.limits.max_sequences} prompts per request "
-                                f"(--max-sequences), got {len(prompt)}", "prompt")
+            raise ApiError(
+                400,
+                f"prompt: between 1 and {self.limits.max_sequences} prompts per request "
+                f"(--max-sequences), got {len(prompt)}",
+                "prompt",
+            )
         with self._lock:
             prompts = [self.tokenizer(p).input_ids if isinstance(p, str) else list(p) for p in prompt]
         vocab = len(self.tokenizer)
         for i, p in enumerate(prompts):
             if not p or not all(0 <= t < vocab for t in p):
-                raise ApiError(400, f"prompt[{i}]: each prompt needs at least one token, token ids in [0, {vocab})",
-                               "prompt")
+                raise ApiError(
+                    400,
+                    f"prompt[{i}]: each prompt needs at least one token, token ids in [0, {vocab})",
+                    "prompt",
+                )
         return prompts
 
     def _sampling(self, req: _Sampled, prompts: list[list[int]]) -> SamplingParams:
@@ -226,46 +283,81 @@ class _Parser:
         field = "max_tokens" if req.max_tokens else "max_completion_tokens"
         cap = self.limits.max_tokens
         if asked is not None and cap is not None and asked > cap:
-            raise ApiError(400, f"{field}: {asked} is over this server's limit of {cap} (--max-tokens)", field)
+            raise ApiError(
+                400, f"{field}: {asked} is over this server's limit of {cap} (--max-tokens)", field
+            )
         if self.context_length is None:
             room = cap = cap or _MAX_TOKENS_WITHOUT_CONTEXT
             if asked is not None and asked > cap:
-                raise ApiError(400, f"{field}: {asked} is over this server's limit of {cap} (--max-tokens)", field)
+                raise ApiError(
+                    400, f"{field}: {asked} is over this server's limit of {cap} (--max-tokens)", field
+                )
         else:
             room = self.context_length - longest
             if room < 1:
                 where = "prompt" if isinstance(req, CompletionRequest) else "messages"
-                raise ApiError(400, f"{where}: {longest} prompt tokens leave no room in this model's maximum context "
-                                    f"length of {self.context_length} tokens", where)
+                raise ApiError(
+                    400,
+                    f"{where}: {longest} prompt tokens leave no room in this model's maximum context "
+                    f"length of {self.context_length} tokens",
+                    where,
+                )
             if asked is not None and asked > room:
-                raise ApiError(400, f"{field}: this model's maximum context length is {self.context_length} tokens; "
-                                    f"the request needs {longest} prompt + {asked} completion tokens", field)
+                raise ApiError(
+                    400,
+                    f"{field}: this model's maximum context length is {self.context_length} tokens; "
+                    f"the request needs {longest} prompt + {asked} completion tokens",
+                    field,
+                )
         if asked is None:
             asked = min(room, cap) if cap is not None else room
         temperature = 1.0 if req.temperature is None else req.temperature
         if temperature < _GREEDY_BELOW:
             temperature = 0.0
-        return SamplingParams(max_tokens=asked, temperature=temperature,
-                              top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
-                              ignore_eos=req.ignore_eos)
+        return SamplingParams(
+            max_tokens=asked,
+            temperature=temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            seed=req.seed,
+            ignore_eos=req.ignore_eos,
+        )
 
 
-def _response(prepared: _Prepared, groups: list[list[Completion]], tokenizer, model_name: str, rid: str) -> bytes:
+def _response(
+    prepared: _Prepared, groups: list[list[Completion]], tokenizer, model_name: str, rid: str
+) -> bytes:
     """The OpenAI response body, as bytes (built in a thread: stop cutting decodes)."""
     outs = [_stop_at(c, prepared.stops, tokenizer) for group in groups for c in group]
     prompt_tokens = sum(len(p) for p in prepared.prompts)
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": sum(k for _, k, _ in outs)}
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
     if prepared.kind == "chat":
-        choices = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                    "logprobs": None} for i, (text, _, reason) in enumerate(outs)]
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": reason,
+                "logprobs": None,
+            }
+            for i, (text, _, reason) in enumerate(outs)
+        ]
         kind = "chat.completion"
     else:
-        choices = [{"index": i, "text": text, "finish_reason": reason, "logprobs": None}
-                   for i, (text, _, reason) in enumerate(outs)]
+        choices = [
+            {"index": i, "text": text, "finish_reason": reason, "logprobs": None}
+            for i, (text, _, reason) in enumerate(outs)
+        ]
         kind = "text_completion"
-    return json.dumps({"id": rid, "object": kind, "created": int(time.time()), "model": model_name, "usage": usage,
-                       "choices": choices}).encode()
+    return json.dumps(
+        {
+            "id": rid,
+            "object": kind,
+            "created": int(time.time()),
+            "model": model_name,
+            "usage": usage,
+            "choices": choices,
+        }
+    ).encode()
 
 
 class _ClientGone(Exception):
@@ -274,8 +366,15 @@ class _ClientGone(Exception):
 
 # ---- the app ----------------------------------------------------------------------------------------------
 
-def build_app(tokenizer, model_name: str, scheduler: Scheduler, context_length: int | None,
-              limits: ServerLimits | None = None, api_key: str | None = None) -> FastAPI:
+
+def build_app(
+    tokenizer,
+    model_name: str,
+    scheduler: Scheduler,
+    context_length: int | None,
+    limits: ServerLimits | None = None,
+    api_key: str | None = None,
+) -> FastAPI:
     """The FastAPI app serving what `scheduler` generates as `model_name`."""
     limits = limits or ServerLimits()
     parser = _Parser(tokenizer, model_name, context_length, limits)
@@ -298,8 +397,18 @@ def build_app(tokenizer, model_name: str, scheduler: Scheduler, context_length: 
 
     @app.get("/v1/models")
     def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "grpoflow", "max_model_len": context_length}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "grpoflow",
+                    "max_model_len": context_length,
+                }
+            ],
+        }
 
     async def read_body(request: Request) -> bytes:
         limit = limits.max_body_bytes
@@ -308,15 +417,21 @@ def build_app(tokenizer, model_name: str, scheduler: Scheduler, context_length: 
             if not length.isdigit():
                 raise ApiError(400, f"content-length: not a byte count: {length[:40]!r}", "content-length")
             if int(length) > limit:
-                raise ApiError(413, f"body: {int(length)} bytes; this server accepts at most {limit} "
-                                    "(--max-body-bytes)", "body")
+                raise ApiError(
+                    413,
+                    f"body: {int(length)} bytes; this server accepts at most {limit} (--max-body-bytes)",
+                    "body",
+                )
         chunks, size = [], 0
         try:
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
-                    raise ApiError(413, f"body: over {limit} bytes; this server accepts at most {limit} "
-                                        "(--max-body-bytes)", "body")
+                    raise ApiError(
+                        413,
+                        f"body: over {limit} bytes; this server accepts at most {limit} (--max-body-bytes)",
+                        "body",
+                    )
                 chunks.append(chunk)
         except ClientDisconnect:
             raise _ClientGone from None
@@ -332,8 +447,9 @@ def build_app(tokenizer, model_name: str, scheduler: Scheduler, context_length: 
         job: Job = scheduler.submit(prepared.prompts, prepared.n, prepared.sampling, name=rid)
         result, gone = asyncio.wrap_future(job.future), asyncio.ensure_future(disconnected(request))
         try:
-            done, _ = await asyncio.wait({result, gone}, timeout=max(0.0, deadline - loop.time()),
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                {result, gone}, timeout=max(0.0, deadline - loop.time()), return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             gone.cancel()
         if result in done:
@@ -348,13 +464,18 @@ def build_app(tokenizer, model_name: str, scheduler: Scheduler, context_length: 
             scheduler.cancel(job, "the client disconnected")
             raise _ClientGone
         scheduler.cancel(job, f"timed out after {limits.request_timeout_s:g} s", timed_out=True)
-        raise ApiError(504, f"the request took over {limits.request_timeout_s:g} s (--request-timeout); its "
-                            "generation was stopped: ask for fewer tokens or completions")
+        raise ApiError(
+            504,
+            f"the request took over {limits.request_timeout_s:g} s (--request-timeout); its "
+            "generation was stopped: ask for fewer tokens or completions",
+        )
 
     async def handle(request: Request, kind: str, prefix: str) -> Response:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + limits.request_timeout_s
-        upload_s, flag = min((limits.body_timeout_s, "--body-timeout"), (limits.request_timeout_s, "--request-timeout"))
+        upload_s, flag = min(
+            (limits.body_timeout_s, "--body-timeout"), (limits.request_timeout_s, "--request-timeout")
+        )
         try:
             body = await asyncio.wait_for(read_body(request), timeout=upload_s)
             prepared = await asyncio.to_thread(parser.parse, kind, body)

@@ -32,8 +32,9 @@ _PER_CLIENT, _TOTAL = "--max-connections-per-client", "--max-connections"
 
 def _refusal(flag: str, limit: int, client: str) -> bytes:
     who = f"this client ({client}) holds" if flag == _PER_CLIENT else "the server holds"
-    return error_response(503, f"{who} {limit} connections with requests in progress ({flag}); retry when one "
-                               "of them finishes").body
+    return error_response(
+        503, f"{who} {limit} connections with requests in progress ({flag}); retry when one of them finishes"
+    ).body
 
 
 @dataclass(eq=False)
@@ -47,8 +48,9 @@ class _Slot:
 class ConnectionRegistry:
     """The connections of one server, by client address."""
 
-    def __init__(self, max_connections: int, per_client: int, header_timeout_s: float,
-                 reserve: int = HEALTH_RESERVE):
+    def __init__(
+        self, max_connections: int, per_client: int, header_timeout_s: float, reserve: int = HEALTH_RESERVE
+    ):
         self.max_connections, self.per_client = max_connections, per_client
         self.header_timeout_s, self.reserve = header_timeout_s, reserve
         self.slots: dict[GuardedH11, _Slot] = {}
@@ -104,9 +106,10 @@ class GuardedH11(H11Protocol):
         if self._slot is None:  # over a cap, and even the /health reserve is busy
             over = self.registry.over(client) or _TOTAL
             body = self.registry.refusal(over, client)
-            self.transport.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-                                 b"retry-after: 1\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
-                                 % (len(body), body))
+            self.transport.write(
+                b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+                b"retry-after: 1\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+            )
             self.transport.close()
             return
         if self._slot.over is not None:
@@ -156,11 +159,21 @@ class GuardedH11(H11Protocol):
 
 def _health_only(app, refusal: bytes):
     """The app for a connection over a cap: `/health` as usual, anything else 503; it closes after answering."""
+
     async def reserve(scope, receive, send):
         if scope["type"] != "http" or scope["path"] != "/health":
-            await send({"type": "http.response.start", "status": 503,
-                        "headers": [(b"content-type", b"application/json"), (b"retry-after", b"1"),
-                                    (b"content-length", b"%d" % len(refusal)), (b"connection", b"close")]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 503,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"retry-after", b"1"),
+                        (b"content-length", b"%d" % len(refusal)),
+                        (b"connection", b"close"),
+                    ],
+                }
+            )
             await send({"type": "http.response.body", "body": refusal})
             return
 
@@ -176,5 +189,7 @@ def _health_only(app, refusal: bytes):
 
 def guarded_protocol(limits: ServerLimits) -> type[GuardedH11]:
     """uvicorn's `http=` protocol class for one server with these limits."""
-    registry = ConnectionRegistry(limits.max_connections, limits.connections_per_client, limits.header_timeout_s)
+    registry = ConnectionRegistry(
+        limits.max_connections, limits.connections_per_client, limits.header_timeout_s
+    )
     return type("GuardedH11", (GuardedH11,), {"registry": registry})

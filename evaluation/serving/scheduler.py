@@ -30,6 +30,7 @@ _unique = count()
 @dataclass(eq=False)
 class Job:
     """One request's generation: `n` completions for each of its prompts."""
+
     prompts: list[list[int]]
     n: int
     sampling: SamplingParams
@@ -63,8 +64,15 @@ class _Batch:
 class Scheduler:
     """Round-robin token slices over the generations in progress, on one worker thread."""
 
-    def __init__(self, engine, max_batch_size: int = 16, max_batch_sequences: int = 64,
-                 max_active_sequences: int = 256, tokens_per_turn: int = 16, window_s: float = 0.005):
+    def __init__(
+        self,
+        engine,
+        max_batch_size: int = 16,
+        max_batch_sequences: int = 64,
+        max_active_sequences: int = 256,
+        tokens_per_turn: int = 16,
+        window_s: float = 0.005,
+    ):
         if min(max_batch_size, max_batch_sequences, max_active_sequences, tokens_per_turn) < 1:
             raise ValueError("scheduler sizes must be >= 1")
         self.engine, self.max_batch_size = engine, max_batch_size
@@ -80,7 +88,9 @@ class Scheduler:
 
     # ---- called from request handlers -------------------------------------------------------------------
 
-    def submit(self, prompts: list[list[int]], n: int, sampling: SamplingParams, name: str = "request") -> Job:
+    def submit(
+        self, prompts: list[list[int]], n: int, sampling: SamplingParams, name: str = "request"
+    ) -> Job:
         job = Job(prompts, n, sampling, name)
         with self._cond:
             self._waiting.append(job)
@@ -101,8 +111,14 @@ class Scheduler:
     def stats(self) -> dict:
         with self._cond:
             active = sum(len(b.jobs) - len(b.stopped) for b in self._active)
-            return {"batches": self.batches, "requests": self.requests, "cancelled": self.cancelled,
-                    "timed_out": self.timed_out, "active": active, "waiting": len(self._waiting)}
+            return {
+                "batches": self.batches,
+                "requests": self.requests,
+                "cancelled": self.cancelled,
+                "timed_out": self.timed_out,
+                "active": active,
+                "waiting": len(self._waiting),
+            }
 
     def close(self, timeout_s: float = 5.0) -> None:
         with self._cond:
@@ -148,8 +164,12 @@ class Scheduler:
                 for job in list(self._waiting):
                     if len(group) >= self.max_batch_size:
                         break
-                    if (job.key == head.key and job.why_cancelled is None and rows + job.rows <= self.max_batch_sequences
-                            and busy + rows + job.rows <= self.max_active_sequences):
+                    if (
+                        job.key == head.key
+                        and job.why_cancelled is None
+                        and rows + job.rows <= self.max_batch_sequences
+                        and busy + rows + job.rows <= self.max_active_sequences
+                    ):
                         self._waiting.remove(job)
                         group.append(job)
                         rows += job.rows
@@ -194,7 +214,7 @@ class Scheduler:
             self.batches += 1
             first = 0  # the job's first prompt in the batch
             for job in batch.jobs:
-                mine = outputs[first:first + len(job.prompts)]
+                mine = outputs[first : first + len(job.prompts)]
                 first += len(job.prompts)
                 if id(job) in batch.stopped:
                     continue
@@ -217,5 +237,10 @@ class Scheduler:
             self.timed_out += 1
         else:
             self.cancelled += 1
-        log.info("%s: %s; its generation stopped after %d of %d tokens", job.name, job.why_cancelled, tokens,
-                 job.sampling.max_tokens)
+        log.info(
+            "%s: %s; its generation stopped after %d of %d tokens",
+            job.name,
+            job.why_cancelled,
+            tokens,
+            job.sampling.max_tokens,
+        )

@@ -16,8 +16,17 @@ from evaluation.serving.guards import ServerLimits
 from evaluation.serving.scheduler import Scheduler
 
 
-def run_server(checkpoint: str, *, sock, host: str, model_name: str, max_batch_size: int, on_ready,
-               limits: ServerLimits | None = None, api_key: str | None = None) -> dict:
+def run_server(
+    checkpoint: str,
+    *,
+    sock,
+    host: str,
+    model_name: str,
+    max_batch_size: int,
+    on_ready,
+    limits: ServerLimits | None = None,
+    api_key: str | None = None,
+) -> dict:
     """Load `checkpoint`, serve it on the listening socket `sock` until SIGTERM/SIGINT.
 
     Returns `{"batches", "requests"}`; `on_ready(url)` is called once the socket accepts requests.
@@ -41,12 +50,24 @@ def _serve(checkpoint, sock, host, model_name, max_batch_size, on_ready, limits,
     if not progress_enabled():
         hf_logging.disable_progress_bar()  # a log file (or CI) gets no progress bars
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer = load_model(checkpoint, ModelConfig(dtype="float32" if device == "cpu" else "auto"), device)
+    model, tokenizer = load_model(
+        checkpoint, ModelConfig(dtype="float32" if device == "cpu" else "auto"), device
+    )
     model.eval()
-    scheduler = Scheduler(HFEngine(model, tokenizer), max_batch_size=max_batch_size,
-                          max_batch_sequences=limits.max_sequences, max_active_sequences=limits.max_active_sequences)
-    app = build_app(tokenizer, model_name, scheduler, getattr(model.config, "max_position_embeddings", None),
-                    limits, api_key)
+    scheduler = Scheduler(
+        HFEngine(model, tokenizer),
+        max_batch_size=max_batch_size,
+        max_batch_sequences=limits.max_sequences,
+        max_active_sequences=limits.max_active_sequences,
+    )
+    app = build_app(
+        tokenizer,
+        model_name,
+        scheduler,
+        getattr(model.config, "max_position_embeddings", None),
+        limits,
+        api_key,
+    )
     url_host = f"[{host.strip('[]')}]" if ":" in host else host
     url = f"http://{url_host}:{sock.getsockname()[1]}/v1"
 
@@ -58,9 +79,17 @@ def _serve(checkpoint, sock, host, model_name, max_batch_size, on_ready, limits,
 
     # connections are admitted and timed out by our protocol (connections.py), not by uvicorn's
     # limit_concurrency, which counted idle connections and had none closed
-    server = Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
-                                   lifespan="off", http=guarded_protocol(limits),
-                                   timeout_keep_alive=limits.keep_alive_timeout_s))
+    server = Server(
+        uvicorn.Config(
+            app,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=5,
+            lifespan="off",
+            http=guarded_protocol(limits),
+            timeout_keep_alive=limits.keep_alive_timeout_s,
+        )
+    )
     # uvicorn re-raises the signal that stopped it once it has shut down; these handlers take it instead,
     # so the process ends with status 0 and can report what it served.
     main_thread = threading.current_thread() is threading.main_thread()

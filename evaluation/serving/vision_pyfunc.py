@@ -32,11 +32,20 @@ class VisionModel:
             images = record.get("images", record.get("image"))
             if images is None:
                 raise ValueError(f"row {i}: no 'image' (or 'images') to go with the prompt")
-            rows.append({"id": i, "prompt": [{"role": "user", "content": str(record["prompt"])}],
-                         "images": image_refs(images, "image", None)})
+            rows.append(
+                {
+                    "id": i,
+                    "prompt": [{"role": "user", "content": str(record["prompt"])}],
+                    "images": image_refs(images, "image", None),
+                }
+            )
         params = params or {}
-        greedy = SamplingParams(max_tokens=int(params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)), temperature=0.0)
-        return [group[0].text for group in self.engine.generate(encode_prompts(self.tokenizer, rows), 1, greedy)]
+        greedy = SamplingParams(
+            max_tokens=int(params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)), temperature=0.0
+        )
+        return [
+            group[0].text for group in self.engine.generate(encode_prompts(self.tokenizer, rows), 1, greedy)
+        ]
 
 
 def _load_pyfunc(data_path: str) -> VisionModel:

@@ -94,18 +94,31 @@ def build(args):
     from trainer.bootstrap import build_tokenizer
     from trainer.prompts import encode_prompts
 
-    corpus = [f"What is {a} + {b}? <think>{a} + {b} = {a + b}</think><answer>{a + b}</answer>"
-              for a in range(40) for b in range(0, 40, 3)] + ["system", "user", "assistant"] * 50
+    corpus = [
+        f"What is {a} + {b}? <think>{a} + {b} = {a + b}</think><answer>{a + b}</answer>"
+        for a in range(40)
+        for b in range(0, 40, 3)
+    ] + ["system", "user", "assistant"] * 50
     tokenizer = build_tokenizer(corpus, vocab_size=384)
     torch.manual_seed(args.seed)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-                         num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=1024, tie_word_embeddings=True,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     model = Qwen2ForCausalLM(config).to(args.device, DTYPES[args.dtype])
     model.generation_config.eos_token_id = tokenizer.eos_token_id
-    rows = [{"prompt": [{"role": "user", "content": f"What is {7 * i} + {i * i}?" + " Think." * (i % 4)}]}
-            for i in range(args.prompts)]
+    rows = [
+        {"prompt": [{"role": "user", "content": f"What is {7 * i} + {i * i}?" + " Think." * (i % 4)}]}
+        for i in range(args.prompts)
+    ]
     return tokenizer, model, encode_prompts(tokenizer, rows)
 
 
@@ -115,7 +128,9 @@ def rollout_batch(prompts, groups):
 
     flat = [c for g in groups for c in g]
     n = len(groups[0])
-    return RolloutBatch([p for p in prompts for _ in range(n)], flat, torch.zeros(len(flat)), torch.ones(len(flat)))
+    return RolloutBatch(
+        [p for p in prompts for _ in range(n)], flat, torch.zeros(len(flat)), torch.ones(len(flat))
+    )
 
 
 def micro_batches(batch, size: int, pad_id: int, device: str):
@@ -144,28 +159,39 @@ def check_groups(groups, prompts: int, n: int, max_tokens: int, vocab: int) -> d
     check(len(groups) == prompts and all(len(g) == n for g in groups), "wrong number of groups or samples")
     lengths = []
     for c in (c for g in groups for c in g):
-        check(0 < len(c.token_ids) <= max_tokens, f"completion length {len(c.token_ids)} outside 1..{max_tokens}")
+        check(
+            0 < len(c.token_ids) <= max_tokens,
+            f"completion length {len(c.token_ids)} outside 1..{max_tokens}",
+        )
         check(len(c.logprobs) == len(c.token_ids), "one log-prob per token expected")
         check(all(math.isfinite(v) and v <= 1e-4 for v in c.logprobs), "log-probs must be finite and <= 0")
         check(all(0 <= t < vocab for t in c.token_ids), "token id outside the vocabulary")
         check(c.finish_reason in ("stop", "length"), f"finish_reason {c.finish_reason!r}")
         lengths.append(len(c.token_ids))
     check(any(len({tuple(c.token_ids) for c in g}) > 1 for g in groups), "no group has two different samples")
-    return {"completions": len(lengths), "tokens": sum(lengths), "stopped": sum(c.finish_reason == "stop"
-                                                                               for g in groups for c in g)}
+    return {
+        "completions": len(lengths),
+        "tokens": sum(lengths),
+        "stopped": sum(c.finish_reason == "stop" for g in groups for c in g),
+    }
 
 
 def within(gap: dict, tolerance: tuple[float, float], what: str, untempered: dict | None = None) -> dict:
     """Absolute tolerance, and (T != 1) a relative one: the gap must be well below what log-probs taken
     without the temperature would give, so an engine returning raw log-probs cannot pass on a flat model."""
-    check(gap["max_abs_diff"] <= tolerance[0] and gap["mean_abs_diff"] <= tolerance[1],
-          f"{what}: log-prob gap max {gap['max_abs_diff']:.3g} / mean {gap['mean_abs_diff']:.3g} above "
-          f"tolerance {tolerance}")
+    check(
+        gap["max_abs_diff"] <= tolerance[0] and gap["mean_abs_diff"] <= tolerance[1],
+        f"{what}: log-prob gap max {gap['max_abs_diff']:.3g} / mean {gap['mean_abs_diff']:.3g} above "
+        f"tolerance {tolerance}",
+    )
     out = {**gap, "tolerance": list(tolerance)}
     if untempered is not None:
         ratio = gap["mean_abs_diff"] / max(untempered["mean_abs_diff"], 1e-12)
-        check(ratio <= RELATIVE_TOLERANCE, f"{what}: mean gap {gap['mean_abs_diff']:.3g} is {ratio:.2f} of the gap "
-              f"to untempered log-probs ({untempered['mean_abs_diff']:.3g}); temperature not applied?")
+        check(
+            ratio <= RELATIVE_TOLERANCE,
+            f"{what}: mean gap {gap['mean_abs_diff']:.3g} is {ratio:.2f} of the gap "
+            f"to untempered log-probs ({untempered['mean_abs_diff']:.3g}); temperature not applied?",
+        )
         out.update(untempered_mean_abs_diff=untempered["mean_abs_diff"], ratio_to_untempered=ratio)
     return out
 
@@ -196,13 +222,20 @@ def run_generate(ctx, args) -> dict:
 
 
 def run_logprobs(ctx, args) -> dict:
-    return engine_gap(ctx["model"], ctx, ctx["groups"], args.temperature, args, TOLERANCE[args.dtype],
-                      "HFEngine vs trainer forward")
+    return engine_gap(
+        ctx["model"],
+        ctx,
+        ctx["groups"],
+        args.temperature,
+        args,
+        TOLERANCE[args.dtype],
+        "HFEngine vs trainer forward",
+    )
 
 
 def scattered_reward(prompts, completions, **columns) -> list[float]:
     """A reward in [0, 1) that differs between the completions of a group, fixed by their text."""
-    return [zlib.crc32(text.encode()) / 2 ** 32 for text in completions]
+    return [zlib.crc32(text.encode()) / 2**32 for text in completions]
 
 
 def saved_model(ctx) -> str:
@@ -220,7 +253,14 @@ def prepared_data(ctx) -> Path:
         from data.prepare import prepare
 
         ctx["data"] = Path(ctx["work"]) / "data"
-        prepare("synthetic", "synthetic:addition", ctx["data"], heldout=8, synthetic_rows=64, system_prompt="brief")
+        prepare(
+            "synthetic",
+            "synthetic:addition",
+            ctx["data"],
+            heldout=8,
+            synthetic_rows=64,
+            system_prompt="brief",
+        )
     return ctx["data"]
 
 
@@ -230,23 +270,55 @@ REWARD = f"{Path(__file__).resolve()}:scattered_reward"
 def layouts(args) -> dict[str, tuple[str, list[str], str | None]]:
     """name -> (description, rollout overrides, reason to skip) of the layouts `grpoflow train` runs in."""
     if not args.device.startswith("cuda"):
-        return {"layout_sync": ("cpu, transformers engine in the trainer, synchronous",
-                                ["rollout.engine=transformers", "rollout.async=false"], None),
-                # the 3-GPU layout's devices: on cpu they only count the ranks, and `--dry-run` shows the GPU plan
-                "layout_async": ("cpu, 2 gloo trainer ranks + 1 rollout worker, asynchronous",
-                                 ["rollout.engine=transformers", "rollout.async=true", "rollout.train_devices=[0,1]",
-                                  "rollout.rollout_devices=[2]", "rollout.num_engines=1"], None)}
+        return {
+            "layout_sync": (
+                "cpu, transformers engine in the trainer, synchronous",
+                ["rollout.engine=transformers", "rollout.async=false"],
+                None,
+            ),
+            # the 3-GPU layout's devices: on cpu they only count the ranks, and `--dry-run` shows the GPU plan
+            "layout_async": (
+                "cpu, 2 gloo trainer ranks + 1 rollout worker, asynchronous",
+                [
+                    "rollout.engine=transformers",
+                    "rollout.async=true",
+                    "rollout.train_devices=[0,1]",
+                    "rollout.rollout_devices=[2]",
+                    "rollout.num_engines=1",
+                ],
+                None,
+            ),
+        }
     engine = args.engine
     gpus = torch.cuda.device_count()
-    out = {"layout_sync": (f"GPU 0, {engine} colocated with the trainer, synchronous",
-                           [f"rollout.engine={engine}", "rollout.colocate=true", "rollout.async=false",
-                            "rollout.train_devices=[0]", "rollout.num_engines=1"], None)}
+    out = {
+        "layout_sync": (
+            f"GPU 0, {engine} colocated with the trainer, synchronous",
+            [
+                f"rollout.engine={engine}",
+                "rollout.colocate=true",
+                "rollout.async=false",
+                "rollout.train_devices=[0]",
+                "rollout.num_engines=1",
+            ],
+            None,
+        )
+    }
     train, rollout = ([0, 1], [2]) if gpus >= 3 else ([0], [1])
     skip = None if gpus >= 2 else f"needs 2 GPUs (3 for 2 trainer ranks + 1 rollout GPU), {gpus} visible"
-    out["layout_async"] = (f"{len(train)} trainer rank(s) on GPU {train}, {engine} rollout worker on GPU {rollout}, "
-                           "asynchronous", [f"rollout.engine={engine}", "rollout.async=true", "rollout.colocate=false",
-                                            f"rollout.train_devices={train}", f"rollout.rollout_devices={rollout}",
-                                            "rollout.num_engines=1"], skip)
+    out["layout_async"] = (
+        f"{len(train)} trainer rank(s) on GPU {train}, {engine} rollout worker on GPU {rollout}, "
+        "asynchronous",
+        [
+            f"rollout.engine={engine}",
+            "rollout.async=true",
+            "rollout.colocate=false",
+            f"rollout.train_devices={train}",
+            f"rollout.rollout_devices={rollout}",
+            "rollout.num_engines=1",
+        ],
+        skip,
+    )
     return out
 
 
@@ -259,17 +331,35 @@ def layout_recipe(ctx, args, name: str, rollout: list[str]) -> Path:
     work = Path(ctx["work"]) / name
     data = {
         "model": {"name_or_path": saved_model(ctx), "dtype": args.dtype},
-        "data": {"task": "synthetic", "source": "synthetic:addition", "out": str(prepared_data(ctx)),
-                 "heldout": 8, "synthetic_rows": 64, "system_prompt": "brief"},
-        "train": {"output_dir": str(work / "run"), "max_steps": LAYOUT_STEPS, "save_steps": LAYOUT_STEPS,
-                  "seed": args.seed, "prompts_per_step": args.prompts, "num_generations": args.n,
-                  "micro_batch_size": args.micro, "max_completion_length": args.max_tokens,
-                  # LMDeploy's PyTorch backend reports exact log-probs at T = 1 only (nan otherwise)
-                  "temperature": 1.0 if args.engine == "lmdeploy" else args.temperature,
-                  "learning_rate": 1e-3, "loss_type": "dapo",
-                  # on cuda the held-out evaluations wake and sync a colocated engine outside the steps too
-                  "eval_heldout": 8 if args.device.startswith("cuda") else 0},
-        "rollout": {"gpu_memory_utilization": 0.25, "enforce_eager": True, "sync_timeout_s": args.layout_timeout},
+        "data": {
+            "task": "synthetic",
+            "source": "synthetic:addition",
+            "out": str(prepared_data(ctx)),
+            "heldout": 8,
+            "synthetic_rows": 64,
+            "system_prompt": "brief",
+        },
+        "train": {
+            "output_dir": str(work / "run"),
+            "max_steps": LAYOUT_STEPS,
+            "save_steps": LAYOUT_STEPS,
+            "seed": args.seed,
+            "prompts_per_step": args.prompts,
+            "num_generations": args.n,
+            "micro_batch_size": args.micro,
+            "max_completion_length": args.max_tokens,
+            # LMDeploy's PyTorch backend reports exact log-probs at T = 1 only (nan otherwise)
+            "temperature": 1.0 if args.engine == "lmdeploy" else args.temperature,
+            "learning_rate": 1e-3,
+            "loss_type": "dapo",
+            # on cuda the held-out evaluations wake and sync a colocated engine outside the steps too
+            "eval_heldout": 8 if args.device.startswith("cuda") else 0,
+        },
+        "rollout": {
+            "gpu_memory_utilization": 0.25,
+            "enforce_eager": True,
+            "sync_timeout_s": args.layout_timeout,
+        },
         "rewards": [{"name": REWARD}],
     }
     work.mkdir(parents=True, exist_ok=True)
@@ -282,13 +372,19 @@ def layout_recipe(ctx, args, name: str, rollout: list[str]) -> Path:
 def grpoflow_train(recipe: Path, overrides: list[str], log: Path, timeout_s: float, *extra: str):
     """`grpoflow train --config recipe overrides... --json` as a subprocess; (exit status, output, seconds)."""
     cmd = [sys.executable, "-m", "flows.cli", "train", "--config", str(recipe), *overrides, *extra, "--json"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
-        [str(REPO_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(
+            [str(REPO_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        ),
+    }
     t0 = time.perf_counter()
     with log.open("w") as f:
         try:
-            code = subprocess.run(cmd, cwd=REPO_ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                  timeout=timeout_s).returncode
+            code = subprocess.run(
+                cmd, cwd=REPO_ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s
+            ).returncode
         except subprocess.TimeoutExpired:
             code = 124
     return code, log.read_text(errors="replace"), time.perf_counter() - t0
@@ -314,35 +410,59 @@ def run_layout(ctx, args, name: str) -> dict:
     code, out, _ = grpoflow_train(recipe, overrides, work / "dry-run.log", 120, "--dry-run")
     plan = last_json(out) if code == 0 else None
     if plan is not None:
-        print(f"{name}: plan {json.dumps({k: plan.get(k) for k in ('train_devices', 'rollout_devices', 'colocate')})}",
-              flush=True)
+        print(
+            f"{name}: plan {json.dumps({k: plan.get(k) for k in ('train_devices', 'rollout_devices', 'colocate')})}",
+            flush=True,
+        )
     code, out, seconds = grpoflow_train(recipe, overrides, work / "train.log", args.layout_timeout)
-    check(code == 0, f"grpoflow train exited with status {code}" + (" (timed out)" if code == 124 else "") +
-          f"; last output:\n{out[-3000:]}")
+    check(
+        code == 0,
+        f"grpoflow train exited with status {code}"
+        + (" (timed out)" if code == 124 else "")
+        + f"; last output:\n{out[-3000:]}",
+    )
     metrics = work / "run" / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
-    check([r["step"] for r in rows] == list(range(1, LAYOUT_STEPS + 1)),
-          f"metrics.jsonl has steps {[r['step'] for r in rows]}, expected 1..{LAYOUT_STEPS}")
+    check(
+        [r["step"] for r in rows] == list(range(1, LAYOUT_STEPS + 1)),
+        f"metrics.jsonl has steps {[r['step'] for r in rows]}, expected 1..{LAYOUT_STEPS}",
+    )
     asynchronous = "rollout.async=true" in overrides
     for r in rows:
         check(math.isfinite(r["loss"]), f"step {r['step']}: loss is {r['loss']}")
-        check(math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0, f"step {r['step']}: gradient norm {r['grad_norm']}")
+        check(
+            math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0,
+            f"step {r['step']}: gradient norm {r['grad_norm']}",
+        )
         times = " ".join(f"{k.split('/')[1]}={r[k]:.2f}" for k in STEP_TIMES if k in r)
         diff = f" logp_diff={r[LOGP_DIFF]:.2e}" if LOGP_DIFF in r else ""
-        print(f"{name}: step {r['step']} staleness={r.get('staleness', float('nan')):.0f} {times}{diff}", flush=True)
+        print(
+            f"{name}: step {r['step']} staleness={r.get('staleness', float('nan')):.0f} {times}{diff}",
+            flush=True,
+        )
     staleness = [r.get("staleness") for r in rows]
     # asynchronous, max_staleness 1: batch 1 comes from the starting weights, each later one from the weights
     # one update behind the trainer's
     expected = [0.0] + [1.0] * (LAYOUT_STEPS - 1) if asynchronous else [0.0] * LAYOUT_STEPS
     check(staleness == expected, f"staleness per step {staleness}, expected {expected}")
-    result = {"layout": description, "overrides": overrides, "seconds": seconds, "placement": plan,
-              "steps": [{k: r[k] for k in ("step", "loss", "reward", "staleness", LOGP_DIFF, *STEP_TIMES) if k in r}
-                        for r in rows]}
+    result = {
+        "layout": description,
+        "overrides": overrides,
+        "seconds": seconds,
+        "placement": plan,
+        "steps": [
+            {k: r[k] for k in ("step", "loss", "reward", "staleness", LOGP_DIFF, *STEP_TIMES) if k in r}
+            for r in rows
+        ],
+    }
     on_policy = [r[LOGP_DIFF] for r in rows if LOGP_DIFF in r and r.get("staleness") == 0]
     if on_policy:  # the same weights on both sides: the gap is the engine's numerics, nothing else
         tolerance = ENGINE_TOLERANCE[args.dtype][1]
-        check(max(on_policy) <= tolerance, f"engine-vs-trainer log-prob difference {max(on_policy):.3g} on "
-              f"on-policy steps, above {tolerance}")
+        check(
+            max(on_policy) <= tolerance,
+            f"engine-vs-trainer log-prob difference {max(on_policy):.3g} on "
+            f"on-policy steps, above {tolerance}",
+        )
         result["logp_diff_on_policy_max"] = max(on_policy)
     else:
         result["logp_diff_on_policy_max"] = f"not logged by this trainer ({LOGP_DIFF})"
@@ -359,14 +479,27 @@ def run_train(ctx, args) -> dict:
 
     work = Path(ctx["work"])
     data = prepared_data(ctx)
-    recipe = load_recipe(None, [
-        f"model.name_or_path={saved_model(ctx)}", f"model.dtype={args.dtype}", f"data.out={data}",
-        f"train.output_dir={work / 'run'}", f"train.max_steps={TRAIN_STEPS}", f"train.seed={args.seed}",
-        f"train.prompts_per_step={args.prompts}", f"train.num_generations={args.n}",
-        f"train.micro_batch_size={args.micro}", f"train.max_completion_length={args.max_tokens}",
-        f"train.temperature={args.temperature}", "train.learning_rate=1e-2", "train.epsilon_high=0.28",
-        "train.loss_type=dapo", "train.eval_heldout=8",
-        f"rewards=[{{name: {json.dumps(REWARD)}}}]"])
+    recipe = load_recipe(
+        None,
+        [
+            f"model.name_or_path={saved_model(ctx)}",
+            f"model.dtype={args.dtype}",
+            f"data.out={data}",
+            f"train.output_dir={work / 'run'}",
+            f"train.max_steps={TRAIN_STEPS}",
+            f"train.seed={args.seed}",
+            f"train.prompts_per_step={args.prompts}",
+            f"train.num_generations={args.n}",
+            f"train.micro_batch_size={args.micro}",
+            f"train.max_completion_length={args.max_tokens}",
+            f"train.temperature={args.temperature}",
+            "train.learning_rate=1e-2",
+            "train.epsilon_high=0.28",
+            "train.loss_type=dapo",
+            "train.eval_heldout=8",
+            f"rewards=[{{name: {json.dumps(REWARD)}}}]",
+        ],
+    )
     trainer = GRPOTrainer(recipe, saved_model(ctx), data, progress=False)  # on cuda when there is one
     sync(args.device)
     t0 = time.perf_counter()
@@ -377,8 +510,10 @@ def run_train(ctx, args) -> dict:
     check(len(rows) == TRAIN_STEPS, f"{len(rows)} metrics rows for {TRAIN_STEPS} steps")
     for row in rows:
         check(math.isfinite(row["loss"]), f"step {row['step']}: loss is {row['loss']}")
-        check(math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0,
-              f"step {row['step']}: gradient norm is {row['grad_norm']}")
+        check(
+            math.isfinite(row["grad_norm"]) and row["grad_norm"] > 0,
+            f"step {row['step']}: gradient norm is {row['grad_norm']}",
+        )
     ctx["trained_model"] = trained = trainer.model
     before = dict(ctx["model"].named_parameters())
     changed = 0
@@ -387,9 +522,17 @@ def run_train(ctx, args) -> dict:
         changed += int(not torch.equal(p.detach(), before[name].detach().to(p.device)))
     check(changed >= 0.95 * len(before), f"only {changed} of {len(before)} weight tensors changed")
     last = rows[-1]
-    return {"steps": len(rows), "loss": last["loss"], "grad_norm": last["grad_norm"], "changed_tensors": changed,
-            "tensors": len(before), "reward": last["reward"], "seconds": seconds,
-            "s_per_step": result.seconds_per_step, "heldout_accuracy": result.heldout_after.get("accuracy")}
+    return {
+        "steps": len(rows),
+        "loss": last["loss"],
+        "grad_norm": last["grad_norm"],
+        "changed_tensors": changed,
+        "tensors": len(before),
+        "reward": last["reward"],
+        "seconds": seconds,
+        "s_per_step": result.seconds_per_step,
+        "heldout_accuracy": result.heldout_after.get("accuracy"),
+    }
 
 
 def run_deepspeed(ctx, args) -> dict:
@@ -397,22 +540,37 @@ def run_deepspeed(ctx, args) -> dict:
     from trainer.deepspeed_setup import initialize, zero_config
     from trainer.logprobs import completion_logps
 
-    model = type(ctx["model"])(ctx["model"].config).to(args.device)  # fresh fp32 weights; DeepSpeed casts them
+    model = type(ctx["model"])(ctx["model"].config).to(
+        args.device
+    )  # fresh fp32 weights; DeepSpeed casts them
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    mb = next(micro_batches(rollout_batch(ctx["prompts"], ctx["groups"]), args.micro, ctx["tokenizer"].pad_token_id,
-                            args.device))
-    engine = initialize(model, optimizer, zero_config(stage=2, micro_batch_size=mb.input_ids.shape[0],
-                                                      bf16=args.dtype == "bfloat16"))
+    mb = next(
+        micro_batches(
+            rollout_batch(ctx["prompts"], ctx["groups"]),
+            args.micro,
+            ctx["tokenizer"].pad_token_id,
+            args.device,
+        )
+    )
+    engine = initialize(
+        model,
+        optimizer,
+        zero_config(stage=2, micro_batch_size=mb.input_ids.shape[0], bf16=args.dtype == "bfloat16"),
+    )
     before = {name: p.detach().float().clone() for name, p in engine.module.named_parameters()}
     t0 = time.perf_counter()
-    logps, _ = completion_logps(engine, mb, args.temperature)  # the plain forward: DeepSpeed wraps `forward` only
+    logps, _ = completion_logps(
+        engine, mb, args.temperature
+    )  # the plain forward: DeepSpeed wraps `forward` only
     advantages = torch.linspace(-1, 1, logps.shape[0], device=logps.device)
     loss = L.masked_mean(-(logps * advantages[:, None]), mb.completion_mask)
     engine.backward(loss)
     engine.step()
     sync(args.device)
     check(math.isfinite(loss.item()), f"ZeRO-2 loss is {loss.item()}")
-    changed = sum(int(not torch.equal(p.detach().float(), before[n])) for n, p in engine.module.named_parameters())
+    changed = sum(
+        int(not torch.equal(p.detach().float(), before[n])) for n, p in engine.module.named_parameters()
+    )
     check(changed > 0, "no weight changed under ZeRO-2")
     return {"loss": loss.item(), "changed_tensors": changed, "seconds": time.perf_counter() - t0}
 
@@ -421,24 +579,46 @@ def run_engine(ctx, args, name: str) -> dict:
     """A GPU engine on the saved (untrained) model; weights are then synced from the trained model."""
     from trainer.rollout.base import SamplingParams
 
-    temperature = args.temperature if name == "vllm" else 1.0  # LMDeploy-pytorch reports exact log-probs at T=1
+    temperature = (
+        args.temperature if name == "vllm" else 1.0
+    )  # LMDeploy-pytorch reports exact log-probs at T=1
     if name == "vllm":
         from trainer.rollout.vllm_engine import VLLMEngine
 
-        engine = VLLMEngine(saved_model(ctx), gpu_memory_utilization=0.2, enable_sleep_mode=True, dtype=args.dtype,
-                            seed=args.seed, enforce_eager=True, max_model_len=1024)
+        engine = VLLMEngine(
+            saved_model(ctx),
+            gpu_memory_utilization=0.2,
+            enable_sleep_mode=True,
+            dtype=args.dtype,
+            seed=args.seed,
+            enforce_eager=True,
+            max_model_len=1024,
+        )
     else:
         from trainer.rollout.lmdeploy_engine import LMDeployEngine
 
-        engine = LMDeployEngine(saved_model(ctx), backend="pytorch", gpu_memory_utilization=0.2, dtype=args.dtype,
-                                seed=args.seed, session_len=1024)
+        engine = LMDeployEngine(
+            saved_model(ctx),
+            backend="pytorch",
+            gpu_memory_utilization=0.2,
+            dtype=args.dtype,
+            seed=args.seed,
+            session_len=1024,
+        )
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, seed=args.seed)
     t0 = time.perf_counter()
     groups = engine.generate(ctx["prompts"], args.n, sampling)
     seconds = time.perf_counter() - t0
     stats = check_groups(groups, args.prompts, args.n, args.max_tokens, len(ctx["tokenizer"]))
-    gap = engine_gap(ctx["model"], ctx, groups, temperature, args, ENGINE_TOLERANCE[args.dtype],
-                     f"{name} vs trainer forward")
+    gap = engine_gap(
+        ctx["model"],
+        ctx,
+        groups,
+        temperature,
+        args,
+        ENGINE_TOLERANCE[args.dtype],
+        f"{name} vs trainer forward",
+    )
     result = {**stats, "seconds": seconds, "tokens_per_s": stats["tokens"] / seconds, "logprobs": gap}
     ctx.setdefault("engines", {})[name] = (engine, sampling)
     return result
@@ -453,9 +633,19 @@ def run_engine_sync(ctx, args, name: str) -> dict:
     engine.wake_up(["kv_cache"])
     sync_seconds = time.perf_counter() - t0
     groups = engine.generate(ctx["prompts"], args.n, sampling)
-    check(all(c.policy_version == 1 for g in groups for c in g), "completions after the sync must carry version 1")
-    gap = engine_gap(ctx["trained_model"], ctx, groups, sampling.temperature, args, ENGINE_TOLERANCE[args.dtype],
-                     f"{name} after weight sync vs trained model")
+    check(
+        all(c.policy_version == 1 for g in groups for c in g),
+        "completions after the sync must carry version 1",
+    )
+    gap = engine_gap(
+        ctx["trained_model"],
+        ctx,
+        groups,
+        sampling.temperature,
+        args,
+        ENGINE_TOLERANCE[args.dtype],
+        f"{name} after weight sync vs trained model",
+    )
     return {"sleep_wake_sync_seconds": sync_seconds, "logprobs": gap}
 
 
@@ -464,42 +654,70 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=0.5)
-    parser.add_argument("--out", default=None, help="JSON result file (default $OUT/smoke.json when OUT is set)")
+    parser.add_argument(
+        "--out", default=None, help="JSON result file (default $OUT/smoke.json when OUT is set)"
+    )
     for key in ("hidden", "layers", "prompts", "n", "max_tokens", "micro"):
         parser.add_argument(f"--{key.replace('_', '-')}", type=int, default=None)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None)
-    parser.add_argument("--engine", choices=("vllm", "lmdeploy", "transformers"), default=None,
-                        help="rollout engine of the cuda layouts (default vllm when it imports, else transformers)")
-    parser.add_argument("--layout-timeout", type=float, default=None,
-                        help="seconds each `grpoflow train` layout may take (default 150 on cuda, 240 on cpu)")
-    parser.add_argument("--skip", default="", help="comma-separated checks not to run, e.g. vllm,lmdeploy,deepspeed,"
-                        "layout_sync,layout_async (the engines share this process; run one at a time if both "
-                        "misbehave together)")
+    parser.add_argument(
+        "--engine",
+        choices=("vllm", "lmdeploy", "transformers"),
+        default=None,
+        help="rollout engine of the cuda layouts (default vllm when it imports, else transformers)",
+    )
+    parser.add_argument(
+        "--layout-timeout",
+        type=float,
+        default=None,
+        help="seconds each `grpoflow train` layout may take (default 150 on cuda, 240 on cpu)",
+    )
+    parser.add_argument(
+        "--skip",
+        default="",
+        help="comma-separated checks not to run, e.g. vllm,lmdeploy,deepspeed,"
+        "layout_sync,layout_async (the engines share this process; run one at a time if both "
+        "misbehave together)",
+    )
     args = parser.parse_args(argv)
     skipped = {name.strip() for name in args.skip.split(",") if name.strip()}
     kind = "cuda" if args.device.startswith("cuda") else "cpu"
     if kind == "cuda" and not torch.cuda.is_available():
-        print(f"smoke: --device {args.device} but torch {torch.__version__} sees no CUDA device", file=sys.stderr)
+        print(
+            f"smoke: --device {args.device} but torch {torch.__version__} sees no CUDA device",
+            file=sys.stderr,
+        )
         return 2
     for key, value in SIZES[kind].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if args.engine is None:
-        args.engine = "vllm" if kind == "cuda" and importlib.util.find_spec("vllm") is not None else "transformers"
+        args.engine = (
+            "vllm" if kind == "cuda" and importlib.util.find_spec("vllm") is not None else "transformers"
+        )
     if args.layout_timeout is None:
         args.layout_timeout = 150.0 if kind == "cuda" else 240.0
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-    result = {"device": args.device, "torch": torch.__version__, "dtype": args.dtype, "engine": args.engine,
-              "gpu": torch.cuda.get_device_name() if kind == "cuda" else None,
-              "gpus": torch.cuda.device_count() if kind == "cuda" else 0, "checks": {}}
+    result = {
+        "device": args.device,
+        "torch": torch.__version__,
+        "dtype": args.dtype,
+        "engine": args.engine,
+        "gpu": torch.cuda.get_device_name() if kind == "cuda" else None,
+        "gpus": torch.cuda.device_count() if kind == "cuda" else 0,
+        "checks": {},
+    }
     ctx = {"work": tempfile.mkdtemp(prefix="grpoflow-smoke-")}
     t_start = time.perf_counter()
     try:
         tokenizer, model, prompts = build(args)
     except ModuleNotFoundError as e:
-        print(f"smoke: cannot build the test model, {e}; infra/gpu/smoke.sh says how to bring pure-Python "
-              "packages (math-verify for trainer.bootstrap) to a bare GPU image", file=sys.stderr)
+        print(
+            f"smoke: cannot build the test model, {e}; infra/gpu/smoke.sh says how to bring pure-Python "
+            "packages (math-verify for trainer.bootstrap) to a bare GPU image",
+            file=sys.stderr,
+        )
         raise
     ctx.update(tokenizer=tokenizer, model=model, prompts=prompts)
 
@@ -516,14 +734,31 @@ def main(argv=None) -> int:
         steps.append((name, lambda c, a, n=name: run_engine(c, a, n), optional(name, gpu_only)))
     steps.append(("train", run_train, None))
     for name in ("vllm", "lmdeploy"):
-        steps.append((f"{name}_weight_sync", lambda c, a, n=name: run_engine_sync(c, a, n), optional(name, gpu_only)))
-    steps.append(("deepspeed", run_deepspeed, optional("deepspeed", None if kind == "cuda" else
-                  "cpu: DeepSpeed's CPU accelerator compiles its shm op first (minutes); tests/test_deepspeed.py "
-                  "runs ZeRO on CPU")))
+        steps.append(
+            (f"{name}_weight_sync", lambda c, a, n=name: run_engine_sync(c, a, n), optional(name, gpu_only))
+        )
+    steps.append(
+        (
+            "deepspeed",
+            run_deepspeed,
+            optional(
+                "deepspeed",
+                None
+                if kind == "cuda"
+                else "cpu: DeepSpeed's CPU accelerator compiles its shm op first (minutes); tests/test_deepspeed.py "
+                "runs ZeRO on CPU",
+            ),
+        )
+    )
 
-    needs = {"logprobs": ("generate",), "deepspeed": ("generate",), "vllm": ("generate",),
-             "lmdeploy": ("generate",), "vllm_weight_sync": ("vllm", "train"),
-             "lmdeploy_weight_sync": ("lmdeploy", "train")}
+    needs = {
+        "logprobs": ("generate",),
+        "deepspeed": ("generate",),
+        "vllm": ("generate",),
+        "lmdeploy": ("generate",),
+        "vllm_weight_sync": ("vllm", "train"),
+        "lmdeploy_weight_sync": ("lmdeploy", "train"),
+    }
     for name, fn, skip in steps:
         if name in skipped:
             skip = "--skip"
@@ -539,11 +774,14 @@ def main(argv=None) -> int:
             result["checks"][name] = {"ok": True, **fn(ctx, args)}
             print(f"{name}: ok ({time.perf_counter() - t0:.0f} s)", flush=True)
         except Exception as e:  # noqa: BLE001 - every failure is reported, then the exit status says so
-            result["checks"][name] = {"ok": False, "error": f"{type(e).__name__}: {e}",
-                                      "traceback": traceback.format_exc(limit=8)}
+            result["checks"][name] = {
+                "ok": False,
+                "error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc(limit=8),
+            }
             print(f"{name}: FAILED {type(e).__name__}: {e}", file=sys.stderr, flush=True)
     if kind == "cuda":
-        result["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2 ** 30
+        result["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
     result["seconds"] = time.perf_counter() - t_start
     result["ok"] = all(c["ok"] is not False for c in result["checks"].values())
     line = json.dumps(result, default=str)

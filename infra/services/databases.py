@@ -26,7 +26,10 @@ def main(prefect_db: str, mlflow_db: str) -> int:
     server = os.environ.get("GRPOFLOW_PG_URL") or "postgresql://postgres@127.0.0.1:5432"
     parts = urlsplit(server)
     if parts.scheme.split("+")[0] not in ("postgresql", "postgres") or not parts.hostname:
-        print(f"GRPOFLOW_PG_URL {mask_uri(server)}: expected postgresql://user[:password]@host:port", file=sys.stderr)
+        print(
+            f"GRPOFLOW_PG_URL {mask_uri(server)}: expected postgresql://user[:password]@host:port",
+            file=sys.stderr,
+        )
         return 2
     admin = urlunsplit(("postgresql", parts.netloc, "/postgres", "", ""))
     try:
@@ -37,8 +40,10 @@ def main(prefect_db: str, mlflow_db: str) -> int:
                     print(f"grpoflow services: database {name} created on {mask_uri(admin)}", file=sys.stderr)
     except psycopg.Error as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"grpoflow services: PostgreSQL at {mask_uri(admin)} (GRPOFLOW_PG_URL): {redact(reason)}",
-              file=sys.stderr)
+        print(
+            f"grpoflow services: PostgreSQL at {mask_uri(admin)} (GRPOFLOW_PG_URL): {redact(reason)}",
+            file=sys.stderr,
+        )
         return 2
     url = lambda driver, db: urlunsplit((f"postgresql+{driver}", parts.netloc, f"/{db}", "", ""))  # noqa: E731
     print(url("asyncpg", prefect_db), url("psycopg", mlflow_db))

@@ -22,7 +22,10 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCH_OUT = REPO_ROOT / ".state" / "bench"
-for _folder in (REPO_ROOT, Path(__file__).resolve().parent):  # run as a script, or under pytest's importlib mode
+for _folder in (
+    REPO_ROOT,
+    Path(__file__).resolve().parent,
+):  # run as a script, or under pytest's importlib mode
     if str(_folder) not in sys.path:
         sys.path.insert(0, str(_folder))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -119,8 +122,9 @@ def round_order(sides: list[str], round_index: int) -> list[str]:
     return list(sides) if round_index % 2 == 0 else list(reversed(sides))
 
 
-def run_rounds(sides: dict[str, Callable[[int], dict]], repeats: int,
-               after_each: Callable[[], None] = lambda: None) -> dict[str, list[dict]]:
+def run_rounds(
+    sides: dict[str, Callable[[int], dict]], repeats: int, after_each: Callable[[], None] = lambda: None
+) -> dict[str, list[dict]]:
     """Every side once per round, alternated; each run metered. A side is `fn(round_index) -> dict`.
 
     Every run starts with the torch thread count the process started with: an async run sets the trainer to
@@ -138,11 +142,14 @@ def run_rounds(sides: dict[str, Callable[[int], dict]], repeats: int,
                 with OtherCPU() as meter:
                     run = sides[name](r)
                 after_each()
-                run.update({"round": r, "position": position, "other_cpu_share": meter.share,
-                            "threads": threads})
+                run.update(
+                    {"round": r, "position": position, "other_cpu_share": meter.share, "threads": threads}
+                )
                 runs[name].append(run)
-                print(f"  round {r + 1}/{repeats} {name}: {_brief(run)}, other {100 * meter.share:.0f}%",
-                      flush=True)
+                print(
+                    f"  round {r + 1}/{repeats} {name}: {_brief(run)}, other {100 * meter.share:.0f}%",
+                    flush=True,
+                )
     finally:
         torch.set_num_threads = set_num_threads
         set_num_threads(threads)
@@ -152,8 +159,11 @@ def run_rounds(sides: dict[str, Callable[[int], dict]], repeats: int,
 def _brief(run: dict) -> str:
     if "error" in run:
         return f"failed ({run['error'][:120]})"
-    figures = [f"{run[key]:.3f} {unit}" for key, unit in (("median_s_per_step", "s/step"), ("wall_s", "s wall"))
-               if isinstance(run.get(key), float) and math.isfinite(run[key])]
+    figures = [
+        f"{run[key]:.3f} {unit}"
+        for key, unit in (("median_s_per_step", "s/step"), ("wall_s", "s wall"))
+        if isinstance(run.get(key), float) and math.isfinite(run[key])
+    ]
     return ", ".join(figures) or "done"
 
 
@@ -166,15 +176,27 @@ def max_other(runs: list[dict]) -> float:
     return max((r["other_cpu_share"] for r in runs), default=math.nan)
 
 
-def round_ratio(runs: dict[str, list[dict]], num: str, den: str, key: str = "median_s_per_step",
-                den_key: str | None = None) -> dict:
+def round_ratio(
+    runs: dict[str, list[dict]],
+    num: str,
+    den: str,
+    key: str = "median_s_per_step",
+    den_key: str | None = None,
+) -> dict:
     """num/den within each round, then the median over rounds (min and max kept: the spread)."""
     by_round = {r["round"]: r for r in runs[den]}
-    rounds = [n[key] / by_round[n["round"]][den_key or key] for n in runs[num]
-              if n["round"] in by_round and n.get(key) and by_round[n["round"]].get(den_key or key)]
+    rounds = [
+        n[key] / by_round[n["round"]][den_key or key]
+        for n in runs[num]
+        if n["round"] in by_round and n.get(key) and by_round[n["round"]].get(den_key or key)
+    ]
     finite = [x for x in rounds if math.isfinite(x)]
-    return {"median": statistics.median(finite) if finite else math.nan, "rounds": rounds,
-            "min": min(finite, default=math.nan), "max": max(finite, default=math.nan)}
+    return {
+        "median": statistics.median(finite) if finite else math.nan,
+        "rounds": rounds,
+        "min": min(finite, default=math.nan),
+        "max": max(finite, default=math.nan),
+    }
 
 
 def format_ratio(ratio: dict) -> str:
@@ -213,7 +235,9 @@ def plot_round_ratios(path: Path, title: str, ratios: dict[str, dict], aims: dic
             ax.hlines(dict(aims)[name], i - 0.4, i + 0.4, color="tab:green", linestyles="dotted", zorder=2)
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)
     ax.set_yscale("log")  # a ratio and its inverse sit as far from 1
-    shown = [v for x in ratios.values() for v in [*x["rounds"], x["median"]] if math.isfinite(v) and v > 0] or [1.0]
+    shown = [
+        v for x in ratios.values() for v in [*x["rounds"], x["median"]] if math.isfinite(v) and v > 0
+    ] or [1.0]
     lo, hi = min([*shown, 1.0]) / 1.3, max([*shown, 1.0]) * 1.3
     ticks = [t for t in (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1, 1.5, 2, 3, 5, 10, 20, 50) if lo <= t <= hi]
     ax.set_ylim(lo, hi)

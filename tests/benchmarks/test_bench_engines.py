@@ -90,8 +90,13 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default 
 RESULT_JSON = BENCH_OUT / "engines.json"
 HELDOUT_ROWS = 16
 COMPLETION_TOKENS = {"tiny": 24, "wide": 64}
-WIDE = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 8,
-        "num_key_value_heads": 8}
+WIDE = {
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+}
 SIDES = {  # in the order of the first round; recipe overrides
     "sync_transformers": ["rollout.engine=transformers", "rollout.async=false"],
     "sync_vllm": ["rollout.engine=vllm", "rollout.enforce_eager=true", "rollout.async=false"],
@@ -100,8 +105,13 @@ SIDES = {  # in the order of the first round; recipe overrides
 }
 TRL_SIDE = "trl_vllm"
 ENGINE_STEPS = 6  # BENCH_STEPS' default here (test_bench_grpo: 10)
-LABELS = {"sync_transformers": "sync transformers", "sync_vllm": "sync vLLM", "async_vllm": "async vLLM",
-          "async_transformers": "async transformers", TRL_SIDE: "TRL + vLLM colocate"}
+LABELS = {
+    "sync_transformers": "sync transformers",
+    "sync_vllm": "sync vLLM",
+    "async_vllm": "async vLLM",
+    "async_transformers": "async transformers",
+    TRL_SIDE: "TRL + vLLM colocate",
+}
 RATIOS = {  # label: (numerator side, denominator side, per-run figure)
     "vLLM/transformers sync": ("sync_vllm", "sync_transformers", "median_s_per_step"),
     "vLLM/transformers async": ("async_vllm", "async_transformers", "median_s_per_step"),
@@ -118,8 +128,10 @@ def bench_models() -> list[str]:
     names = [n.strip() for n in os.environ.get("BENCH_MODELS", "tiny,wide").split(",") if n.strip()]
     unknown = sorted(set(names) - set(COMPLETION_TOKENS))
     if unknown or not names:
-        raise ValueError(f"BENCH_MODELS={os.environ.get('BENCH_MODELS')!r}: expected names from "
-                         f"{sorted(COMPLETION_TOKENS)}, comma-separated")
+        raise ValueError(
+            f"BENCH_MODELS={os.environ.get('BENCH_MODELS')!r}: expected names from "
+            f"{sorted(COMPLETION_TOKENS)}, comma-separated"
+        )
     return names
 
 
@@ -137,7 +149,9 @@ def make_wide_model(base: str, out: Path) -> str:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(base, **WIDE, layer_types=["full_attention"] * WIDE["num_hidden_layers"])
+    config = AutoConfig.from_pretrained(
+        base, **WIDE, layer_types=["full_attention"] * WIDE["num_hidden_layers"]
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     out.mkdir(parents=True, exist_ok=True)
@@ -171,8 +185,12 @@ def release_memory() -> None:
     gc.collect()
 
 
-def run_side(work: Path, steps: int, model: str, model_path: str, data_dir: Path, side: str, out_dir: Path) -> dict:
-    recipe = pinned_recipe(work, steps, [*model_overrides(model), f"train.output_dir={out_dir}", *SIDES[side]])
+def run_side(
+    work: Path, steps: int, model: str, model_path: str, data_dir: Path, side: str, out_dir: Path
+) -> dict:
+    recipe = pinned_recipe(
+        work, steps, [*model_overrides(model), f"train.output_dir={out_dir}", *SIDES[side]]
+    )
     run = run_ours(recipe, model_path, data_dir)
     release_memory()
     return {**run, "setup_s": run["wall_s"] - sum(run["step_s"]), "rss_gib_after": rss_gib()}
@@ -182,30 +200,51 @@ def run_side(work: Path, steps: int, model: str, model_path: str, data_dir: Path
 def trl_vllm_side(work: Path, steps: int, model: str, model_path: str, data_dir: Path) -> dict:
     """TRL's GRPOTrainer with vLLM colocated, in this process (the child that `run_trl_vllm` starts)."""
     recipe = pinned_recipe(work, steps, model_overrides(model))
-    args = {**pinned_trl_args(recipe, 1), "use_vllm": True, "vllm_mode": "colocate", "vllm_enable_sleep_mode": False}
+    args = {
+        **pinned_trl_args(recipe, 1),
+        "use_vllm": True,
+        "vllm_mode": "colocate",
+        "vllm_enable_sleep_mode": False,
+    }
     try:
         return run_trl(recipe, model_path, data_dir, work / f"trl-vllm-{model}", args)
     except Exception as e:  # a benchmark side that cannot run here is a finding, not a crash
         return {"error": f"{type(e).__name__}: {e}"[:4000], "traceback": traceback.format_exc()[-6000:]}
 
 
-def run_trl_vllm(work: Path, steps: int, model: str, model_path: str, data_dir: Path, round_index: int) -> dict:
+def run_trl_vllm(
+    work: Path, steps: int, model: str, model_path: str, data_dir: Path, round_index: int
+) -> dict:
     """`trl_vllm_side` in a fresh Python process; its JSON back, or why there is none."""
     out = work / f"trl-vllm-{model}-{round_index}.json"
-    spec = {"work": str(work), "steps": steps, "model": model, "model_path": model_path, "data_dir": str(data_dir),
-            "out": str(out)}
+    spec = {
+        "work": str(work),
+        "steps": steps,
+        "model": model,
+        "model_path": model_path,
+        "data_dir": str(data_dir),
+        "out": str(out),
+    }
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--trl-vllm", json.dumps(spec)],
-                          cwd=REPO_ROOT, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--trl-vllm", json.dumps(spec)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0 or not out.exists():
-        return {"error": f"the child process exited with {proc.returncode} and no result",
-                "traceback": (proc.stdout + proc.stderr)[-6000:], "process_s": time.perf_counter() - started}
+        return {
+            "error": f"the child process exited with {proc.returncode} and no result",
+            "traceback": (proc.stdout + proc.stderr)[-6000:],
+            "process_s": time.perf_counter() - started,
+        }
     return {**json.loads(out.read_text()), "process_s": time.perf_counter() - started}
 
 
 def _trl_vllm_child(spec: dict) -> None:
-    result = trl_vllm_side(Path(spec["work"]), spec["steps"], spec["model"], spec["model_path"],
-                           Path(spec["data_dir"]))
+    result = trl_vllm_side(
+        Path(spec["work"]), spec["steps"], spec["model"], spec["model_path"], Path(spec["data_dir"])
+    )
     Path(spec["out"]).write_text(json.dumps(result, default=str))
 
 
@@ -220,6 +259,7 @@ def skipping_after_failure(side):
         if "error" in result:
             failed.append({**result, "round": r})
         return result
+
     return run
 
 
@@ -239,31 +279,55 @@ def run_benchmark(work: Path, steps: int | None = None, repeats: int | None = No
 
     started, models = time.perf_counter(), {}
     for model in names:
+
         def side(name: str, model=model):
-            return lambda r: run_side(work, steps, model, paths[model], data_dir, name, work / f"{model}-{name}-{r}")
+            return lambda r: run_side(
+                work, steps, model, paths[model], data_dir, name, work / f"{model}-{name}-{r}"
+            )
 
         sides = {name: side(name) for name in SIDES}
         if with_trl:
             sides[TRL_SIDE] = skipping_after_failure(
-                lambda r, model=model: run_trl_vllm(work, steps, model, paths[model], data_dir, r))
+                lambda r, model=model: run_trl_vllm(work, steps, model, paths[model], data_dir, r)
+            )
         model_started = time.perf_counter()
         runs = run_rounds(sides, repeats, after_each=release_memory)
-        ratios = {label: round_ratio(runs, num, den, key) for label, (num, den, key) in RATIOS.items()
-                  if num in runs and den in runs}
-        models[model] = {"path": paths[model], "parameters": parameters(paths[model]),
-                         "max_completion_length": COMPLETION_TOKENS[model], "elapsed_s": time.perf_counter() - model_started,
-                         "sides": {name: summarize(runs[name]) for name in runs}, "ratios": ratios}
+        ratios = {
+            label: round_ratio(runs, num, den, key)
+            for label, (num, den, key) in RATIOS.items()
+            if num in runs and den in runs
+        }
+        models[model] = {
+            "path": paths[model],
+            "parameters": parameters(paths[model]),
+            "max_completion_length": COMPLETION_TOKENS[model],
+            "elapsed_s": time.perf_counter() - model_started,
+            "sides": {name: summarize(runs[name]) for name in runs},
+            "ratios": ratios,
+        }
         models[model]["plot"] = plot_round_ratios(
             BENCH_OUT / f"engines_ratios_{model}.png",
-            f"engines, {model} model: {repeats} rounds x {steps} steps, per-round ratios", ratios,
-            {label: TRL_AIM for label, (num, den, _) in RATIOS.items() if den == TRL_SIDE})
+            f"engines, {model} model: {repeats} rounds x {steps} steps, per-round ratios",
+            ratios,
+            {label: TRL_AIM for label, (num, den, _) in RATIOS.items() if den == TRL_SIDE},
+        )
     cfg = recipe.train
     report = {
-        "work": {"prompts_per_step": cfg.prompts_per_step, "num_generations": cfg.num_generations, "steps": steps,
-                 "repeats": repeats, "heldout_rows": HELDOUT_ROWS, "threads": torch.get_num_threads(),
-                 "cpu_count": os.cpu_count(), "elapsed_s": time.perf_counter() - started,
-                 "torch": torch.__version__, "vllm": vllm.__version__, "transformers": version("transformers"),
-                 "trl": version("trl"), "trl_vllm": with_trl},
+        "work": {
+            "prompts_per_step": cfg.prompts_per_step,
+            "num_generations": cfg.num_generations,
+            "steps": steps,
+            "repeats": repeats,
+            "heldout_rows": HELDOUT_ROWS,
+            "threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(),
+            "elapsed_s": time.perf_counter() - started,
+            "torch": torch.__version__,
+            "vllm": vllm.__version__,
+            "transformers": version("transformers"),
+            "trl": version("trl"),
+            "trl_vllm": with_trl,
+        },
         "ratio_method": "per round: the two sides' medians over steps 2..N; then the median over rounds",
         "models": models,
     }
@@ -274,12 +338,28 @@ def run_benchmark(work: Path, steps: int | None = None, repeats: int | None = No
 
 def summarize(runs: list[dict]) -> dict:
     ok = [r for r in runs if "error" not in r]
-    keys = ("median_s_per_step", "median_rollout_s", "median_rollout_tokens_per_s", "completion_mean_length",
-            "setup_s", "process_s")
-    return {**{key: median_over(ok, key) for key in keys}, "other_cpu_share_max": max_other(runs),
-            "errors": [{"round": r["round"], "error": r["error"], **({"traceback": r["traceback"]}
-                        if "traceback" in r else {})} for r in runs if "error" in r and not r.get("skipped")],
-            "runs": runs}
+    keys = (
+        "median_s_per_step",
+        "median_rollout_s",
+        "median_rollout_tokens_per_s",
+        "completion_mean_length",
+        "setup_s",
+        "process_s",
+    )
+    return {
+        **{key: median_over(ok, key) for key in keys},
+        "other_cpu_share_max": max_other(runs),
+        "errors": [
+            {
+                "round": r["round"],
+                "error": r["error"],
+                **({"traceback": r["traceback"]} if "traceback" in r else {}),
+            }
+            for r in runs
+            if "error" in r and not r.get("skipped")
+        ],
+        "runs": runs,
+    }
 
 
 def format_table(r: dict) -> str:
@@ -297,10 +377,13 @@ def format_table(r: dict) -> str:
         "other processes used during each run (above a few %: noisy)",
     ]
     for name, m in r["models"].items():
-        lines += ["", f"{name} ({m['parameters'] / 1e6:.2f}M params, <={m['max_completion_length']} completion tokens; "
-                      f"{m['elapsed_s'] / 60:.1f} min)",
-                  f"{'':22s}{'s/step':>8s}{'rollout':>9s}{'tok/s':>9s}{'tokens':>8s}{'roll%':>7s}{'setup':>8s}"
-                  f"  {'other%':>10s}  s/step per round"]
+        lines += [
+            "",
+            f"{name} ({m['parameters'] / 1e6:.2f}M params, <={m['max_completion_length']} completion tokens; "
+            f"{m['elapsed_s'] / 60:.1f} min)",
+            f"{'':22s}{'s/step':>8s}{'rollout':>9s}{'tok/s':>9s}{'tokens':>8s}{'roll%':>7s}{'setup':>8s}"
+            f"  {'other%':>10s}  s/step per round",
+        ]
         for side, s in m["sides"].items():
             others = " ".join(f"{100 * run['other_cpu_share']:.0f}" for run in s["runs"])
             each = " ".join("-" if "error" in run else f"{run['median_s_per_step']:.3f}" for run in s["runs"])
@@ -308,16 +391,22 @@ def format_table(r: dict) -> str:
                 lines.append(f"{LABELS[side]:22s}{'failed':>8s}{'':49s}  {others:>10s}  {each}")
                 continue
             if side == TRL_SIDE:  # TRL reports no rollout time; its start-up runs in a child process
-                lines.append(f"{LABELS[side]:22s}{s['median_s_per_step']:8.3f}{'':18s}"
-                             f"{s['completion_mean_length']:8.1f}{'':15s}  {others:>10s}  {each}   (child process "
-                             f"{s['process_s']:.0f} s; vLLM dtype auto: bf16 on CPU)")
+                lines.append(
+                    f"{LABELS[side]:22s}{s['median_s_per_step']:8.3f}{'':18s}"
+                    f"{s['completion_mean_length']:8.1f}{'':15s}  {others:>10s}  {each}   (child process "
+                    f"{s['process_s']:.0f} s; vLLM dtype auto: bf16 on CPU)"
+                )
                 continue
-            lines.append(f"{LABELS[side]:22s}{s['median_s_per_step']:8.3f}{s['median_rollout_s']:9.3f}"
-                         f"{s['median_rollout_tokens_per_s']:9.0f}{s['completion_mean_length']:8.1f}"
-                         f"{s['median_rollout_s'] / s['median_s_per_step']:7.0%}"
-                         f"{s['setup_s']:8.1f}  {others:>10s}  {each}")
-        lines.append(f"  ratios, per round then the median over rounds [min-max; each round] (aim grpoflow/TRL <= "
-                     f"{TRL_AIM}):")
+            lines.append(
+                f"{LABELS[side]:22s}{s['median_s_per_step']:8.3f}{s['median_rollout_s']:9.3f}"
+                f"{s['median_rollout_tokens_per_s']:9.0f}{s['completion_mean_length']:8.1f}"
+                f"{s['median_rollout_s'] / s['median_s_per_step']:7.0%}"
+                f"{s['setup_s']:8.1f}  {others:>10s}  {each}"
+            )
+        lines.append(
+            f"  ratios, per round then the median over rounds [min-max; each round] (aim grpoflow/TRL <= "
+            f"{TRL_AIM}):"
+        )
         lines += [f"    {label:38s}{format_ratio(x)}" for label, x in m["ratios"].items() if x["rounds"]]
         for e in m["sides"].get(TRL_SIDE, {}).get("errors", []):
             lines.append(f"  {LABELS[TRL_SIDE]} failed in round {e['round'] + 1}: {e['error'][:400]}")
@@ -342,7 +431,10 @@ def test_bench_engines(tmp_path):
             if TRL_SIDE in RATIOS[label]:  # TRL on vLLM: numbers, or its failure recorded
                 assert x["rounds"] or m["sides"][TRL_SIDE]["errors"], name
             else:
-                assert len(x["rounds"]) == repeats and math.isfinite(x["median"]) and x["median"] > 0, (name, label)
+                assert len(x["rounds"]) == repeats and math.isfinite(x["median"]) and x["median"] > 0, (
+                    name,
+                    label,
+                )
 
 
 if __name__ == "__main__":

@@ -98,13 +98,20 @@ def pinned_recipe(work: Path, steps: int, extra: list[str] = ()):
     """The step benchmark's recipe: the tiny recipe with the work pinned to 4 prompts x 8 x <= 24 tokens."""
     from trainer.recipe import load_recipe
 
-    return load_recipe(CONFIG, [f"train.max_steps={steps}", f"train.eval_heldout={HELDOUT_ROWS}",
-                                f"train.prompts_per_step={PROMPTS_PER_STEP}",
-                                f"train.num_generations={NUM_GENERATIONS}",
-                                f"train.max_completion_length={MAX_COMPLETION_LENGTH}",
-                                # one forward/backward per update, as TRL's per_device_train_batch_size
-                                f"train.micro_batch_size={PROMPTS_PER_STEP * NUM_GENERATIONS}",
-                                *_local(work), *extra])
+    return load_recipe(
+        CONFIG,
+        [
+            f"train.max_steps={steps}",
+            f"train.eval_heldout={HELDOUT_ROWS}",
+            f"train.prompts_per_step={PROMPTS_PER_STEP}",
+            f"train.num_generations={NUM_GENERATIONS}",
+            f"train.max_completion_length={MAX_COMPLETION_LENGTH}",
+            # one forward/backward per update, as TRL's per_device_train_batch_size
+            f"train.micro_batch_size={PROMPTS_PER_STEP * NUM_GENERATIONS}",
+            *_local(work),
+            *extra,
+        ],
+    )
 
 
 def shipped_recipe(work: Path, steps: int | None = None, extra: list[str] = ()):
@@ -132,14 +139,16 @@ def prepare_inputs(recipe) -> tuple[str, Path]:
     from data.prepare import prepare
     from trainer.bootstrap import bootstrap
 
-    model = bootstrap(recipe.bootstrap, out=recipe.bootstrap.out, system_prompt=recipe.data.system_prompt,
-                      progress=False)
+    model = bootstrap(
+        recipe.bootstrap, out=recipe.bootstrap.out, system_prompt=recipe.data.system_prompt, progress=False
+    )
     prepare(**recipe.data.prepare_kwargs())
     return model["path"], Path(recipe.data.out)
 
 
 def _version(package: str) -> str:
     from importlib.metadata import version
+
     return version(package)
 
 
@@ -161,8 +170,10 @@ def run_ours(recipe, model_path: str, data_dir: Path) -> dict:
     rows = [json.loads(line) for line in Path(result.metrics_path).read_text().splitlines() if line.strip()]
     shutil.rmtree(cfg.output_dir, ignore_errors=True)
     step_s, rollout_s = [r["timing/step_s"] for r in rows], [r["timing/rollout_s"] for r in rows]
-    tokens_per_s = [cfg.prompts_per_step * cfg.num_generations * r["completions/mean_length"] / r["timing/rollout_s"]
-                    for r in rows]
+    tokens_per_s = [
+        cfg.prompts_per_step * cfg.num_generations * r["completions/mean_length"] / r["timing/rollout_s"]
+        for r in rows
+    ]
     loop = stamps[-1] - (stamps[0] - step_s[0]) if stamps else math.nan
     return {
         "steps": len(rows),
@@ -182,9 +193,15 @@ def run_ours(recipe, model_path: str, data_dir: Path) -> dict:
         "wall_s": wall,
         "loop_s": loop,
         "outside_loop_s": wall - loop,
-        **({"trainer_idle_fraction": mean_after_first([r["trainer_idle_fraction"] for r in rows]),
-            "rollout_idle_fraction": mean_after_first([r["rollout_idle_fraction"] for r in rows]),
-            "weight_sync_s": mean_after_first([r["timing/weight_sync_s"] for r in rows])} if asynchronous else {}),
+        **(
+            {
+                "trainer_idle_fraction": mean_after_first([r["trainer_idle_fraction"] for r in rows]),
+                "rollout_idle_fraction": mean_after_first([r["rollout_idle_fraction"] for r in rows]),
+                "weight_sync_s": mean_after_first([r["timing/weight_sync_s"] for r in rows]),
+            }
+            if asynchronous
+            else {}
+        ),
     }
 
 
@@ -200,11 +217,17 @@ class _Collect(logging.Handler):
 
 def _counting(fn, calls: list):
     """The reward function as is, recording how many completions and distinct prompts each call got."""
+
     @functools.wraps(fn)
     def wrapped(prompts, completions, **columns):
-        calls.append({"completions": len(completions),
-                      "prompts": len({json.dumps(p, sort_keys=True) for p in prompts})})
+        calls.append(
+            {
+                "completions": len(completions),
+                "prompts": len({json.dumps(p, sort_keys=True) for p in prompts}),
+            }
+        )
         return fn(prompts, completions, **columns)
+
     return wrapped
 
 
@@ -214,8 +237,10 @@ def grpo_config(**kwargs):
     from trl import GRPOConfig
 
     names = {f.name for f in dataclasses.fields(GRPOConfig)}
-    for new, old in (("activation_checkpointing", "gradient_checkpointing"),
-                     ("gradient_checkpointing", "activation_checkpointing")):
+    for new, old in (
+        ("activation_checkpointing", "gradient_checkpointing"),
+        ("gradient_checkpointing", "activation_checkpointing"),
+    ):
         if new in kwargs and new not in names and old in names:
             kwargs[old] = kwargs.pop(new)
     return GRPOConfig(**kwargs)
@@ -260,15 +285,34 @@ def pinned_trl_args(recipe, mu: int) -> dict:
 
 
 # The tiny recipe's `train:` keys, as TRL's GRPOConfig says them; None: not a TRL setting (ours only).
-_SAME_NAME = ("learning_rate", "lr_scheduler_type", "warmup_steps", "weight_decay", "max_grad_norm",
-              "max_completion_length", "temperature", "top_p", "beta", "epsilon", "epsilon_high", "loss_type",
-              "scale_rewards", "mask_truncated_completions", "save_steps", "num_generations", "num_iterations",
-              "seed")
-_NOT_TRL = {"output_dir": "TRL writes to its own tmp dir", "eval_heldout": "held-out scored outside, as ours",
-            "prompts_per_step": "with num_generations and micro_batch_size: TRL's batch shape",
-            "micro_batch_size": "per_device_train_batch_size, accumulated to prompts x generations",
-            "max_steps": "TRL's max_steps (optimizer steps: x num_iterations)",
-            "max_prompt_length": "TRL 1.x has no prompt truncation (the recipe's prompts are far shorter)"}
+_SAME_NAME = (
+    "learning_rate",
+    "lr_scheduler_type",
+    "warmup_steps",
+    "weight_decay",
+    "max_grad_norm",
+    "max_completion_length",
+    "temperature",
+    "top_p",
+    "beta",
+    "epsilon",
+    "epsilon_high",
+    "loss_type",
+    "scale_rewards",
+    "mask_truncated_completions",
+    "save_steps",
+    "num_generations",
+    "num_iterations",
+    "seed",
+)
+_NOT_TRL = {
+    "output_dir": "TRL writes to its own tmp dir",
+    "eval_heldout": "held-out scored outside, as ours",
+    "prompts_per_step": "with num_generations and micro_batch_size: TRL's batch shape",
+    "micro_batch_size": "per_device_train_batch_size, accumulated to prompts x generations",
+    "max_steps": "TRL's max_steps (optimizer steps: x num_iterations)",
+    "max_prompt_length": "TRL 1.x has no prompt truncation (the recipe's prompts are far shorter)",
+}
 
 
 def recipe_trl_args(recipe) -> tuple[dict, list[str]]:
@@ -283,27 +327,36 @@ def recipe_trl_args(recipe) -> tuple[dict, list[str]]:
         raise KeyError(f"{CONFIG}: train.{unknown[0]} has no TRL counterpart in recipe_trl_args ({unknown})")
     completions = cfg.prompts_per_step * cfg.num_generations
     if completions % cfg.micro_batch_size:
-        raise ValueError(f"{CONFIG}: prompts_per_step x num_generations = {completions} is not a multiple of "
-                         f"micro_batch_size {cfg.micro_batch_size}: TRL's batch cannot have that shape")
+        raise ValueError(
+            f"{CONFIG}: prompts_per_step x num_generations = {completions} is not a multiple of "
+            f"micro_batch_size {cfg.micro_batch_size}: TRL's batch cannot have that shape"
+        )
     fields = {f.name for f in dataclasses.fields(GRPOConfig)}
     args = {key: getattr(cfg, key) for key in _SAME_NAME if key in said and key in fields}
-    args.update(per_device_train_batch_size=cfg.micro_batch_size, num_generations=cfg.num_generations,
-                gradient_accumulation_steps=completions // cfg.micro_batch_size,
-                max_steps=cfg.max_steps * cfg.num_iterations, reward_weights=[s.weight for s in recipe.rewards],
-                # the recipe's `model.dtype` is the training precision: float32 turns TRL's bf16 autocast default off.
-                # (Left on, it needs use_cpu=True to start here at all: "Your setup doesn't support bf16/gpu"; then
-                # every matmul runs in bf16, 27x slower than float32 on this AVX2 CPU: hours for the recipe.)
-                bf16=recipe.model.dtype == "bfloat16", use_cpu=True,
-                # not training settings: no tracker (ours logs to none either), no progress bar in the log
-                report_to=[], disable_tqdm=True)
+    args.update(
+        per_device_train_batch_size=cfg.micro_batch_size,
+        num_generations=cfg.num_generations,
+        gradient_accumulation_steps=completions // cfg.micro_batch_size,
+        max_steps=cfg.max_steps * cfg.num_iterations,
+        reward_weights=[s.weight for s in recipe.rewards],
+        # the recipe's `model.dtype` is the training precision: float32 turns TRL's bf16 autocast default off.
+        # (Left on, it needs use_cpu=True to start here at all: "Your setup doesn't support bf16/gpu"; then
+        # every matmul runs in bf16, 27x slower than float32 on this AVX2 CPU: hours for the recipe.)
+        bf16=recipe.model.dtype == "bfloat16",
+        use_cpu=True,
+        # not training settings: no tracker (ours logs to none either), no progress bar in the log
+        report_to=[],
+        disable_tqdm=True,
+    )
     if "max_prompt_length" in said and "max_prompt_length" in fields:
         args["max_prompt_length"] = cfg.max_prompt_length
     left = sorted(k for k in said if k in _SAME_NAME and k not in fields)
     return args, [f"{k}: no such GRPOConfig field" for k in left]
 
 
-def run_trl(recipe, model_path: str, data_dir: Path, out_dir: Path, args: dict, mu: int = 1,
-            score_base: bool = False) -> dict:
+def run_trl(
+    recipe, model_path: str, data_dir: Path, out_dir: Path, args: dict, mu: int = 1, score_base: bool = False
+) -> dict:
     """TRL's GRPOTrainer on the recipe's data and rewards with GRPOConfig(**args), scored by our evaluate_greedy.
 
     wall_s: load, held-out before (with `score_base`), build, train, held-out after: the pieces of our train()."""
@@ -324,16 +377,24 @@ def run_trl(recipe, model_path: str, data_dir: Path, out_dir: Path, args: dict, 
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     dtype = recipe.model.dtype
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=dtype if dtype == "auto" else getattr(torch, dtype)
+    )
     train_rows = load_prepared(data_dir, "train")
-    heldout_rows = load_prepared(data_dir, "heldout")[:cfg.eval_heldout]
+    heldout_rows = load_prepared(data_dir, "heldout")[: cfg.eval_heldout]
     dataset = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in train_rows])
 
     def heldout(m) -> float:
         m.eval()
-        return evaluate_greedy(HFEngine(m, tokenizer), tokenizer, heldout_rows, accuracy_reward, format_reward,
-                               max_tokens=cfg.max_completion_length,
-                               max_prompt_length=cfg.max_prompt_length)["accuracy"]
+        return evaluate_greedy(
+            HFEngine(m, tokenizer),
+            tokenizer,
+            heldout_rows,
+            accuracy_reward,
+            format_reward,
+            max_tokens=cfg.max_completion_length,
+            max_prompt_length=cfg.max_prompt_length,
+        )["accuracy"]
 
     before = heldout(model) if score_base else None
     calls: list[dict] = []
@@ -356,10 +417,17 @@ def run_trl(recipe, model_path: str, data_dir: Path, out_dir: Path, args: dict, 
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            trainer = TRLGRPOTrainer(model=model, reward_funcs=reward_funcs,
-                                     args=grpo_config(output_dir=str(out_dir), **args), train_dataset=dataset,
-                                     processing_class=tokenizer, callbacks=[Timer()])
-            trainer.remove_callback(PrinterCallback)  # its log dicts would bury the tables; log_history keeps them
+            trainer = TRLGRPOTrainer(
+                model=model,
+                reward_funcs=reward_funcs,
+                args=grpo_config(output_dir=str(out_dir), **args),
+                train_dataset=dataset,
+                processing_class=tokenizer,
+                callbacks=[Timer()],
+            )
+            trainer.remove_callback(
+                PrinterCallback
+            )  # its log dicts would bury the tables; log_history keeps them
             trained_at = time.perf_counter()
             trainer.train()
             train_s = time.perf_counter() - trained_at
@@ -367,16 +435,25 @@ def run_trl(recipe, model_path: str, data_dir: Path, out_dir: Path, args: dict, 
         for logger in loggers:
             logger.removeHandler(collect)
     m, targs = trainer.model, trainer.args
-    setup = {"generation_batch_size": targs.generation_batch_size,
-             "steps_per_generation": targs.steps_per_generation,
-             "per_device_train_batch_size": targs.per_device_train_batch_size,
-             "gradient_accumulation_steps": targs.gradient_accumulation_steps, "bf16": targs.bf16,
-             "activation_checkpointing": bool(getattr(m, "is_activation_checkpointing",
-                                                      getattr(m, "is_gradient_checkpointing", False))),
-             "dtype": str(next(m.parameters()).dtype), "seed": targs.seed, "learning_rate": targs.learning_rate,
-             "lr_scheduler_type": str(getattr(targs.lr_scheduler_type, "value", targs.lr_scheduler_type)),
-             "loss_type": targs.loss_type, "beta": targs.beta, "save_steps": targs.save_steps,
-             "save_total_limit": targs.save_total_limit, "use_vllm": getattr(targs, "use_vllm", False)}
+    setup = {
+        "generation_batch_size": targs.generation_batch_size,
+        "steps_per_generation": targs.steps_per_generation,
+        "per_device_train_batch_size": targs.per_device_train_batch_size,
+        "gradient_accumulation_steps": targs.gradient_accumulation_steps,
+        "bf16": targs.bf16,
+        "activation_checkpointing": bool(
+            getattr(m, "is_activation_checkpointing", getattr(m, "is_gradient_checkpointing", False))
+        ),
+        "dtype": str(next(m.parameters()).dtype),
+        "seed": targs.seed,
+        "learning_rate": targs.learning_rate,
+        "lr_scheduler_type": str(getattr(targs.lr_scheduler_type, "value", targs.lr_scheduler_type)),
+        "loss_type": targs.loss_type,
+        "beta": targs.beta,
+        "save_steps": targs.save_steps,
+        "save_total_limit": targs.save_total_limit,
+        "use_vllm": getattr(targs, "use_vllm", False),
+    }
     notes = sorted({f"{w.category.__name__}: {w.message}" for w in caught} | set(collect.messages))
 
     # per generated batch: from the end of one group of mu optimizer steps to the end of the next
@@ -396,12 +473,19 @@ def run_trl(recipe, model_path: str, data_dir: Path, out_dir: Path, args: dict, 
         "generations": len(calls),
         "completions_per_generation": sorted({c["completions"] for c in calls}),
         "prompts_per_generation": sorted({c["prompts"] for c in calls}),
-        "completion_mean_length": (statistics.fmean(h["completions/mean_length"] for h in history)
-                                   if history else math.nan),
-        "reward_last_10": (statistics.fmean(h["reward"] for h in history[-max(1, 10 // targs.logging_steps):])
-                           if history and "reward" in history[-1] else math.nan),
-        "trl_step_time_mean": (statistics.fmean(h["step_time"] for h in trainer.state.log_history
-                                                if "step_time" in h) if history else math.nan),
+        "completion_mean_length": (
+            statistics.fmean(h["completions/mean_length"] for h in history) if history else math.nan
+        ),
+        "reward_last_10": (
+            statistics.fmean(h["reward"] for h in history[-max(1, 10 // targs.logging_steps) :])
+            if history and "reward" in history[-1]
+            else math.nan
+        ),
+        "trl_step_time_mean": (
+            statistics.fmean(h["step_time"] for h in trainer.state.log_history if "step_time" in h)
+            if history
+            else math.nan
+        ),
         "heldout_before": before,
         "heldout_after": after,
         "wall_s": wall,
@@ -439,9 +523,17 @@ def run_limit(recipe, model_path: str, data_dir: Path, repeats: int) -> dict:
         t0 = time.perf_counter()
         model.eval()
         with torch.no_grad():
-            out = model.generate(**enc, do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=0,
-                                 max_new_tokens=cfg.max_completion_length,
-                                 num_return_sequences=cfg.num_generations, eos_token_id=eos, pad_token_id=pad)
+            out = model.generate(
+                **enc,
+                do_sample=True,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                top_k=0,
+                max_new_tokens=cfg.max_completion_length,
+                num_return_sequences=cfg.num_generations,
+                eos_token_id=eos,
+                pad_token_id=pad,
+            )
         t1 = time.perf_counter()
         model.train()
         p_len = enc["input_ids"].shape[1]
@@ -452,9 +544,16 @@ def run_limit(recipe, model_path: str, data_dir: Path, repeats: int) -> dict:
         p_mask = enc["attention_mask"].repeat_interleave(cfg.num_generations, dim=0)
         attn = torch.cat([p_mask, c_mask], dim=1)
         positions = (attn.cumsum(-1) - 1).clamp(min=0)
-        logits = model(input_ids=out, attention_mask=attn, position_ids=positions,
-                       logits_to_keep=completion.shape[1] + 1, use_cache=False).logits[:, :-1]
-        logps = torch.log_softmax(logits.float() / cfg.temperature, -1).gather(-1, completion[..., None])[..., 0]
+        logits = model(
+            input_ids=out,
+            attention_mask=attn,
+            position_ids=positions,
+            logits_to_keep=completion.shape[1] + 1,
+            use_cache=False,
+        ).logits[:, :-1]
+        logps = torch.log_softmax(logits.float() / cfg.temperature, -1).gather(-1, completion[..., None])[
+            ..., 0
+        ]
         loss = -(logps * c_mask).sum() / c_mask.sum()
         loss.backward()
         model.zero_grad(set_to_none=True)
@@ -463,20 +562,36 @@ def run_limit(recipe, model_path: str, data_dir: Path, repeats: int) -> dict:
         fwd_bwd_s.append(t2 - t1)
         lengths.append(float(c_mask.sum(1).float().mean()))
     totals = [g + f for g, f in zip(gen_s, fwd_bwd_s, strict=True)]
-    return {"steps": len(totals), "s_per_step": mean_after_first(totals), "median_s_per_step": median_after_first(totals),
-            "step_s": totals, "generate_s": mean_after_first(gen_s), "fwd_bwd_s": mean_after_first(fwd_bwd_s),
-            "sequences": int(out.shape[0]), "repeats": repeats,
-            "completion_mean_length": statistics.fmean(lengths[1:]) if len(lengths) > 1 else lengths[0]}
+    return {
+        "steps": len(totals),
+        "s_per_step": mean_after_first(totals),
+        "median_s_per_step": median_after_first(totals),
+        "step_s": totals,
+        "generate_s": mean_after_first(gen_s),
+        "fwd_bwd_s": mean_after_first(fwd_bwd_s),
+        "sequences": int(out.shape[0]),
+        "repeats": repeats,
+        "completion_mean_length": statistics.fmean(lengths[1:]) if len(lengths) > 1 else lengths[0],
+    }
 
 
 # ------------------------------------------------------------------------------------ 1. the step, repeated
 STEP_SIDES = ("grpoflow_mu1", "trl_mu1", "limit", "grpoflow_mu4", "grpoflow_async")  # the order of round 1
-STEP_LABELS = {"grpoflow_mu1": "grpoflow (mu=1)", "trl_mu1": "TRL GRPOTrainer (mu=1)",
-               "limit": "limit (generate+fwd/bwd)", "grpoflow_mu4": f"grpoflow (mu={MU_HIGH})",
-               "grpoflow_async": "grpoflow async (mu=1)"}
-STEP_RATIOS = {"grpoflow/TRL": ("grpoflow_mu1", "trl_mu1"), "async/sync": ("grpoflow_async", "grpoflow_mu1"),
-               "async/TRL": ("grpoflow_async", "trl_mu1"), "grpoflow/limit": ("grpoflow_mu1", "limit"),
-               "TRL/limit": ("trl_mu1", "limit"), f"mu{MU_HIGH}/mu1": ("grpoflow_mu4", "grpoflow_mu1")}
+STEP_LABELS = {
+    "grpoflow_mu1": "grpoflow (mu=1)",
+    "trl_mu1": "TRL GRPOTrainer (mu=1)",
+    "limit": "limit (generate+fwd/bwd)",
+    "grpoflow_mu4": f"grpoflow (mu={MU_HIGH})",
+    "grpoflow_async": "grpoflow async (mu=1)",
+}
+STEP_RATIOS = {
+    "grpoflow/TRL": ("grpoflow_mu1", "trl_mu1"),
+    "async/sync": ("grpoflow_async", "grpoflow_mu1"),
+    "async/TRL": ("grpoflow_async", "trl_mu1"),
+    "grpoflow/limit": ("grpoflow_mu1", "limit"),
+    "TRL/limit": ("trl_mu1", "limit"),
+    f"mu{MU_HIGH}/mu1": ("grpoflow_mu4", "grpoflow_mu1"),
+}
 
 
 def run_benchmark(work: Path, steps: int | None = None, repeats: int | None = None) -> dict:
@@ -489,34 +604,55 @@ def run_benchmark(work: Path, steps: int | None = None, repeats: int | None = No
     params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_path).parameters())
 
     def ours(name: str, extra: list[str]):
-        return lambda r: run_ours(pinned_recipe(work, steps, [f"train.output_dir={work / f'{name}-{r}'}", *extra]),
-                                  model_path, data_dir)
+        return lambda r: run_ours(
+            pinned_recipe(work, steps, [f"train.output_dir={work / f'{name}-{r}'}", *extra]),
+            model_path,
+            data_dir,
+        )
 
     started = time.perf_counter()
-    runs = run_rounds({
-        "grpoflow_mu1": ours("mu1", []),
-        "trl_mu1": lambda r: run_trl(recipe, model_path, data_dir, work / f"trl-{r}", pinned_trl_args(recipe, 1)),
-        "limit": lambda r: run_limit(recipe, model_path, data_dir, steps - 1),
-        "grpoflow_mu4": ours(f"mu{MU_HIGH}", [f"train.num_iterations={MU_HIGH}"]),
-        "grpoflow_async": ours("async", ["rollout.async=true"]),
-    }, repeats)
+    runs = run_rounds(
+        {
+            "grpoflow_mu1": ours("mu1", []),
+            "trl_mu1": lambda r: run_trl(
+                recipe, model_path, data_dir, work / f"trl-{r}", pinned_trl_args(recipe, 1)
+            ),
+            "limit": lambda r: run_limit(recipe, model_path, data_dir, steps - 1),
+            "grpoflow_mu4": ours(f"mu{MU_HIGH}", [f"train.num_iterations={MU_HIGH}"]),
+            "grpoflow_async": ours("async", ["rollout.async=true"]),
+        },
+        repeats,
+    )
     elapsed = time.perf_counter() - started
     sides = {name: summarize(runs[name]) for name in STEP_SIDES}
     ratios = {label: round_ratio(runs, num, den) for label, (num, den) in STEP_RATIOS.items()}
     cfg = recipe.train
     report = {
-        "work": {"prompts_per_step": cfg.prompts_per_step, "num_generations": cfg.num_generations,
-                 "max_completion_length": cfg.max_completion_length, "steps": steps, "repeats": repeats,
-                 "learning_rate": cfg.learning_rate, "parameters": params, "threads": torch.get_num_threads(),
-                 "heldout_rows": HELDOUT_ROWS, "elapsed_s": elapsed, "cpu_count": os.cpu_count(),
-                 "torch": torch.__version__, "trl": _version("trl"), "transformers": _version("transformers")},
+        "work": {
+            "prompts_per_step": cfg.prompts_per_step,
+            "num_generations": cfg.num_generations,
+            "max_completion_length": cfg.max_completion_length,
+            "steps": steps,
+            "repeats": repeats,
+            "learning_rate": cfg.learning_rate,
+            "parameters": params,
+            "threads": torch.get_num_threads(),
+            "heldout_rows": HELDOUT_ROWS,
+            "elapsed_s": elapsed,
+            "cpu_count": os.cpu_count(),
+            "torch": torch.__version__,
+            "trl": _version("trl"),
+            "transformers": _version("transformers"),
+        },
         "sides": sides,
         "ratios": ratios,
         "ratio_method": "per round: the two sides' medians over steps 2..N; then the median over rounds",
     }
-    report["plot"] = plot_round_ratios(BENCH_OUT / "grpo_ratios.png",
-                                       f"grpoflow step bench: {repeats} rounds x {steps} steps, per-round ratios "
-                                       "of median s/step", ratios)
+    report["plot"] = plot_round_ratios(
+        BENCH_OUT / "grpo_ratios.png",
+        f"grpoflow step bench: {repeats} rounds x {steps} steps, per-round ratios of median s/step",
+        ratios,
+    )
     write_json(RESULT_JSON, report)
     print(format_table(report))
     return report
@@ -524,10 +660,26 @@ def run_benchmark(work: Path, steps: int | None = None, repeats: int | None = No
 
 def summarize(runs: list[dict]) -> dict:
     """A side over its rounds: the median of each per-run figure, the max of other%, and the runs themselves."""
-    keys = ("median_s_per_step", "s_per_step", "completion_mean_length", "heldout_before", "heldout_after",
-            "rollout_s", "reward_s", "train_s", "generate_s", "fwd_bwd_s", "trainer_idle_fraction",
-            "rollout_idle_fraction", "weight_sync_s", "wall_s", "loop_s", "median_rollout_s",
-            "median_rollout_tokens_per_s", "reward_last_10")
+    keys = (
+        "median_s_per_step",
+        "s_per_step",
+        "completion_mean_length",
+        "heldout_before",
+        "heldout_after",
+        "rollout_s",
+        "reward_s",
+        "train_s",
+        "generate_s",
+        "fwd_bwd_s",
+        "trainer_idle_fraction",
+        "rollout_idle_fraction",
+        "weight_sync_s",
+        "wall_s",
+        "loop_s",
+        "median_rollout_s",
+        "median_rollout_tokens_per_s",
+        "reward_last_10",
+    )
     out = {key: median_over(runs, key) for key in keys if any(key in r for r in runs)}
     return {**out, "other_cpu_share_max": max_other(runs), "runs": runs}
 
@@ -555,24 +707,38 @@ def format_table(r: dict) -> str:
         "completion length; other%: CPU other processes used during each run (above a few %: noisy)",
         f"{'':26s}{'median':>8s}{'mean':>8s}{'acc':>8s}{'tokens':>8s}  {'other%':>10s}  {'s/step per round':24s}",
         row("base model (before)", acc=ours["heldout_before"]),
-        row(STEP_LABELS["grpoflow_mu1"], ours, ours["heldout_after"],
-            f"rollout {ours['rollout_s']:.3f} + reward {ours['reward_s']:.3f} + train {ours['train_s']:.3f} s"),
+        row(
+            STEP_LABELS["grpoflow_mu1"],
+            ours,
+            ours["heldout_after"],
+            f"rollout {ours['rollout_s']:.3f} + reward {ours['reward_s']:.3f} + train {ours['train_s']:.3f} s",
+        ),
         row(STEP_LABELS["trl_mu1"], trl, trl["heldout_after"]),
-        row(STEP_LABELS["limit"], limit, None,
-            f"generate {limit['generate_s']:.3f} + fwd/bwd {limit['fwd_bwd_s']:.3f} s"),
+        row(
+            STEP_LABELS["limit"],
+            limit,
+            None,
+            f"generate {limit['generate_s']:.3f} + fwd/bwd {limit['fwd_bwd_s']:.3f} s",
+        ),
         row(STEP_LABELS["grpoflow_mu4"], mu4, mu4["heldout_after"]),
-        row(STEP_LABELS["grpoflow_async"], asy, asy["heldout_after"],
+        row(
+            STEP_LABELS["grpoflow_async"],
+            asy,
+            asy["heldout_after"],
             f"idle: trainer {asy['trainer_idle_fraction']:.0%}, rollout {asy['rollout_idle_fraction']:.0%}; "
-            f"weight sync {asy['weight_sync_s'] * 1000:.0f} ms"),
+            f"weight sync {asy['weight_sync_s'] * 1000:.0f} ms",
+        ),
         f"ratios of median s/step, per round then the median over rounds [min-max; each round] ({r['ratio_method']}):",
     ]
     lines += [f"  {label:16s}{format_ratio(ratio)}" for label, ratio in x.items()]
     t = trl["runs"][0]
-    lines += [f"TRL check: {t['generations']} generations, completions per generation "
-              f"{t['completions_per_generation']}, distinct prompts per generation {t['prompts_per_generation']}, "
-              f"{t['optimizer_steps']} optimizer steps; its own step_time metric (mean incl. step 1) "
-              f"{t['trl_step_time_mean']:.3f} s; {t['setup']}",
-              f"written to {RESULT_JSON}; plot: {r['plot']}"]
+    lines += [
+        f"TRL check: {t['generations']} generations, completions per generation "
+        f"{t['completions_per_generation']}, distinct prompts per generation {t['prompts_per_generation']}, "
+        f"{t['optimizer_steps']} optimizer steps; its own step_time metric (mean incl. step 1) "
+        f"{t['trl_step_time_mean']:.3f} s; {t['setup']}",
+        f"written to {RESULT_JSON}; plot: {r['plot']}",
+    ]
     if t["notes"]:
         lines.append("TRL warnings (round 1):")
         lines += [f"  - {n[:300]}" for n in t["notes"]]
@@ -585,10 +751,14 @@ def test_bench_grpo(tmp_path):
     steps, repeats = r["work"]["steps"], r["work"]["repeats"]
     for name, side in r["sides"].items():
         assert len(side["runs"]) == repeats, name
-        assert all(math.isfinite(run["median_s_per_step"]) and run["median_s_per_step"] > 0 for run in side["runs"]), name
+        assert all(
+            math.isfinite(run["median_s_per_step"]) and run["median_s_per_step"] > 0 for run in side["runs"]
+        ), name
     for name in ("grpoflow_mu1", "trl_mu1", "grpoflow_mu4"):
         assert 0.0 <= r["sides"][name]["heldout_after"] <= 1.0, name
-    for name, side in r["sides"].items():  # TRL: batch times between stamps; the limit: 1 + (steps - 1) repeats
+    for name, side in r[
+        "sides"
+    ].items():  # TRL: batch times between stamps; the limit: 1 + (steps - 1) repeats
         assert [run["steps"] for run in side["runs"]] == [steps] * repeats, name
     assert all(math.isfinite(v["median"]) and v["median"] > 0 for v in r["ratios"].values())
     # the comparison is only fair if TRL did the same work per generation
@@ -601,12 +771,21 @@ def test_bench_grpo(tmp_path):
 
 # ------------------------------------------------------------------------ 2. the tiny recipe end to end
 RECIPE_SIDES = ("grpoflow_sync", "trl_defaults", "grpoflow_async")  # the order of round 1
-RECIPE_LABELS = {"grpoflow_sync": "grpoflow sync", "trl_defaults": "TRL GRPOTrainer, its defaults",
-                 "grpoflow_async": "grpoflow async"}
-RECIPE_RATIOS = {f"grpoflow/TRL {k}": ("grpoflow_sync", "trl_defaults", key) for k, key in
-                 (("wall", "wall_s"), ("loop", "loop_s"), ("step", "median_s_per_step"))}
-RECIPE_RATIOS.update({f"async/sync {k}": ("grpoflow_async", "grpoflow_sync", key) for k, key in
-                      (("wall", "wall_s"), ("loop", "loop_s"), ("step", "median_s_per_step"))})
+RECIPE_LABELS = {
+    "grpoflow_sync": "grpoflow sync",
+    "trl_defaults": "TRL GRPOTrainer, its defaults",
+    "grpoflow_async": "grpoflow async",
+}
+RECIPE_RATIOS = {
+    f"grpoflow/TRL {k}": ("grpoflow_sync", "trl_defaults", key)
+    for k, key in (("wall", "wall_s"), ("loop", "loop_s"), ("step", "median_s_per_step"))
+}
+RECIPE_RATIOS.update(
+    {
+        f"async/sync {k}": ("grpoflow_async", "grpoflow_sync", key)
+        for k, key in (("wall", "wall_s"), ("loop", "loop_s"), ("step", "median_s_per_step"))
+    }
+)
 
 
 def e2e_enabled() -> bool:
@@ -625,38 +804,60 @@ def run_recipe_benchmark(work: Path, steps: int | None = None, repeats: int | No
     trl_args, trl_left = recipe_trl_args(recipe)
 
     def ours(name: str, extra: list[str]):
-        return lambda r: run_ours(shipped_recipe(work, steps, [f"train.output_dir={work / f'e2e-{name}-{r}'}",
-                                                               *extra]), model_path, data_dir)
+        return lambda r: run_ours(
+            shipped_recipe(work, steps, [f"train.output_dir={work / f'e2e-{name}-{r}'}", *extra]),
+            model_path,
+            data_dir,
+        )
 
     started = time.perf_counter()
-    runs = run_rounds({
-        "grpoflow_sync": ours("sync", ["rollout.async=false"]),
-        "trl_defaults": lambda r: run_trl(recipe, model_path, data_dir, work / f"e2e-trl-{r}", trl_args,
-                                          score_base=True),
-        "grpoflow_async": ours("async", ["rollout.async=true"]),
-    }, repeats)
+    runs = run_rounds(
+        {
+            "grpoflow_sync": ours("sync", ["rollout.async=false"]),
+            "trl_defaults": lambda r: run_trl(
+                recipe, model_path, data_dir, work / f"e2e-trl-{r}", trl_args, score_base=True
+            ),
+            "grpoflow_async": ours("async", ["rollout.async=true"]),
+        },
+        repeats,
+    )
     elapsed = time.perf_counter() - started
     ratios = {label: round_ratio(runs, num, den, key) for label, (num, den, key) in RECIPE_RATIOS.items()}
     cfg = recipe.train
     report = {
-        "work": {"config": str(CONFIG.relative_to(REPO_ROOT)), "steps": steps, "recipe_max_steps":
-                 shipped.train.max_steps, "repeats": repeats, "prompts_per_step": cfg.prompts_per_step,
-                 "num_generations": cfg.num_generations, "max_completion_length": cfg.max_completion_length,
-                 "micro_batch_size": cfg.micro_batch_size, "learning_rate": cfg.learning_rate,
-                 "lr_scheduler_type": cfg.lr_scheduler_type, "heldout_rows": cfg.eval_heldout,
-                 "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "elapsed_s": elapsed,
-                 "torch": torch.__version__, "trl": _version("trl"), "transformers": _version("transformers")},
+        "work": {
+            "config": str(CONFIG.relative_to(REPO_ROOT)),
+            "steps": steps,
+            "recipe_max_steps": shipped.train.max_steps,
+            "repeats": repeats,
+            "prompts_per_step": cfg.prompts_per_step,
+            "num_generations": cfg.num_generations,
+            "max_completion_length": cfg.max_completion_length,
+            "micro_batch_size": cfg.micro_batch_size,
+            "learning_rate": cfg.learning_rate,
+            "lr_scheduler_type": cfg.lr_scheduler_type,
+            "heldout_rows": cfg.eval_heldout,
+            "threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(),
+            "elapsed_s": elapsed,
+            "torch": torch.__version__,
+            "trl": _version("trl"),
+            "transformers": _version("transformers"),
+        },
         "trl_args": trl_args,
         "trl_args_left_out": trl_left,
         "sides": {name: summarize(runs[name]) for name in RECIPE_SIDES},
         "ratios": ratios,
         "ratio_method": "per round, then the median over rounds; wall: the whole training with held-out before "
-                        "and after; loop: first step start to last step end; step: median step over 2..N",
+        "and after; loop: first step start to last step end; step: median step over 2..N",
         "async_aim": ASYNC_AIM,
     }
-    report["plot"] = plot_round_ratios(BENCH_OUT / "tiny_recipe_ratios.png",
-                                       f"tiny recipe end to end: {steps} steps, {repeats} round(s), per-round ratios",
-                                       ratios, {f"async/sync {k}": ASYNC_AIM for k in ("wall", "loop", "step")})
+    report["plot"] = plot_round_ratios(
+        BENCH_OUT / "tiny_recipe_ratios.png",
+        f"tiny recipe end to end: {steps} steps, {repeats} round(s), per-round ratios",
+        ratios,
+        {f"async/sync {k}": ASYNC_AIM for k in ("wall", "loop", "step")},
+    )
     write_json(RECIPE_JSON, report)
     print(format_recipe_table(report))
     return report
@@ -679,12 +880,18 @@ def format_recipe_table(r: dict) -> str:
     for name in RECIPE_SIDES:
         side = s[name]
         others = " ".join(f"{100 * run['other_cpu_share']:.0f}" for run in side["runs"])
-        lines.append(f"{RECIPE_LABELS[name]:30s}{side['wall_s']:8.1f}{side['loop_s']:8.1f}"
-                     f"{side['median_s_per_step']:8.3f}{_acc(side.get('heldout_before'))}"
-                     f"{_acc(side.get('heldout_after'))}{side['reward_last_10']:8.3f}  {others}")
-    lines.append("  (reward: mean training reward of the last 10 steps; TRL: its last logged value, every 10 steps)")
-    lines.append(f"ratios, per round then the median over rounds [min-max; each round] (aim async/sync <= "
-                 f"{r['async_aim']}):")
+        lines.append(
+            f"{RECIPE_LABELS[name]:30s}{side['wall_s']:8.1f}{side['loop_s']:8.1f}"
+            f"{side['median_s_per_step']:8.3f}{_acc(side.get('heldout_before'))}"
+            f"{_acc(side.get('heldout_after'))}{side['reward_last_10']:8.3f}  {others}"
+        )
+    lines.append(
+        "  (reward: mean training reward of the last 10 steps; TRL: its last logged value, every 10 steps)"
+    )
+    lines.append(
+        f"ratios, per round then the median over rounds [min-max; each round] (aim async/sync <= "
+        f"{r['async_aim']}):"
+    )
     lines += [f"  {label:22s}{format_ratio(ratio)}" for label, ratio in r["ratios"].items()]
     t = s["trl_defaults"]["runs"][0]
     lines += [f"TRL given: {r['trl_args']}", f"TRL ran with: {t['setup']}"]
@@ -714,7 +921,9 @@ def test_bench_tiny_recipe(tmp_path):
             assert 0.0 <= run["heldout_after"] <= 1.0 and 0.0 <= run["heldout_before"] <= 1.0, name
             assert math.isfinite(run["wall_s"]) and run["wall_s"] > 0, name
     for run in r["sides"]["trl_defaults"]["runs"]:  # the same work per step as ours
-        assert run["completions_per_generation"] == [r["work"]["prompts_per_step"] * r["work"]["num_generations"]]
+        assert run["completions_per_generation"] == [
+            r["work"]["prompts_per_step"] * r["work"]["num_generations"]
+        ]
         assert run["prompts_per_generation"] == [r["work"]["prompts_per_step"]]
         assert run["generations"] == steps
     assert all(math.isfinite(v["median"]) and v["median"] > 0 for v in r["ratios"].values())

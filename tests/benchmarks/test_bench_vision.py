@@ -45,16 +45,25 @@ def run_vision_demo(out: Path) -> dict:
     result = train(recipe, progress=False)
     seconds = time.perf_counter() - started
     rows = [json.loads(line) for line in Path(result["metrics"]).read_text().splitlines()]
-    per_50 = [round(statistics.fmean(r["rewards/counting/mean"] for r in rows[i:i + 50]), 3)
-              for i in range(0, len(rows), 50)]
+    per_50 = [
+        round(statistics.fmean(r["rewards/counting/mean"] for r in rows[i : i + 50]), 3)
+        for i in range(0, len(rows), 50)
+    ]
     plots = plot_training_curves(result["metrics"], out / "plots")
     grid = heldout_answers_plot(result, str(out / "data"), out / "plots" / "answers.png")
-    summary = {"before": result["heldout_accuracy_before"], "after": result["heldout_accuracy_after"],
-               "steps": result["steps"], "training_s": round(seconds, 1), "counting_reward_per_50_steps": per_50,
-               "plots": [str(p) for p in [*plots, grid]]}
-    print(f"\nvision demo ({recipe.name}): held-out counting accuracy {summary['before']:.3f} -> "
-          f"{summary['after']:.3f} ({100 * (summary['after'] - summary['before']):+.1f} points) in "
-          f"{summary['steps']} steps, {seconds / 60:.1f} min of training (aim: +10 points in <= 10 min)")
+    summary = {
+        "before": result["heldout_accuracy_before"],
+        "after": result["heldout_accuracy_after"],
+        "steps": result["steps"],
+        "training_s": round(seconds, 1),
+        "counting_reward_per_50_steps": per_50,
+        "plots": [str(p) for p in [*plots, grid]],
+    }
+    print(
+        f"\nvision demo ({recipe.name}): held-out counting accuracy {summary['before']:.3f} -> "
+        f"{summary['after']:.3f} ({100 * (summary['after'] - summary['before']):+.1f} points) in "
+        f"{summary['steps']} steps, {seconds / 60:.1f} min of training (aim: +10 points in <= 10 min)"
+    )
     print(f"sampled counting reward, mean per 50 steps: {per_50}")
     print("plots:", *summary["plots"], sep="\n  ")
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

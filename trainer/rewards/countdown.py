@@ -150,8 +150,8 @@ class _Parser:
 def _tokenize(text: str) -> list[str]:
     tokens, pos = [], 0
     for match in _TOKEN.finditer(text):
-        if text[pos:match.start()].strip(" "):
-            raise CountdownRejected(f"unreadable text {text[pos:match.start()]!r}")
+        if text[pos : match.start()].strip(" "):
+            raise CountdownRejected(f"unreadable text {text[pos : match.start()]!r}")
         tokens.append(match.group())
         pos = match.end()
     if text[pos:].strip(" "):

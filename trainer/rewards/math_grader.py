@@ -117,16 +117,27 @@ class _WorkerProcess:
                 self._stop()
                 self.killed += 1
                 log = logger.warning if self.killed == 1 else logger.debug
-                log("math-verify gave no verdict within %s s on answer %.80r; scored 0.0, worker restarted "
-                    "(later cases are logged at debug level)", GRADE_TIMEOUT_S, predicted)
+                log(
+                    "math-verify gave no verdict within %s s on answer %.80r; scored 0.0, worker restarted "
+                    "(later cases are logged at debug level)",
+                    GRADE_TIMEOUT_S,
+                    predicted,
+                )
                 return 0.0
             return json.loads(line)
 
     def _start(self) -> None:
         # run_path rather than `python <file>`: the latter would put trainer/rewards/ first on the worker's
         # sys.path, where our module names could shadow top-level ones.
-        command = [sys.executable, "-u", "-c", f"import runpy; runpy.run_path({__file__!r}, run_name='__main__')"]
-        self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        command = [
+            sys.executable,
+            "-u",
+            "-c",
+            f"import runpy; runpy.run_path({__file__!r}, run_name='__main__')",
+        ]
+        self._proc = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+        )
         self._lines = queue.Queue()
         threading.Thread(target=_pump, args=(self._proc.stdout, self._lines), daemon=True).start()
         try:
@@ -179,7 +190,9 @@ def serve() -> None:
         gold, predicted = json.loads(line)
         try:
             result = grade_in_process(gold, predicted)
-        except Exception:  # whatever math-verify lets escape (RecursionError on deep nesting...) is a wrong answer
+        except (
+            Exception
+        ):  # whatever math-verify lets escape (RecursionError on deep nesting...) is a wrong answer
             result = 0.0
         print(json.dumps(result), flush=True)
 

@@ -39,13 +39,19 @@ def format_reward(prompts: Sequence, completions: Sequence, **_columns) -> list[
     return rewards
 
 
-def accuracy_reward(prompts: Sequence, completions: Sequence, answer: Sequence, **_columns) -> list[float | None]:
+def accuracy_reward(
+    prompts: Sequence, completions: Sequence, answer: Sequence, **_columns
+) -> list[float | None]:
     """1.0 if the final answer (last `<answer>` block, else last `\\boxed{}`) equals the gold `answer`
     under math-verify; 0.0 otherwise; None if the gold answer cannot be parsed."""
-    return [grade_math_answer(text, gold) for text, gold in with_column("accuracy", completions, answer=answer)]
+    return [
+        grade_math_answer(text, gold) for text, gold in with_column("accuracy", completions, answer=answer)
+    ]
 
 
-def counting_reward(prompts: Sequence, completions: Sequence, answer: Sequence, **_columns) -> list[float | None]:
+def counting_reward(
+    prompts: Sequence, completions: Sequence, answer: Sequence, **_columns
+) -> list[float | None]:
     """1.0 if the final answer equals the gold count, by math-verify or, failing that, as the same stripped
     string (so a gold answer math-verify cannot read is still gradable); None only if the gold is empty."""
     rewards: list[float | None] = []

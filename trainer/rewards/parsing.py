@@ -37,7 +37,9 @@ def _content_text(content: object) -> str:
         return text
     if isinstance(content, Sequence):
         return "".join(
-            part.get("text") or "" for part in content if isinstance(part, Mapping) and part.get("type") == "text"
+            part.get("text") or ""
+            for part in content
+            if isinstance(part, Mapping) and part.get("type") == "text"
         )
     raise TypeError(f"message content must be a string or a list of parts, got {type(content).__name__}")
 
@@ -52,6 +54,8 @@ def with_column(reward: str, completions: Sequence[object], **column: Sequence) 
     mistake, named (`accuracy: 2 completions but 1 'answer' value`), not a bare zip error."""
     [(name, values)] = column.items()
     if len(values) != len(completions):
-        raise ValueError(f"{reward}: {len(completions)} completions but {len(values)} {name!r} value"
-                         f"{'' if len(values) == 1 else 's'}: the reward needs one {name!r} per completion")
+        raise ValueError(
+            f"{reward}: {len(completions)} completions but {len(values)} {name!r} value"
+            f"{'' if len(values) == 1 else 's'}: the reward needs one {name!r} per completion"
+        )
     return list(zip(completion_texts(completions), values, strict=True))

@@ -103,4 +103,6 @@ def _check_args(fn: Callable, args: Mapping, label: str, *, complete: bool) -> N
         bind(**args)
     except TypeError as error:
         accepted = ", ".join(signature.parameters) or "none"
-        raise RewardSpecError(f"{label}: bad args {sorted(args)} ({error}); its parameters: {accepted}") from error
+        raise RewardSpecError(
+            f"{label}: bad args {sorted(args)} ({error}); its parameters: {accepted}"
+        ) from error

@@ -84,7 +84,9 @@ class RewardRunner:
             if not isinstance(weight, numbers.Real) or not math.isfinite(weight):
                 raise ValueError(f"reward {name!r}: weight must be a finite number, got {weight!r}")
             if any(name == other for other, _, _ in self.specs):
-                raise ValueError(f"reward name {name!r} appears twice; names label metrics and must be unique")
+                raise ValueError(
+                    f"reward name {name!r} appears twice; names label metrics and must be unique"
+                )
             self.specs.append((name, fn, float(weight)))
         if timeout_s is not None and timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive or None, got {timeout_s}")
@@ -103,11 +105,15 @@ class RewardRunner:
             per_function[name], errors[name] = self._score(name, fn, prompts, completions, columns)
         total = []
         for i in range(len(completions)):
-            parts = [w * per_function[name][i] for name, _, w in self.specs if per_function[name][i] is not None]
+            parts = [
+                w * per_function[name][i] for name, _, w in self.specs if per_function[name][i] is not None
+            ]
             total.append(math.fsum(parts) if parts else None)
         return RewardResult(per_function, total, errors)
 
-    def _score(self, name: str, fn: RewardFn, prompts, completions, columns) -> tuple[list[float | None], int]:
+    def _score(
+        self, name: str, fn: RewardFn, prompts, completions, columns
+    ) -> tuple[list[float | None], int]:
         n = len(completions)
         if n == 0:
             return [], 0
@@ -171,7 +177,12 @@ class RewardRunner:
         self._logged.add(key)
         logger.warning(
             "reward %r failed on %s with %s: %s (further %s from %r are counted, not logged)",
-            name, where, key[1], error, key[1], name,
+            name,
+            where,
+            key[1],
+            error,
+            key[1],
+            name,
         )
 
 

@@ -29,7 +29,9 @@ def completion_lengths(completions: Sequence, completion_ids: Sequence | None = 
     """Token counts from `completion_ids` when given, else character counts of the completion texts."""
     if completion_ids is not None:
         if len(completion_ids) != len(completions):
-            raise ValueError(f"completion_ids has {len(completion_ids)} rows for {len(completions)} completions")
+            raise ValueError(
+                f"completion_ids has {len(completion_ids)} rows for {len(completions)} completions"
+            )
         return [len(ids) for ids in completion_ids]
     return [len(text) for text in completion_texts(completions)]
 
@@ -73,7 +75,7 @@ def repetition(ngram_size: int = 3, max_penalty: float = -1.0) -> RewardFn:
             if len(words) < ngram_size:
                 rewards.append(0.0)
                 continue
-            ngrams = [tuple(words[i:i + ngram_size]) for i in range(len(words) - ngram_size + 1)]
+            ngrams = [tuple(words[i : i + ngram_size]) for i in range(len(words) - ngram_size + 1)]
             scaling = 1.0 - len(set(ngrams)) / len(ngrams)
             rewards.append(scaling * max_penalty)
         return rewards
@@ -83,7 +85,11 @@ def repetition(ngram_size: int = 3, max_penalty: float = -1.0) -> RewardFn:
 
 def soft_overlong(max_len: int, cache_len: int) -> RewardFn:
     """DAPO's soft overlong punishment with L_max = max_len and L_cache = cache_len."""
-    _require(0 < cache_len <= max_len, "soft_overlong", f"need 0 < cache_len <= max_len, got {cache_len}, {max_len}")
+    _require(
+        0 < cache_len <= max_len,
+        "soft_overlong",
+        f"need 0 < cache_len <= max_len, got {cache_len}, {max_len}",
+    )
 
     def soft_overlong_reward(prompts, completions, completion_ids=None, **_columns) -> list[float]:
         rewards = []

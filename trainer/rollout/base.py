@@ -21,7 +21,9 @@ class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     seed: int | None = None
-    ignore_eos: bool = False  # decode max_tokens tokens whatever is sampled (benchmarks and load tests, as in vLLM)
+    ignore_eos: bool = (
+        False  # decode max_tokens tokens whatever is sampled (benchmarks and load tests, as in vLLM)
+    )
 
 
 @dataclass

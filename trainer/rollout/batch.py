@@ -18,6 +18,7 @@ from trainer.vision import VisionInputs, vision_of
 @dataclass(frozen=True)
 class MicroBatch:
     """The padded tensors of some completions of a batch: what one forward and backward takes."""
+
     input_ids: torch.Tensor  # [b, P + C] left-padded prompt | right-padded completion
     attention_mask: torch.Tensor  # [b, P + C]
     position_ids: torch.Tensor  # [b, P + C] counting real tokens only
@@ -31,11 +32,17 @@ class MicroBatch:
 
     @property
     def completion_ids(self) -> torch.Tensor:
-        return self.input_ids[:, self.prompt_width:]
+        return self.input_ids[:, self.prompt_width :]
 
     def to(self, device: str | torch.device) -> MicroBatch:
-        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
-                                            if isinstance(getattr(self, f.name), (torch.Tensor, VisionInputs))})
+        return dataclasses.replace(
+            self,
+            **{
+                f.name: getattr(self, f.name).to(device)
+                for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), (torch.Tensor, VisionInputs))
+            },
+        )
 
 
 @dataclass
@@ -45,7 +52,9 @@ class RolloutBatch:
     advantages: torch.Tensor  # [B]
     loss_mask: torch.Tensor  # [B] 1 where the completion takes part in the loss
     policy_version: int = 0
-    sampled_out: int = 0  # completions of groups that dynamic sampling dropped: not in the batch, as DAPO has it
+    sampled_out: int = (
+        0  # completions of groups that dynamic sampling dropped: not in the batch, as DAPO has it
+    )
 
     def __len__(self) -> int:
         return len(self.completions)
@@ -65,31 +74,44 @@ class RolloutBatch:
         behaviour = torch.zeros((len(rows), c_len))
         for r, i in enumerate(rows):
             p, c = self.prompt_ids[i], self.completions[i]
-            ids[r, p_len - len(p):p_len] = torch.tensor(p)
-            attn[r, p_len - len(p):p_len] = 1
+            ids[r, p_len - len(p) : p_len] = torch.tensor(p)
+            attn[r, p_len - len(p) : p_len] = 1
             n = len(c.token_ids)
             if n:
-                ids[r, p_len:p_len + n] = torch.tensor(c.token_ids)
-                attn[r, p_len:p_len + n] = 1
+                ids[r, p_len : p_len + n] = torch.tensor(c.token_ids)
+                attn[r, p_len : p_len + n] = 1
                 cmask[r, :n] = float(self.loss_mask[i])
                 behaviour[r, :n] = torch.tensor(c.logprobs)
                 if (vision := vision_of(p)) is not None and vision.image_token_id in c.token_ids:
                     # A sampled image placeholder has no image behind it: fed back it would make the model look
                     # for one more image than it was given. Such a completion is left out of the loss, and the
                     # placeholder is padding in the forward (its tokens' log-probs are then never used).
-                    ids[r, p_len:p_len + n].masked_fill_(ids[r, p_len:p_len + n] == vision.image_token_id, pad_id)
+                    ids[r, p_len : p_len + n].masked_fill_(
+                        ids[r, p_len : p_len + n] == vision.image_token_id, pad_id
+                    )
                     cmask[r] = 0.0
         positions = (attn.cumsum(-1) - 1).clamp(min=0)
         # rows that share a prompt (a GRPO group): the prompt's forward can be computed once for all of them
         unique_of: dict[tuple, int] = {}
         unique_rows, inverse = [], []  # first row of each distinct prompt; each row's distinct prompt
         for r, i in enumerate(rows):
-            key = (tuple(self.prompt_ids[i]), id(vision_of(self.prompt_ids[i])))  # same tokens, other image: other prompt
+            key = (
+                tuple(self.prompt_ids[i]),
+                id(vision_of(self.prompt_ids[i])),
+            )  # same tokens, other image: other prompt
             if key not in unique_of:
                 unique_of[key] = len(unique_rows)
                 unique_rows.append(r)
             inverse.append(unique_of[key])
-        return MicroBatch(input_ids=ids, attention_mask=attn, position_ids=positions, completion_mask=cmask,
-                          behaviour_logps=behaviour, advantages=self.advantages[index], prompt_width=p_len,
-                          prompt_rows=torch.tensor(unique_rows), prompt_inverse=torch.tensor(inverse),
-                          vision=VisionInputs.concat([vision_of(self.prompt_ids[i]) for i in rows]))
+        return MicroBatch(
+            input_ids=ids,
+            attention_mask=attn,
+            position_ids=positions,
+            completion_mask=cmask,
+            behaviour_logps=behaviour,
+            advantages=self.advantages[index],
+            prompt_width=p_len,
+            prompt_rows=torch.tensor(unique_rows),
+            prompt_inverse=torch.tensor(inverse),
+            vision=VisionInputs.concat([vision_of(self.prompt_ids[i]) for i in rows]),
+        )

@@ -12,9 +12,14 @@ from trainer.rollout.base import RolloutEngine
 
 def vllm_settings(cfg: RolloutConfig, max_model_len: int | None = None) -> dict:
     """The recipe's settings of an in-process vLLM engine (`VLLMEngine` keyword arguments)."""
-    return dict(tensor_parallel_size=cfg.tensor_parallel_size, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                enable_sleep_mode=cfg.colocate, enforce_eager=cfg.enforce_eager,
-                max_model_len=cfg.max_model_len or max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens)
+    return dict(
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        enable_sleep_mode=cfg.colocate,
+        enforce_eager=cfg.enforce_eager,
+        max_model_len=cfg.max_model_len or max_model_len,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+    )
 
 
 def shares_weights(engine: RolloutEngine) -> bool:
@@ -71,9 +76,18 @@ def _trainer_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def make_engine(cfg: RolloutConfig, model_path: str, *, model=None, tokenizer=None, device: str | None = None,
-                model_cfg: ModelConfig | None = None, seed: int = 0, lmdeploy_backend: str = "pytorch",
-                max_model_len: int | None = None) -> RolloutEngine:
+def make_engine(
+    cfg: RolloutConfig,
+    model_path: str,
+    *,
+    model=None,
+    tokenizer=None,
+    device: str | None = None,
+    model_cfg: ModelConfig | None = None,
+    seed: int = 0,
+    lmdeploy_backend: str = "pytorch",
+    max_model_len: int | None = None,
+) -> RolloutEngine:
     """The engine `cfg.engine` names, built for `model_path` with the recipe's `model_cfg` (its dtype, remote
     code and attention implementation; when None, the defaults with the checkpoint's own dtype, "auto").
 
@@ -115,22 +129,34 @@ def make_engine(cfg: RolloutConfig, model_path: str, *, model=None, tokenizer=No
                 return ServedByRankZero(cfg.server_url)
             from trainer.rollout.vllm_server import VLLMServerEngine
 
-            return VLLMServerEngine(cfg.server_url, timeout_s=cfg.sync_timeout_s, weight_sync=cfg.weight_sync,
-                                    weights_dir=cfg.weights_dir,
-                                    sync_device=device if device.startswith("cuda") else "cuda:0")
+            return VLLMServerEngine(
+                cfg.server_url,
+                timeout_s=cfg.sync_timeout_s,
+                weight_sync=cfg.weight_sync,
+                weights_dir=cfg.weights_dir,
+                sync_device=device if device.startswith("cuda") else "cuda:0",
+            )
         from trainer.rollout.vllm_engine import VLLMEngine
 
         extra = {"distributed_executor_backend": executor} if executor else {}
         if model_cfg.trust_remote_code:  # False is vLLM's default: left out, its settings stay as they were
             extra["trust_remote_code"] = True
-        return VLLMEngine(model_path, dtype=model_cfg.dtype, seed=seed, **vllm_settings(cfg, max_model_len),
-                          **extra)
+        return VLLMEngine(
+            model_path, dtype=model_cfg.dtype, seed=seed, **vllm_settings(cfg, max_model_len), **extra
+        )
     if kind == "lmdeploy":
         if cfg.server_url:
-            raise ValueError("rollout.server_url is supported for engine: vllm only; LMDeploy runs in-process here")
+            raise ValueError(
+                "rollout.server_url is supported for engine: vllm only; LMDeploy runs in-process here"
+            )
         from trainer.rollout.lmdeploy_engine import LMDeployEngine
 
-        return LMDeployEngine(model_path, backend=lmdeploy_backend, tensor_parallel_size=cfg.tensor_parallel_size,
-                              gpu_memory_utilization=cfg.gpu_memory_utilization, dtype=model_cfg.dtype,
-                              seed=seed)
+        return LMDeployEngine(
+            model_path,
+            backend=lmdeploy_backend,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            dtype=model_cfg.dtype,
+            seed=seed,
+        )
     raise ValueError(f"rollout.engine must be transformers, vllm or lmdeploy, got {cfg.engine!r}")

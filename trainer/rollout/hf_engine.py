@@ -29,8 +29,8 @@ def left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, 
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
         if s:
-            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-            mask[i, width - len(s):] = 1
+            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s) :] = 1
     return ids.to(device), mask.to(device)
 
 
@@ -56,7 +56,9 @@ def sample_next(logits: torch.Tensor, sampling: SamplingParams, generator: torch
 class HFEngine:
     """Rollout engine over a transformers causal LM held in this process."""
 
-    def __init__(self, model, tokenizer, eos_token_ids: Iterable[int] | None = None, pad_token_id: int | None = None):
+    def __init__(
+        self, model, tokenizer, eos_token_ids: Iterable[int] | None = None, pad_token_id: int | None = None
+    ):
         self.model = model
         self.tokenizer = tokenizer
         eos = list(eos_token_ids) if eos_token_ids is not None else _eos_ids(model, tokenizer)
@@ -125,12 +127,20 @@ class Decoding:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         inputs = {"position_ids": positions}
         vision = VisionInputs.concat([vision_of(p) for p in prompts])
-        if vision is not None:  # images: the model's 3-D positions; the tokens after the prompt are text, their
+        if (
+            vision is not None
+        ):  # images: the model's 3-D positions; the tokens after the prompt are text, their
             inputs = vision_forward_kwargs(model, ids, mask, vision)  # three position components equal
             positions = inputs["position_ids"][0]
         self.cache = DynamicCache(config=model.config)
-        out = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1,
-                    **{engine._cache_kw: self.cache}, **inputs)
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            use_cache=True,
+            logits_to_keep=1,
+            **{engine._cache_kw: self.cache},
+            **inputs,
+        )
         logits = out.logits[:, -1]
         if n > 1:  # one prefill per prompt, shared by its n completions
             self.cache.batch_repeat_interleave(n)
@@ -141,7 +151,9 @@ class Decoding:
         self.logits, self.mask, self.next_pos = logits, mask, positions[:, -1] + 1
         self.eos = engine.eos.to(device)
         self.done_rows = torch.zeros(batch, dtype=torch.bool, device=device)
-        self.tokens_out = torch.full((batch, sampling.max_tokens), engine.pad_id, dtype=torch.long, device=device)
+        self.tokens_out = torch.full(
+            (batch, sampling.max_tokens), engine.pad_id, dtype=torch.long, device=device
+        )
         self.logps_out = torch.zeros((batch, sampling.max_tokens), device=device)
         self.lengths = torch.full((batch,), sampling.max_tokens, dtype=torch.long, device=device)
         self.t = 0  # tokens decoded so far
@@ -172,9 +184,13 @@ class Decoding:
                 self.cache = self.logits = None  # the memory goes back before the results are read
                 return
             self.mask = torch.cat([self.mask, (~done).long()[:, None]], dim=1)
-            out = engine.model(input_ids=tok[:, None], attention_mask=self.mask,
-                               position_ids=self.next_pos[:, None], use_cache=True,
-                               **{engine._cache_kw: self.cache})
+            out = engine.model(
+                input_ids=tok[:, None],
+                attention_mask=self.mask,
+                position_ids=self.next_pos[:, None],
+                use_cache=True,
+                **{engine._cache_kw: self.cache},
+            )
             self.logits = out.logits[:, -1]
             self.next_pos = self.next_pos + 1
 
@@ -203,7 +219,11 @@ class Decoding:
 
 
 def _eos_ids(model, tokenizer) -> list[int]:
-    ids = getattr(model.generation_config, "eos_token_id", None) if hasattr(model, "generation_config") else None
+    ids = (
+        getattr(model.generation_config, "eos_token_id", None)
+        if hasattr(model, "generation_config")
+        else None
+    )
     if ids is None:
         ids = tokenizer.eos_token_id
     return [ids] if isinstance(ids, int) else list(ids)

@@ -68,9 +68,17 @@ def _field_names(cls) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
 
 
-def engine_config(config_cls, backend: str, *, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.8,
-                  dtype: str = "auto", session_len: int | None = None, version: str = "unknown",
-                  **engine_kwargs):
+def engine_config(
+    config_cls,
+    backend: str,
+    *,
+    tensor_parallel_size: int = 1,
+    gpu_memory_utilization: float = 0.8,
+    dtype: str = "auto",
+    session_len: int | None = None,
+    version: str = "unknown",
+    **engine_kwargs,
+):
     """LMDeploy's backend config (`config_cls`: `PytorchEngineConfig` or `TurbomindEngineConfig`) for a
     rollout engine whose weights are updated in place.
 
@@ -79,19 +87,27 @@ def engine_config(config_cls, backend: str, *, tensor_parallel_size: int = 1, gp
     when `engine_kwargs` asks for another executor.
     """
     fields = _field_names(config_cls)
-    kwargs = {"tp": tensor_parallel_size, "dtype": dtype, "cache_max_entry_count": gpu_memory_utilization,
-              **engine_kwargs}
+    kwargs = {
+        "tp": tensor_parallel_size,
+        "dtype": dtype,
+        "cache_max_entry_count": gpu_memory_utilization,
+        **engine_kwargs,
+    }
     if session_len is not None:
         kwargs["session_len"] = session_len
     if backend == "pytorch":
         for field in ("logprobs_mode", "distributed_executor_backend"):
             if field not in fields:
-                raise RuntimeError(f"LMDeploy {version}'s PyTorch engine has no {field}; grpoflow needs >= 0.11")
+                raise RuntimeError(
+                    f"LMDeploy {version}'s PyTorch engine has no {field}; grpoflow needs >= 0.11"
+                )
         executor = kwargs.setdefault("distributed_executor_backend", WEIGHT_UPDATE_EXECUTOR)
         if executor != WEIGHT_UPDATE_EXECUTOR:
-            raise ValueError(f"distributed_executor_backend={executor!r} cannot take the trainer's weights: only "
-                             f"LMDeploy's {WEIGHT_UPDATE_EXECUTOR!r} executor implements update_params (its 'uni' "
-                             "and 'mp' executors raise NotImplementedError)")
+            raise ValueError(
+                f"distributed_executor_backend={executor!r} cannot take the trainer's weights: only "
+                f"LMDeploy's {WEIGHT_UPDATE_EXECUTOR!r} executor implements update_params (its 'uni' "
+                "and 'mp' executors raise NotImplementedError)"
+            )
         kwargs["logprobs_mode"] = "raw_logprobs"
     return config_cls(**kwargs)
 
@@ -124,9 +140,19 @@ class LMDeployEngine:
     RuntimeError for an LMDeploy too old for token-id prompts with log-probs (older than 0.11).
     """
 
-    def __init__(self, model_path: str, *, backend: str = "pytorch", tensor_parallel_size: int = 1,
-                 gpu_memory_utilization: float = 0.8, dtype: str = "auto", seed: int = 0,
-                 session_len: int | None = None, timeout_s: float = 3600.0, **engine_kwargs):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        backend: str = "pytorch",
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.8,
+        dtype: str = "auto",
+        seed: int = 0,
+        session_len: int | None = None,
+        timeout_s: float = 3600.0,
+        **engine_kwargs,
+    ):
         if backend not in BACKENDS:
             raise ValueError(f"LMDeploy backend must be one of {BACKENDS}, got {backend!r}")
         if dtype not in ("auto", "float16", "bfloat16"):
@@ -134,9 +160,16 @@ class LMDeployEngine:
         lmdeploy = import_extra("lmdeploy", "the 'lmdeploy' rollout engine")
         version = getattr(lmdeploy, "__version__", "unknown")
         config_cls = lmdeploy.PytorchEngineConfig if backend == "pytorch" else lmdeploy.TurbomindEngineConfig
-        backend_config = engine_config(config_cls, backend, tensor_parallel_size=tensor_parallel_size,
-                                       gpu_memory_utilization=gpu_memory_utilization, dtype=dtype,
-                                       session_len=session_len, version=version, **engine_kwargs)
+        backend_config = engine_config(
+            config_cls,
+            backend,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            dtype=dtype,
+            session_len=session_len,
+            version=version,
+            **engine_kwargs,
+        )
         self._gen_fields = _field_names(lmdeploy.GenerationConfig)
         if "include_stop_str_in_output" not in self._gen_fields:
             raise RuntimeError(f"LMDeploy {version} cannot return the stop token; grpoflow needs >= 0.11")
@@ -163,10 +196,19 @@ class LMDeployEngine:
 
     def _gen_config(self, sampling: SamplingParams, seed: int | None):
         greedy = sampling.temperature <= 0
-        cfg = {"n": 1, "max_new_tokens": sampling.max_tokens, "do_sample": not greedy, "top_k": 0,
-               "top_p": 1.0 if greedy else sampling.top_p, "temperature": 1.0 if greedy else sampling.temperature,
-               "random_seed": seed, "logprobs": 1, "include_stop_str_in_output": True,
-               "skip_special_tokens": True, "ignore_eos": sampling.ignore_eos}
+        cfg = {
+            "n": 1,
+            "max_new_tokens": sampling.max_tokens,
+            "do_sample": not greedy,
+            "top_k": 0,
+            "top_p": 1.0 if greedy else sampling.top_p,
+            "temperature": 1.0 if greedy else sampling.temperature,
+            "random_seed": seed,
+            "logprobs": 1,
+            "include_stop_str_in_output": True,
+            "skip_special_tokens": True,
+            "ignore_eos": sampling.ignore_eos,
+        }
         return self._gen_cls(**{k: v for k, v in cfg.items() if k in self._gen_fields})
 
     def _exact_logprobs(self, sampling: SamplingParams) -> bool:
@@ -180,12 +222,18 @@ class LMDeployEngine:
         async with limiter:
             session = ae.session_mgr.get() if hasattr(ae, "session_mgr") else next(self._session_ids)
             if hasattr(ae, "preprocess"):  # 0.16+
-                request = await ae.preprocess(messages=None, session_id=session, gen_config=gen_config,
-                                              input_ids=list(ids))
+                request = await ae.preprocess(
+                    messages=None, session_id=session, gen_config=gen_config, input_ids=list(ids)
+                )
                 stream = ae.generate(request, stream_response=False)
             else:
-                stream = ae.generate(messages=None, session_id=session, gen_config=gen_config, input_ids=list(ids),
-                                     stream_response=False)
+                stream = ae.generate(
+                    messages=None,
+                    session_id=session,
+                    gen_config=gen_config,
+                    input_ids=list(ids),
+                    stream_response=False,
+                )
             tokens, logprobs, text, reason = [], [], "", None
             async for out in stream:  # each output carries the tokens (and log-probs) since the previous one
                 tokens += list(out.token_ids or [])
@@ -202,9 +250,13 @@ class LMDeployEngine:
     # ------------------------------------------------------------------------------------ generation
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Completion]]:
         if self._asleep:
-            raise RuntimeError(f"the LMDeploy engine is asleep ({sorted(self._asleep)}); call wake_up() first")
+            raise RuntimeError(
+                f"the LMDeploy engine is asleep ({sorted(self._asleep)}); call wake_up() first"
+            )
         if self._weights_lost:
-            raise RuntimeError("sleep(level=2) discarded the weights; call update_weights() before generating")
+            raise RuntimeError(
+                "sleep(level=2) discarded the weights; call update_weights() before generating"
+            )
         greedy = sampling.temperature <= 0
         per_prompt = 1 if greedy else n
         requests = []
@@ -215,10 +267,15 @@ class LMDeployEngine:
         outputs = self._run(self._all(requests))
         exact = self._exact_logprobs(sampling)
         completions = [self._completion(*o, exact=exact) for o in outputs]
-        groups = [completions[p * per_prompt:(p + 1) * per_prompt] for p in range(len(prompts))]
+        groups = [completions[p * per_prompt : (p + 1) * per_prompt] for p in range(len(prompts))]
         if greedy:
-            groups = [[dataclasses.replace(g[0], token_ids=list(g[0].token_ids), logprobs=list(g[0].logprobs))
-                       for _ in range(n)] for g in groups]
+            groups = [
+                [
+                    dataclasses.replace(g[0], token_ids=list(g[0].token_ids), logprobs=list(g[0].logprobs))
+                    for _ in range(n)
+                ]
+                for g in groups
+            ]
         return groups
 
     def _completion(self, tokens, logprobs, text, reason, *, exact: bool) -> Completion:
@@ -239,7 +296,8 @@ class LMDeployEngine:
             raise NotImplementedError(
                 "LMDeploy's TurboMind backend has no in-place weight update usable between generations "
                 "(update_params only fills engines built with empty_init=True, layer by layer, up to 0.12, and "
-                "is not wired up from 0.15); use backend='pytorch' for training")
+                "is not wired up from 0.15); use backend='pytorch' for training"
+            )
         if "weights" in self._asleep:
             raise RuntimeError("the weights are asleep; call wake_up(['weights']) before update_weights()")
         from lmdeploy.serve.openai.protocol import UpdateParamsRequest
@@ -252,8 +310,9 @@ class LMDeployEngine:
                 if not t.is_cuda:
                     raise ValueError(f"LMDeploy loads weights through CUDA IPC; {name} is on {t.device}")
             payload = serialize_state_dict(dict(bucket))
-            engine.update_params(UpdateParamsRequest(serialized_named_tensors=payload,
-                                                     finished=i == len(buckets) - 1))
+            engine.update_params(
+                UpdateParamsRequest(serialized_named_tensors=payload, finished=i == len(buckets) - 1)
+            )
         torch.cuda.synchronize()
         self._weights_lost = False
         self.version = version
@@ -267,4 +326,3 @@ class LMDeployEngine:
     def wake_up(self, tags: list[str] | None = None) -> None:
         self._call(self._async_engine.wakeup, tags)
         self._asleep = set() if tags is None else self._asleep - set(tags)
-

@@ -58,7 +58,9 @@ def step_prompts(step: int, rows: list[dict], tokenizer, cfg: TrainConfig) -> St
     """The prompt rows of `step`, tokenized, and the sampling settings (seeded by step: resumable)."""
     chosen = [rows[i] for i in prompt_indices(step, len(rows), cfg.prompts_per_step, cfg.seed)]
     prompt_ids = encode_prompts(tokenizer, chosen, cfg.max_prompt_length)
-    sampling = SamplingParams(cfg.max_completion_length, cfg.temperature, cfg.top_p, seed=cfg.seed * 1_000_003 + step)
+    sampling = SamplingParams(
+        cfg.max_completion_length, cfg.temperature, cfg.top_p, seed=cfg.seed * 1_000_003 + step
+    )
     return chosen, prompt_ids, sampling
 
 
@@ -149,10 +151,21 @@ class SyncRollout(RolloutSource):
     server up to date and asks it for the batch, which it hands to the other ranks.
     `policy()` returns the trainer's (model, policy version) at the time of asking."""
 
-    def __init__(self, engine: LocalEngine, cfg: TrainConfig, *, prompts: Callable[[int], StepPrompts], score: Score,
-                 policy: Callable, rank: int | None = None, world: int | None = None):
+    def __init__(
+        self,
+        engine: LocalEngine,
+        cfg: TrainConfig,
+        *,
+        prompts: Callable[[int], StepPrompts],
+        score: Score,
+        policy: Callable,
+        rank: int | None = None,
+        world: int | None = None,
+    ):
         self.engine, self.cfg, self.prompts, self.score, self.policy = engine, cfg, prompts, score, policy
-        self.rank, self.world = (rank, world) if rank is not None and world is not None else trainer_rank_and_world()
+        self.rank, self.world = (
+            (rank, world) if rank is not None and world is not None else trainer_rank_and_world()
+        )
         self.shared = self.world > 1 and served_by_rank_zero(engine.rollout)
 
     def next(self, step: int) -> tuple[RolloutBatch, dict]:
@@ -176,8 +189,19 @@ class AsyncRollout(RolloutSource):
 
     `policy()` returns the trainer's (model, policy version) at the time of asking."""
 
-    def __init__(self, rollout: RolloutConfig, cfg: TrainConfig, model_path: str, model: ModelConfig, *,
-                 prompts: Callable[[int], StepPrompts], score: Score, policy: Callable, rank: int, world: int):
+    def __init__(
+        self,
+        rollout: RolloutConfig,
+        cfg: TrainConfig,
+        model_path: str,
+        model: ModelConfig,
+        *,
+        prompts: Callable[[int], StepPrompts],
+        score: Score,
+        policy: Callable,
+        rank: int,
+        world: int,
+    ):
         self.prompts, self.score, self.policy, self.cfg = prompts, score, policy, cfg
         self.overlap, self.world, self.workers, self.inflight = rollout.max_staleness >= 1, world, None, None
         self.synced_version = policy()[1]  # on every rank: the others follow rank 0's syncs (ZeRO-3 gathers)
@@ -186,13 +210,19 @@ class AsyncRollout(RolloutSource):
         from trainer.placement import this_trainer
 
         placed = this_trainer(rollout)[0].workers  # each on its engine's GPUs, or the CPU
-        self.workers = RolloutWorkers(model_path, model_cfg=model, devices=[w.device for w in placed],
-                                      num_engines=len(placed), timeout_s=rollout.sync_timeout_s,
-                                      threads_per_worker=cpu_threads_per_side(len(placed)),
-                                      version=self.synced_version, rollout=rollout,
-                                      max_model_len=cfg.max_prompt_length + cfg.max_completion_length,
-                                      seed=cfg.seed,
-                                      cuda_visible_devices=[w.cuda_visible_devices for w in placed])
+        self.workers = RolloutWorkers(
+            model_path,
+            model_cfg=model,
+            devices=[w.device for w in placed],
+            num_engines=len(placed),
+            timeout_s=rollout.sync_timeout_s,
+            threads_per_worker=cpu_threads_per_side(len(placed)),
+            version=self.synced_version,
+            rollout=rollout,
+            max_model_len=cfg.max_prompt_length + cfg.max_completion_length,
+            seed=cfg.seed,
+            cuda_visible_devices=[w.cuda_visible_devices for w in placed],
+        )
 
     def start(self, step: int) -> None:
         if self.workers is not None:
@@ -222,8 +252,10 @@ class AsyncRollout(RolloutSource):
 
     def idle_metrics(self, metrics: dict) -> dict:
         step_s = metrics["timing/step_s"]
-        return {"trainer_idle_fraction": metrics["timing/wait_s"] / step_s,
-                "rollout_idle_fraction": max(0.0, 1 - metrics["timing/rollout_s"] / step_s)}
+        return {
+            "trainer_idle_fraction": metrics["timing/wait_s"] / step_s,
+            "rollout_idle_fraction": max(0.0, 1 - metrics["timing/rollout_s"] / step_s),
+        }
 
     def close(self) -> None:
         if self.workers is not None:
@@ -263,11 +295,23 @@ class AsyncRollout(RolloutSource):
         groups = self.workers.collect(step)
         # workers generate their shards in parallel: the batch kept each of them busy this long on average
         busy = (self.workers.busy_s - busy_before) / len(self.workers.procs)
-        metrics = {"timing/wait_s": time.perf_counter() - t0, "timing/rollout_s": busy, "timing/weight_sync_s": 0.0}
+        metrics = {
+            "timing/wait_s": time.perf_counter() - t0,
+            "timing/rollout_s": busy,
+            "timing/weight_sync_s": 0.0,
+        }
         if self.overlap:
             metrics["timing/weight_sync_s"] = self._sync_and_submit(step + 1)
         return self.score(rows, prompt_ids, groups, metrics)
 
 
-__all__ = ["AsyncRollout", "LocalEngine", "RolloutSource", "StepPrompts", "SyncRollout", "prompt_indices", "step_prompts",
-           "trainer_rank_and_world"]
+__all__ = [
+    "AsyncRollout",
+    "LocalEngine",
+    "RolloutSource",
+    "StepPrompts",
+    "SyncRollout",
+    "prompt_indices",
+    "step_prompts",
+    "trainer_rank_and_world",
+]

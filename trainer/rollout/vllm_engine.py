@@ -95,8 +95,12 @@ def _rng_kept():
 
     import numpy as np
 
-    states = (torch.get_rng_state(), random.getstate(), np.random.get_state(),
-              torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    states = (
+        torch.get_rng_state(),
+        random.getstate(),
+        np.random.get_state(),
+        torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    )
     try:
         yield
     finally:
@@ -109,8 +113,10 @@ def _rng_kept():
 
 def repeat_greedy(c: Completion, n: int) -> list[Completion]:
     """`n` independent copies of one (greedy) completion."""
-    return [Completion(list(c.token_ids), list(c.logprobs), c.finish_reason, c.policy_version, c.text)
-            for _ in range(n)]
+    return [
+        Completion(list(c.token_ids), list(c.logprobs), c.finish_reason, c.policy_version, c.text)
+        for _ in range(n)
+    ]
 
 
 def _attr_path(obj, path: str):
@@ -149,17 +155,32 @@ class VLLMEngine:
     """
 
     @_rng_kept()  # importing vLLM draws from the global RNGs and building an LLM reseeds them
-    def __init__(self, model_path: str, *, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.9,
-                 enable_sleep_mode: bool = False, dtype: str = "auto", seed: int = 0, in_process: bool = True,
-                 enforce_eager: bool = False, max_model_len: int | None = None,
-                 max_num_batched_tokens: int | None = None, **llm_kwargs):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.9,
+        enable_sleep_mode: bool = False,
+        dtype: str = "auto",
+        seed: int = 0,
+        in_process: bool = True,
+        enforce_eager: bool = False,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        **llm_kwargs,
+    ):
         vllm = import_extra("vllm", "the 'vllm' rollout engine")
         if llm_kwargs.get("distributed_executor_backend") == "external_launcher":
             missing = [v for v in ("RANK", "LOCAL_RANK", "WORLD_SIZE") if v not in os.environ]
             if missing or not in_process:
-                raise RuntimeError("vLLM's external launcher runs one in-process engine per torchrun rank; "
-                                   f"missing here: {', '.join(missing) or 'in_process=True'}")
-        if in_process:  # vLLM reads its environment when the engine is built, so after the import is early enough
+                raise RuntimeError(
+                    "vLLM's external launcher runs one in-process engine per torchrun rank; "
+                    f"missing here: {', '.join(missing) or 'in_process=True'}"
+                )
+        if (
+            in_process
+        ):  # vLLM reads its environment when the engine is built, so after the import is early enough
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         platform = _platform()
@@ -168,18 +189,30 @@ class VLLMEngine:
             # without it the CPU worker reserves gpu_memory_utilization x all RAM for its KV cache, and fails when
             # that much is not free; 1 GiB holds 262,144 tokens of the tiny model
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-            if dtype == "auto":  # vLLM would downcast float32 to bf16, which oneDNN cannot run on AVX2-only CPUs
+            if (
+                dtype == "auto"
+            ):  # vLLM would downcast float32 to bf16, which oneDNN cannot run on AVX2-only CPUs
                 dtype = "float32"
         if enable_sleep_mode and not _sleep_available(platform):
-            log.warning("colocate: vLLM cannot sleep on this platform (%s); the engine keeps its memory while the "
-                        "trainer trains, and sleep/wake_up are no-ops", getattr(platform, "device_type", "?"))
+            log.warning(
+                "colocate: vLLM cannot sleep on this platform (%s); the engine keeps its memory while the "
+                "trainer trains, and sleep/wake_up are no-ops",
+                getattr(platform, "device_type", "?"),
+            )
             enable_sleep_mode = False
         self._vllm_sampling_params = vllm.SamplingParams
         self.vllm_version = getattr(vllm, "__version__", "unknown")
-        kwargs = dict(model=model_path, tensor_parallel_size=tensor_parallel_size,
-                      gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode,
-                      dtype=dtype, seed=seed, enforce_eager=enforce_eager, logprobs_mode="processed_logprobs",
-                      **llm_kwargs)
+        kwargs = dict(
+            model=model_path,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=enable_sleep_mode,
+            dtype=dtype,
+            seed=seed,
+            enforce_eager=enforce_eager,
+            logprobs_mode="processed_logprobs",
+            **llm_kwargs,
+        )
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
         if max_num_batched_tokens is not None:
@@ -201,7 +234,8 @@ class VLLMEngine:
             if "logprobs_mode" in str(e) or "processed_logprobs" in str(e):
                 raise RuntimeError(
                     f"vLLM {self.vllm_version} does not accept logprobs_mode='processed_logprobs', without which "
-                    "its log-probs ignore the sampling temperature; grpoflow needs vLLM >= 0.10.2") from e
+                    "its log-probs ignore the sampling temperature; grpoflow needs vLLM >= 0.10.2"
+                ) from e
             raise
         self.sleep_enabled = enable_sleep_mode
         self._ships_weights = not in_process or tensor_parallel_size > 1
@@ -214,19 +248,32 @@ class VLLMEngine:
     # ---------------------------------------------------------------------------------------- generation
     def _params(self, sampling: SamplingParams, n: int, prompt_index: int):
         greedy = sampling.temperature <= 0
-        seed = None if sampling.seed is None else sampling.seed + prompt_index * n  # vLLM seeds sample j: seed + j
-        return self._vllm_sampling_params(n=n, temperature=0.0 if greedy else sampling.temperature,
-                                          top_p=1.0 if greedy else sampling.top_p, max_tokens=sampling.max_tokens,
-                                          seed=seed, logprobs=0, ignore_eos=sampling.ignore_eos)
+        seed = (
+            None if sampling.seed is None else sampling.seed + prompt_index * n
+        )  # vLLM seeds sample j: seed + j
+        return self._vllm_sampling_params(
+            n=n,
+            temperature=0.0 if greedy else sampling.temperature,
+            top_p=1.0 if greedy else sampling.top_p,
+            max_tokens=sampling.max_tokens,
+            seed=seed,
+            logprobs=0,
+            ignore_eos=sampling.ignore_eos,
+        )
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Completion]]:
         if self._asleep:
             raise RuntimeError(f"the vLLM engine is asleep ({sorted(self._asleep)}); call wake_up() first")
         if self._weights_lost:
-            raise RuntimeError("sleep(level=2) discarded the vLLM weights; call update_weights() before generating")
+            raise RuntimeError(
+                "sleep(level=2) discarded the vLLM weights; call update_weights() before generating"
+            )
         if sampling.top_p < 1.0 and not self._warned_top_p:
-            log.warning("top_p=%s: vLLM's behaviour log-probs are renormalised over the nucleus and differ from "
-                        "the trainer's full-softmax log-probs", sampling.top_p)
+            log.warning(
+                "top_p=%s: vLLM's behaviour log-probs are renormalised over the nucleus and differ from "
+                "the trainer's full-softmax log-probs",
+                sampling.top_p,
+            )
             self._warned_top_p = True
         greedy = sampling.temperature <= 0
         per_prompt = 1 if greedy else n  # greedy samples are all the same: generate one, repeat it
@@ -254,24 +301,31 @@ class VLLMEngine:
         (`model.state_dict()`), tied ones under each name: vLLM keeps its own copy of a tied `lm_head`, and a
         sync without `lm_head.weight` leaves it on the old weights (greedy tokens may still agree; log-probs do not)."""
         if "weights" in self._asleep:
-            raise RuntimeError("the vLLM weights are asleep; call wake_up(['weights']) before update_weights()")
+            raise RuntimeError(
+                "the vLLM weights are asleep; call wake_up(['weights']) before update_weights()"
+            )
         weights = [(name, t.detach()) for name, t in named_tensors]
         if self._ships_weights:
             weights = [(name, t.cpu()) for name, t in weights]
         if self._reload:
-            if self._ships_weights:  # vLLM's msgpack sends tensors in kwargs as lists: ship a pickled function
+            if (
+                self._ships_weights
+            ):  # vLLM's msgpack sends tensors in kwargs as lists: ship a pickled function
                 self.llm.collective_rpc(functools.partial(_reload_weights, weights=weights))
             else:
-                self.llm.collective_rpc("reload_weights",
-                                        kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+                self.llm.collective_rpc(
+                    "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
+                )
         elif hasattr(self.llm, "apply_model"):  # runs on every worker, in or out of process
             self.llm.apply_model(functools.partial(_load_weights, weights=weights))
         else:  # older vLLM: the model object itself, reachable in process only (what TRL and ms-swift used)
             model = _attr_path(self.llm, "llm_engine.model_executor.driver_worker.model_runner.model")
             if model is None:
-                raise RuntimeError(f"vLLM {self.vllm_version} offers neither reload_weights, LLM.apply_model nor "
-                                   "llm_engine.model_executor.driver_worker.model_runner.model: no known way "
-                                   "to load weights in place")
+                raise RuntimeError(
+                    f"vLLM {self.vllm_version} offers neither reload_weights, LLM.apply_model nor "
+                    "llm_engine.model_executor.driver_worker.model_runner.model: no known way "
+                    "to load weights in place"
+                )
             model.load_weights(weights)
         if hasattr(self.llm, "reset_prefix_cache"):  # cached prompt KV was computed with the old weights
             self.llm.reset_prefix_cache()

@@ -54,9 +54,17 @@ class VLLMServerEngine:
     /v1/completions) is not supported.
     """
 
-    def __init__(self, server_url: str, *, timeout_s: float = 600.0, model: str | None = None,
-                 weight_sync: str = "auto", weights_dir: str | os.PathLike | None = None,
-                 sync_device: str = "cuda:0", group_port: int = 51216):
+    def __init__(
+        self,
+        server_url: str,
+        *,
+        timeout_s: float = 600.0,
+        model: str | None = None,
+        weight_sync: str = "auto",
+        weights_dir: str | os.PathLike | None = None,
+        sync_device: str = "cuda:0",
+        group_port: int = 51216,
+    ):
         if weight_sync == "auto":
             weight_sync = "nccl" if torch.cuda.is_available() else "reload"
         if weight_sync not in ("nccl", "reload"):
@@ -65,8 +73,11 @@ class VLLMServerEngine:
         self.timeout_s = timeout_s
         self.weight_sync, self.sync_device, self.group_port = weight_sync, sync_device, group_port
         self._own_dir = weights_dir is None and weight_sync == "reload"
-        self.weights_dir = Path(tempfile.mkdtemp(prefix="grpoflow-vllm-weights-")) if self._own_dir else \
-            (Path(weights_dir) if weights_dir else None)
+        self.weights_dir = (
+            Path(tempfile.mkdtemp(prefix="grpoflow-vllm-weights-"))
+            if self._own_dir
+            else (Path(weights_dir) if weights_dir else None)
+        )
         if self._own_dir:  # removed with the engine (or at exit)
             weakref.finalize(self, shutil.rmtree, self.weights_dir, True)
         self._request("GET", "/health", raw=True)
@@ -75,11 +86,19 @@ class VLLMServerEngine:
         self._client = None
         self.version = 0
 
-    def _request(self, method: str, path: str, payload: dict | None = None, params: dict | None = None,
-                 raw: bool = False):
+    def _request(
+        self,
+        method: str,
+        path: str,
+        payload: dict | None = None,
+        params: dict | None = None,
+        raw: bool = False,
+    ):
         url = self.url + path + (f"?{urllib.parse.urlencode(params, doseq=True)}" if params else "")
         data = None if payload is None else json.dumps(payload).encode()
-        req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            url, data=data, method=method, headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 body = resp.read()
@@ -93,21 +112,33 @@ class VLLMServerEngine:
         try:
             info = self._request("GET", "/server_info", params={"config_format": "json"})
         except VLLMServerError:
-            log.warning("%s has no /server_info (not in dev mode): assuming it runs with "
-                        "--logprobs-mode processed_logprobs", self.url)
+            log.warning(
+                "%s has no /server_info (not in dev mode): assuming it runs with "
+                "--logprobs-mode processed_logprobs",
+                self.url,
+            )
             return
         mode = _find_key(info, "logprobs_mode")
         if mode is not None and mode != "processed_logprobs":
-            raise ValueError(f"the vLLM server at {self.url} runs with logprobs_mode={mode!r}; its log-probs "
-                             "ignore the sampling temperature. Restart it with --logprobs-mode processed_logprobs")
+            raise ValueError(
+                f"the vLLM server at {self.url} runs with logprobs_mode={mode!r}; its log-probs "
+                "ignore the sampling temperature. Restart it with --logprobs-mode processed_logprobs"
+            )
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Completion]]:
         greedy = sampling.temperature <= 0
         per_prompt = 1 if greedy else n
-        payload = {"model": self.model, "prompt": [list(p) for p in prompts], "n": per_prompt,
-                   "temperature": 0.0 if greedy else sampling.temperature,
-                   "top_p": 1.0 if greedy else sampling.top_p, "max_tokens": sampling.max_tokens, "logprobs": 0,
-                   "return_token_ids": True, "return_tokens_as_token_ids": True}
+        payload = {
+            "model": self.model,
+            "prompt": [list(p) for p in prompts],
+            "n": per_prompt,
+            "temperature": 0.0 if greedy else sampling.temperature,
+            "top_p": 1.0 if greedy else sampling.top_p,
+            "max_tokens": sampling.max_tokens,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+        }
         if sampling.seed is not None:
             payload["seed"] = sampling.seed
         if sampling.ignore_eos:
@@ -124,10 +155,13 @@ class VLLMServerEngine:
                 try:
                     from trl.extras.vllm_client import VLLMClient
                 except ImportError as e:
-                    raise MissingExtraError("weight sync to a vLLM server uses TRL's VLLMClient and vLLM's NCCL "
-                                            "helpers on the trainer side: pip install '.[gpu]' trl") from e
-            self._client = VLLMClient(base_url=self.url, group_port=self.group_port,
-                                      connection_timeout=self.timeout_s)
+                    raise MissingExtraError(
+                        "weight sync to a vLLM server uses TRL's VLLMClient and vLLM's NCCL "
+                        "helpers on the trainer side: pip install '.[gpu]' trl"
+                    ) from e
+            self._client = VLLMClient(
+                base_url=self.url, group_port=self.group_port, connection_timeout=self.timeout_s
+            )
             self._client.init_communicator(device=self.sync_device)
         return self._client
 
@@ -148,17 +182,28 @@ class VLLMServerEngine:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         # one file, each tensor its own copy (safetensors refuses tensors that share memory, i.e. tied ones)
-        save_file({name: t.detach().to("cpu", copy=True).contiguous() for name, t in named_tensors},
-                  str(partial / "model.safetensors"), metadata={"format": "pt"})
+        save_file(
+            {name: t.detach().to("cpu", copy=True).contiguous() for name, t in named_tensors},
+            str(partial / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
         shutil.rmtree(target, ignore_errors=True)
         os.replace(partial, target)  # the server never reads a half-written file
         try:
-            self._request("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {
-                "weights_path": str(target), "is_checkpoint_format": True}})
+            self._request(
+                "POST",
+                "/collective_rpc",
+                {
+                    "method": "reload_weights",
+                    "kwargs": {"weights_path": str(target), "is_checkpoint_format": True},
+                },
+            )
         except VLLMServerError as e:
             if "HTTP 404" in str(e):
-                raise VLLMServerError(f"{self.url} has no /collective_rpc: start the vLLM server with "
-                                      "VLLM_SERVER_DEV_MODE=1 for weight_sync 'reload'") from e
+                raise VLLMServerError(
+                    f"{self.url} has no /collective_rpc: start the vLLM server with "
+                    "VLLM_SERVER_DEV_MODE=1 for weight_sync 'reload'"
+                ) from e
             raise
         self._request("POST", "/reset_prefix_cache", raw=True)  # prompt KV computed with the old weights
         for old in self.weights_dir.glob("v*"):  # the server has read them; keep only the current version
@@ -191,7 +236,9 @@ def completions_from_response(body: dict, n_prompts: int, n: int, version: int =
     """
     choices = sorted(body["choices"], key=lambda c: c["index"])
     if len(choices) != n_prompts * n:
-        raise VLLMServerError(f"expected {n_prompts * n} choices ({n_prompts} prompts x {n}), got {len(choices)}")
+        raise VLLMServerError(
+            f"expected {n_prompts * n} choices ({n_prompts} prompts x {n}), got {len(choices)}"
+        )
     out = []
     for c in choices:
         lp = c.get("logprobs") or {}
@@ -203,9 +250,16 @@ def completions_from_response(body: dict, n_prompts: int, n: int, version: int =
             raise VLLMServerError(f"choice {c['index']}: {len(ids)} tokens but logprobs {logps!r:.80}")
         if c.get("finish_reason") not in FINISH_REASONS:
             raise VLLMServerError(f"choice {c['index']} finished with reason {c.get('finish_reason')!r}")
-        out.append(Completion(list(ids), [float("nan") if v is None else float(v) for v in logps],
-                              c["finish_reason"], version, c.get("text", "")))
-    return [out[i * n:(i + 1) * n] for i in range(n_prompts)]
+        out.append(
+            Completion(
+                list(ids),
+                [float("nan") if v is None else float(v) for v in logps],
+                c["finish_reason"],
+                version,
+                c.get("text", ""),
+            )
+        )
+    return [out[i * n : (i + 1) * n] for i in range(n_prompts)]
 
 
 def _find_key(tree, key: str):

@@ -24,7 +24,9 @@ class SyncGroup:
     Rank 0 is the trainer and hosts the rendezvous store; ranks 1..N are rollout engines.
     """
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float, backend: str = "gloo"):
+    def __init__(
+        self, host: str, port: int, rank: int, world_size: int, timeout_s: float, backend: str = "gloo"
+    ):
         timeout = timedelta(seconds=timeout_s)
         self.store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout)
         if backend == "nccl":
@@ -39,7 +41,9 @@ class SyncGroup:
         self.pg.broadcast([tensor], opts).wait()
 
 
-def buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def buckets(
+    named: list[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     bucket, size = [], 0
     for name, t in named:
         nbytes = t.numel() * t.element_size()
@@ -52,11 +56,17 @@ def buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterato
         yield bucket
 
 
-def broadcast_weights(named: Iterable[tuple[str, torch.Tensor]], group: SyncGroup, src: int = 0,
-                      bucket_bytes: int = BUCKET_BYTES) -> int:
+def broadcast_weights(
+    named: Iterable[tuple[str, torch.Tensor]],
+    group: SyncGroup,
+    src: int = 0,
+    bucket_bytes: int = BUCKET_BYTES,
+) -> int:
     """Sender side (rank `src`): broadcast every tensor; returns bytes sent."""
     sent = 0
-    for bucket in buckets(((n, t.detach()) for n, t in named), bucket_bytes):  # lazily: ZeRO-3 gathers a group at a time
+    for bucket in buckets(
+        ((n, t.detach()) for n, t in named), bucket_bytes
+    ):  # lazily: ZeRO-3 gathers a group at a time
         flat = torch.cat([t.reshape(-1) for _, t in bucket])
         group.broadcast(flat, src)
         sent += flat.numel() * flat.element_size()
@@ -64,16 +74,22 @@ def broadcast_weights(named: Iterable[tuple[str, torch.Tensor]], group: SyncGrou
 
 
 @torch.no_grad()
-def receive_weights(named: Iterable[tuple[str, torch.Tensor]], group: SyncGroup, src: int = 0,
-                    bucket_bytes: int = BUCKET_BYTES) -> int:
+def receive_weights(
+    named: Iterable[tuple[str, torch.Tensor]],
+    group: SyncGroup,
+    src: int = 0,
+    bucket_bytes: int = BUCKET_BYTES,
+) -> int:
     """Receiver side: the same (name, tensor) order as the sender; tensors are overwritten in place."""
     received = 0
     for bucket in buckets(list(named), bucket_bytes):
-        flat = torch.empty(sum(t.numel() for _, t in bucket), dtype=bucket[0][1].dtype, device=bucket[0][1].device)
+        flat = torch.empty(
+            sum(t.numel() for _, t in bucket), dtype=bucket[0][1].dtype, device=bucket[0][1].device
+        )
         group.broadcast(flat, src)
         offset = 0
         for _, t in bucket:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
         received += flat.numel() * flat.element_size()
     return received

@@ -42,6 +42,7 @@ class RolloutWorkerError(RuntimeError):
 @dataclass(kw_only=True)
 class WorkerSpec:
     """What one rollout worker process is started with (pickled to the spawned process)."""
+
     rank: int
     world_size: int
     port: int
@@ -59,9 +60,22 @@ class WorkerSpec:
 
 
 # torchrun's variables for its own ranks: a rollout worker is not one (vLLM would read them as its own)
-LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                 "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
-                 "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")
+LAUNCHER_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+)
 _SPAWN_ENV_LOCK = threading.Lock()
 
 
@@ -116,12 +130,21 @@ def _worker_main(spec: WorkerSpec, commands, results) -> None:
     try:
         group = SyncGroup("127.0.0.1", spec.port, spec.rank, spec.world_size, spec.timeout_s, spec.backend)
         # the trainer verified this checkpoint before it started the workers
-        model, tokenizer = load_model(spec.model_path, spec.model_cfg,
-                                      receive_device(spec.rollout, spec.device), verify=False)
+        model, tokenizer = load_model(
+            spec.model_path, spec.model_cfg, receive_device(spec.rollout, spec.device), verify=False
+        )
         model.eval()
         rollout = spec.rollout or RolloutConfig()
-        engine = make_engine(rollout, spec.model_path, model=model, tokenizer=tokenizer, device=spec.device,
-                             model_cfg=spec.model_cfg, seed=spec.seed, max_model_len=spec.max_model_len)
+        engine = make_engine(
+            rollout,
+            spec.model_path,
+            model=model,
+            tokenizer=tokenizer,
+            device=spec.device,
+            model_cfg=spec.model_cfg,
+            seed=spec.seed,
+            max_model_len=spec.max_model_len,
+        )
         engine.version = spec.version
         results.put(("ready", spec.rank, None))
         parent = os.getppid()
@@ -145,7 +168,9 @@ def _worker_main(spec: WorkerSpec, commands, results) -> None:
                 out = engine.generate(prompts, n, sampling)
                 results.put(("generated", spec.rank, (step, out, time.perf_counter() - started)))
             elif kind == "weights":  # for checks: the worker's weights as it holds them
-                results.put(("weights", spec.rank, {n: t.detach().cpu().clone() for n, t in sync_order(model)}))
+                results.put(
+                    ("weights", spec.rank, {n: t.detach().cpu().clone() for n, t in sync_order(model)})
+                )
     except Exception:  # noqa: BLE001 - reported to the trainer, which fails with it
         results.put(("error", spec.rank, traceback.format_exc()))
 
@@ -153,11 +178,21 @@ def _worker_main(spec: WorkerSpec, commands, results) -> None:
 class RolloutWorkers:
     """Trainer-side handle on N rollout worker processes (ranks 1..N of the sync group)."""
 
-    def __init__(self, model_path: str, *, model_cfg: ModelConfig | None = None,
-                 devices: list[str] | None = None, num_engines: int = 1, timeout_s: float = 600.0,
-                 threads_per_worker: int = 1, version: int = 0,
-                 rollout: RolloutConfig | None = None, max_model_len: int | None = None, seed: int = 0,
-                 cuda_visible_devices: list[str | None] | None = None):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        model_cfg: ModelConfig | None = None,
+        devices: list[str] | None = None,
+        num_engines: int = 1,
+        timeout_s: float = 600.0,
+        threads_per_worker: int = 1,
+        version: int = 0,
+        rollout: RolloutConfig | None = None,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        cuda_visible_devices: list[str | None] | None = None,
+    ):
         """`model_cfg`: the recipe's model settings (`ModelConfig()`'s defaults when None). `devices[k]` is
         worker k+1's device as it sees it, started with `cuda_visible_devices[k]` (None: the trainer's own;
         see `trainer.placement`)."""
@@ -176,13 +211,25 @@ class RolloutWorkers:
         self.commands, self.procs = [], []
         for rank, (device, mask) in enumerate(zip(devices, masks, strict=True), start=1):
             q = ctx.Queue()
-            spec = WorkerSpec(rank=rank, world_size=world, port=port, model_path=model_path,
-                              model_cfg=model_cfg or ModelConfig(), device=device, threads=threads_per_worker,
-                              timeout_s=timeout_s, version=version, rollout=rollout,
-                              max_model_len=max_model_len, seed=seed, cuda_visible_devices=mask,
-                              backend=self.backend)
-            p = ctx.Process(target=_worker_main, args=(spec, q, self.results), name=f"rollout-worker-{rank}",
-                            daemon=True)
+            spec = WorkerSpec(
+                rank=rank,
+                world_size=world,
+                port=port,
+                model_path=model_path,
+                model_cfg=model_cfg or ModelConfig(),
+                device=device,
+                threads=threads_per_worker,
+                timeout_s=timeout_s,
+                version=version,
+                rollout=rollout,
+                max_model_len=max_model_len,
+                seed=seed,
+                cuda_visible_devices=mask,
+                backend=self.backend,
+            )
+            p = ctx.Process(
+                target=_worker_main, args=(spec, q, self.results), name=f"rollout-worker-{rank}", daemon=True
+            )
             with worker_environment(mask):  # a spawned child starts with the environment of this moment
                 p.start()
             self.commands.append(q)
@@ -224,8 +271,10 @@ class RolloutWorkers:
             except queue.Empty:
                 self._check_alive()
                 if time.monotonic() > deadline:
-                    raise RolloutWorkerError(f"no answer from the rollout workers within {self.timeout_s:.0f}s "
-                                             f"while waiting for {what}") from None
+                    raise RolloutWorkerError(
+                        f"no answer from the rollout workers within {self.timeout_s:.0f}s "
+                        f"while waiting for {what}"
+                    ) from None
                 continue
             if kind == "error":
                 raise RolloutWorkerError(f"{self._name(rank)} failed:\n{payload}")
@@ -237,7 +286,9 @@ class RolloutWorkers:
             self._stash(rank, payload)
             return self._expect(kind_wanted)
         if kind != kind_wanted:
-            raise RolloutWorkerError(f"{self._name(rank)} answered {kind!r} while {kind_wanted!r} was expected")
+            raise RolloutWorkerError(
+                f"{self._name(rank)} answered {kind!r} while {kind_wanted!r} was expected"
+            )
         return rank, payload
 
     def _stash(self, rank: int, payload) -> None:
@@ -251,15 +302,21 @@ class RolloutWorkers:
         sampled with `shard_seed(sampling.seed, k)` (one seed for all would give two copies of one prompt in two
         shards the same completions)."""
         self._check_alive()
-        for k, (q, (lo, hi)) in enumerate(zip(self.commands, _shard(len(prompts), len(self.procs)), strict=True)):
-            q.put(("generate", (step, prompts[lo:hi], n, replace(sampling, seed=shard_seed(sampling.seed, k)))))
+        for k, (q, (lo, hi)) in enumerate(
+            zip(self.commands, _shard(len(prompts), len(self.procs)), strict=True)
+        ):
+            q.put(
+                ("generate", (step, prompts[lo:hi], n, replace(sampling, seed=shard_seed(sampling.seed, k))))
+            )
 
     def collect(self, step: int) -> list:
         """The groups of batch `step`, in prompt order (blocks until every shard is back)."""
         while len(self._pending.get(step, {})) < len(self.procs):
             kind, rank, payload = self._get(f"batch {step}")
             if kind != "generated":
-                raise RolloutWorkerError(f"{self._name(rank)} answered {kind!r} while generating batch {step}")
+                raise RolloutWorkerError(
+                    f"{self._name(rank)} answered {kind!r} while generating batch {step}"
+                )
             self._stash(rank, payload)
         parts = self._pending.pop(step)
         return [g for rank in sorted(parts) for g in parts[rank]]

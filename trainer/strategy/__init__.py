@@ -39,5 +39,12 @@ def check_recipe(recipe: Recipe) -> None:
         ZeroStrategy.check(recipe)
 
 
-__all__ = ["DDPStrategy", "SingleProcessStrategy", "TrainingStrategy", "ZeroStrategy", "check_recipe",
-           "make_strategy", "strategy_class"]
+__all__ = [
+    "DDPStrategy",
+    "SingleProcessStrategy",
+    "TrainingStrategy",
+    "ZeroStrategy",
+    "check_recipe",
+    "make_strategy",
+    "strategy_class",
+]

@@ -41,8 +41,9 @@ class TrainingStrategy(ABC):
 
     # ------------------------------------------------------------------------------------------ setup
     @abstractmethod
-    def wrap(self, model: torch.nn.Module, make_optimizer: MakeOptimizer,
-             lr_lambda: Callable[[int], float]) -> None:
+    def wrap(
+        self, model: torch.nn.Module, make_optimizer: MakeOptimizer, lr_lambda: Callable[[int], float]
+    ) -> None:
         """Take `model` for training: its wrapper, its optimizer (from `make_optimizer`) and the LambdaLR
         schedule `lr_lambda`, stepped once per update."""
 
@@ -50,14 +51,16 @@ class TrainingStrategy(ABC):
     def shard(self, size: int) -> torch.Tensor:
         """The rows of a batch of `size` this rank trains on: every world-th one. The loss is normalised by
         the whole batch's totals, so the ranks' shares add up to the single-process loss."""
-        return torch.arange(size)[self.rank::self.world]
+        return torch.arange(size)[self.rank :: self.world]
 
-    def logps(self, mb: MicroBatch, temperature: float, model: torch.nn.Module | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+    def logps(
+        self, mb: MicroBatch, temperature: float, model: torch.nn.Module | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Completion log-probs and logits of `mb` under the policy (or `model`, e.g. the frozen reference,
         run the same way)."""
-        return completion_logps(self.policy if model is None else model, mb, temperature,
-                                share_prompts=self.share_prompts)
+        return completion_logps(
+            self.policy if model is None else model, mb, temperature, share_prompts=self.share_prompts
+        )
 
     @abstractmethod
     def backward(self, loss: torch.Tensor, last: bool) -> None:

@@ -19,8 +19,9 @@ class DDPStrategy(SingleProcessStrategy):
 
     share_prompts = False
 
-    def wrap(self, model: torch.nn.Module, make_optimizer: MakeOptimizer,
-             lr_lambda: Callable[[int], float]) -> None:
+    def wrap(
+        self, model: torch.nn.Module, make_optimizer: MakeOptimizer, lr_lambda: Callable[[int], float]
+    ) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
         policy = DistributedDataParallel(model)  # rank 0's weights on every rank before any copy is taken

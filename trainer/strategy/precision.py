@@ -20,8 +20,14 @@ class MasterWeights:
     def __init__(self, model: torch.nn.Module):
         self.module_params = list(model.parameters())
         low = any(p.is_floating_point() and p.dtype != torch.float32 for p in self.module_params)
-        self.masters = [torch.nn.Parameter(p.detach().float().clone(), requires_grad=p.requires_grad)
-                        for p in self.module_params] if low else None
+        self.masters = (
+            [
+                torch.nn.Parameter(p.detach().float().clone(), requires_grad=p.requires_grad)
+                for p in self.module_params
+            ]
+            if low
+            else None
+        )
 
     @property
     def params(self) -> list[torch.nn.Parameter]:

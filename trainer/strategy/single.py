@@ -19,8 +19,9 @@ class SingleProcessStrategy(TrainingStrategy):
 
     share_prompts = True
 
-    def wrap(self, model: torch.nn.Module, make_optimizer: MakeOptimizer,
-             lr_lambda: Callable[[int], float]) -> None:
+    def wrap(
+        self, model: torch.nn.Module, make_optimizer: MakeOptimizer, lr_lambda: Callable[[int], float]
+    ) -> None:
         self.model = self.policy = model
         self.weights = MasterWeights(model)
         self.optimizer = make_optimizer(self.weights.params)
@@ -33,8 +34,9 @@ class SingleProcessStrategy(TrainingStrategy):
         max_norm = self.recipe.train.max_grad_norm if self.recipe.train.max_grad_norm > 0 else float("inf")
         self.weights.gradients_to_masters()
         norm = torch.nn.utils.clip_grad_norm_(self.weights.params, max_norm)
-        check({"gradient norm": norm} if loss is None
-              else {"loss": loss.to(norm.device), "gradient norm": norm})
+        check(
+            {"gradient norm": norm} if loss is None else {"loss": loss.to(norm.device), "gradient norm": norm}
+        )
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -44,8 +46,15 @@ class SingleProcessStrategy(TrainingStrategy):
     def save(self, output_dir: Path, state: dict, write: Write) -> Path | None:
         if self.rank != 0:  # every rank holds the same optimizer state: rank 0 writes it
             return None
-        return write({**state, "optimizer": self.optimizer.state_dict(),
-                      "scheduler": self.scheduler.state_dict(), **self.weights.state_dict()}, None)
+        return write(
+            {
+                **state,
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                **self.weights.state_dict(),
+            },
+            None,
+        )
 
     def load(self, state: dict, checkpoint: Path) -> None:
         self.optimizer.load_state_dict(state["optimizer"])

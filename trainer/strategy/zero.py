@@ -29,17 +29,21 @@ class ZeroStrategy(TrainingStrategy):
     def check(recipe: Recipe) -> None:
         """Refuse, before any work, a recipe ZeRO would get wrong."""
         if recipe.model.modality == "vision":  # the images would not reach the ZeRO ranks' forward
-            raise ConfigError("model.modality: vision trains with rollout.engine: transformers and without "
-                              "DeepSpeed for now; images do not reach ZeRO ranks yet")
+            raise ConfigError(
+                "model.modality: vision trains with rollout.engine: transformers and without "
+                "DeepSpeed for now; images do not reach ZeRO ranks yet"
+            )
         if recipe.train.deepspeed in ZERO_PRESETS:  # a JSON config's stage is checked at setup
             ds.check_stage(int(recipe.train.deepspeed[-1]), recipe)
 
-    def wrap(self, model: torch.nn.Module, make_optimizer: MakeOptimizer,
-             lr_lambda: Callable[[int], float]) -> None:
+    def wrap(
+        self, model: torch.nn.Module, make_optimizer: MakeOptimizer, lr_lambda: Callable[[int], float]
+    ) -> None:
         self.model = model
         # DeepSpeed's optimizer wraps ours (fp32 master weights) and steps our schedule
-        self.engine = ds.initialize(model, make_optimizer(model.parameters()), ds.trainer_config(self.recipe),
-                                    lr_lambda)
+        self.engine = ds.initialize(
+            model, make_optimizer(model.parameters()), ds.trainer_config(self.recipe), lr_lambda
+        )
         self.policy, self.optimizer = self.engine, self.engine.optimizer
         self.scheduler = self.engine.lr_scheduler
 
