@@ -4,17 +4,19 @@ An adapter is a function `(raw, base_dir) -> Example`. It checks the fields it n
 (which field, what was expected, what it got) when one is missing, empty or unparseable; `data.prepare` adds
 the location and turns the `Example` into a prepared row with `data.schema.make_row`.
 
-- gsm8k: `question`; answer = the number after the last `####` of `answer`, commas dropped ("1,000" -> "1000").
+- gsm8k: `question`; answer = the number after the last `####` of `answer`, commas dropped ("1,000" ->
+  "1000").
 - math (MATH, MATH-500, AIME): `problem`; answer = `answer` (read like a model answer when it carries
   `<answer>` tags or a \\boxed{}), else the final answer of `solution`; columns `subject`, `level`,
   `unique_id` when present.
 - numina (NuminaMath-TIR): `problem`; answer = the final answer of `solution`; `messages` is ignored.
 - countdown: `nums` + `target`, or `input` ("30,100,93") + `output` ("23"); answer = str(target);
   columns `nums`, `target`.
-- counting (CLEVR-style, R1-V / CLEVR-70k-Counting layout): `images`/`image`/`image_path` (one image or a list:
-  paths relative to the source file, file:// or http(s):// URLs, bytes or base64; each must decode, see
+- counting (CLEVR-style, R1-V / CLEVR-70k-Counting layout): `images`/`image`/`image_path` (one image or a
+  list: paths relative to the source file, file:// or http(s):// URLs, bytes or base64; each must decode, see
   `data.images`), `problem`/`question` (default COUNTING_QUESTION), `count`/`answer`/`solution` (3, "3" or
-  "<answer> 3 </answer>", read like a model answer: the last block counts); column `images` (one reference per image), and `videos` / `audios` as given.
+  "<answer> 3 </answer>", read like a model answer: the last block counts); column `images` (one reference per
+  image), and `videos` / `audios` as given.
 - A gold answer in `<answer>` tags or a \\boxed{} is read by `data.answers.extract_answer`, the reader the
   rewards use for the model's answer, so both sides read `\\boxed {12}` and repeated tags alike.
 - synthetic: `question`, `answer`, columns `nums`, `target`, `solution` when present; `split` is honoured.
@@ -45,7 +47,8 @@ Adapter = Callable[[Mapping, "Path | None"], Example]
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 COUNTDOWN_PROMPT = (
-    "Using the numbers {nums}, create an equation that equals {target}. You can use basic arithmetic operations "
+    "Using the numbers {nums}, create an equation that equals {target}. "
+    "You can use basic arithmetic operations "
     "(+, -, *, /) and each number exactly once. Show your work in <think> </think> tags and return the final "
     "equation in <answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>."
 )
@@ -188,7 +191,8 @@ def counting(raw: Mapping, base_dir: Path | None = None) -> Example:
     split = raw.get("split")  # the synthetic counting pools name their split
     if split is not None and split not in ("train", "heldout"):
         raise FieldError("split", "'train' or 'heldout'", split)
-    # videos / audios are kept as given: a model whose processor takes them gets them, any other refuses the row
+    # videos / audios are kept as given: a model whose processor takes them gets them, any other refuses
+    # the row
     return Example(
         question, str(count), {"images": images, **_optional(raw, "videos", "audios")}, split=split
     )

@@ -7,14 +7,14 @@ out of `<answer>` tags or `\\boxed{}`.
 
 The rule, in order:
 1. The LAST well-formed `<answer>…</answer>` block: an opening tag, then text containing no `<answer>` or
-   `</answer>`, then the closing tag. The last block wins because it is the model's final word; grading only one
-   block means repeating the tag cannot buy extra guesses (and the `format` reward gives 0.0 to any completion
-   with more than one). An unclosed block (a truncated completion) is no block. When the block's content holds
-   a complete `\\boxed{…}`, the answer is that box's content (`<answer>\\boxed {12}</answer>` is 12, as a bare
-   `\\boxed {12}` is), so the grader never has to read box syntax.
-2. No block at all: the content of the last `\\boxed{…}` or `\\fbox{…}` whose braces balance. Spaces between the
-   command and its brace are allowed (`\\boxed {12}`, as LaTeX reads it); escaped braces `\\{ \\}` are content,
-   not grouping; an unbalanced last box (a truncated completion) falls back to the last complete one.
+   `</answer>`, then the closing tag. The last block wins because it is the model's final word; grading only
+   one block means repeating the tag cannot buy extra guesses (and the `format` reward gives 0.0 to any
+   completion with more than one). An unclosed block (a truncated completion) is no block. When the block's
+   content holds a complete `\\boxed{…}`, the answer is that box's content (`<answer>\\boxed {12}</answer>` is
+   12, as a bare `\\boxed {12}` is), so the grader never has to read box syntax.
+2. No block at all: the content of the last `\\boxed{…}` or `\\fbox{…}` whose braces balance. Spaces between
+   the command and its brace are allowed (`\\boxed {12}`, as LaTeX reads it); escaped braces `\\{ \\}` are
+   content, not grouping; an unbalanced last box (a truncated completion) falls back to the last complete one.
 3. Otherwise None.
 The answer is stripped of surrounding whitespace (`\\boxed{ 12 }` is 12); an empty block is "" (an answer,
 and a wrong one), not None.

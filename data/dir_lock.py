@@ -1,4 +1,5 @@
-"""An exclusive lock on a directory that one grpoflow process at a time may write (a run directory, a state folder).
+"""An exclusive lock on a directory that one grpoflow process at a time may write (a run directory, a state
+folder).
 
 The lock is an advisory `fcntl.flock` on a file in the directory (`.lock` by default) that records its holder:
 pid, host, start time and command line, for the message a second process gets. The kernel releases it when

@@ -3,13 +3,14 @@
 `GrpoflowUserError` is what the command line turns into exit status 2 with a one-line message: every error
 that means "your input (config, data, flag) or a service you named is wrong" derives from it, wherever it is
 raised (`ConfigError`, `DataError`, `RewardSpecError`, `PluginError`, `MissingExtraError`, `UsageError`,
-`MissingPathError`, `ServiceUnavailable`, ...). It lives here, in the bottom layer, so that every package can raise one.
+`MissingPathError`, `ServiceUnavailable`, ...). It lives here, in the bottom layer, so that every package can
+raise one.
 
 Dataset preparation has two: `DataError` for the user, `FieldError` inside an adapter.
 
-An adapter sees one raw record and knows nothing of where it came from, so it raises `FieldError` (which field,
-what was expected, what it got). `data.prepare` adds the location (`train.jsonl:17`) and either raises a
-`DataError` or counts the record as dropped under `FieldError.reason`.
+An adapter sees one raw record and knows nothing of where it came from, so it raises `FieldError` (which
+field, what was expected, what it got). `data.prepare` adds the location (`train.jsonl:17`) and either raises
+a `DataError` or counts the record as dropped under `FieldError.reason`.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def shown_path(value: object) -> str:
 
 
 class GrpoflowUserError(Exception):
-    """Bad input or an unusable service named by the user: exit status 2, one line naming file, field or URL."""
+    """Bad input or an unusable service named by the user: exit status 2, one line naming file, field or
+    URL."""
 
 
 class UsageError(GrpoflowUserError, ValueError):
@@ -60,13 +62,15 @@ class UsageError(GrpoflowUserError, ValueError):
 
 
 class MissingPathError(GrpoflowUserError, FileNotFoundError):
-    """A path the user named (a checkpoint, a dataset, a work dir, a manifest) is not there or not what was expected;
-    the message names the path and what it should have been. Still a `FileNotFoundError` for callers that catch that."""
+    """A path the user named (a checkpoint, a dataset, a work dir, a manifest) is not there or not what was
+    expected; the message names the path and what it should have been. Still a `FileNotFoundError` for callers
+    that catch that."""
 
 
 class ServiceUnavailable(GrpoflowUserError):
-    """A service the command needs (MLflow, Prefect, an evaluation endpoint) did not answer within its timeout;
-    the message names it (credentials masked), what was tried, and the setting that bounds the wait."""
+    """A service the command needs (MLflow, Prefect, an evaluation endpoint) did not answer within its
+    timeout; the message names it (credentials masked), what was tried, and the setting that bounds the
+    wait."""
 
 
 class DataError(GrpoflowUserError, ValueError):

@@ -1,4 +1,5 @@
-"""Image references in dataset rows: what a row may give, what a prepared row keeps, and reading the bytes back.
+"""Image references in dataset rows: what a row may give, what a prepared row keeps, and reading the bytes
+back.
 
 A source record's image may be
 - a local path (relative to the source file's directory, or absolute), or a `file://` URL;
@@ -46,7 +47,8 @@ _CHUNK = 1 << 16
 
 
 class ImageRefused(ValueError):
-    """An image past one of this module's limits; the message names the limit, `reason` is the drop-count key."""
+    """An image past one of this module's limits; the message names the limit, `reason` is the drop-count
+    key."""
 
     def __init__(self, message: str, reason: str = "image too large"):
         super().__init__(message)
@@ -54,7 +56,8 @@ class ImageRefused(ValueError):
 
 
 def image_refs(value: object, name: str, base_dir: Path | None) -> list[str]:
-    """The prepared references of a record's image field `name` (one image or a list of them), each checked."""
+    """The prepared references of a record's image field `name` (one image or a list of them), each
+    checked."""
     items = list(value) if isinstance(value, (list, tuple)) else [value]
     if not items:
         raise FieldError(name, "at least one image", reason="empty field 'images'")

@@ -106,7 +106,8 @@ def code_version() -> str:
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write `text` to a temporary sibling and rename it over `path`: a reader sees the old file or the new one."""
+    """Write `text` to a temporary sibling and rename it over `path`: a reader sees the old file or the new
+    one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

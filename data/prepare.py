@@ -3,25 +3,27 @@
     out/
       train.jsonl      one prepared row per line, in the chat schema of `data.schema`
       heldout.jsonl    the same, for the held-out rows (empty when heldout=0)
-      manifest.json    content sha256 (with the bytes of every image the rows name), row counts, source (+ a sha256 per local file), task, seed, split,
-                       drops by reason with a few examples, code version, created_at
+      manifest.json    content sha256 (with the bytes of every image the rows name), row counts, source
+                       (+ a sha256 per local file), task, seed, split, drops by reason with a few examples,
+                       code version, created_at
 
 Decisions a user can rely on:
-- Without `skip_invalid`, the first bad record stops the run with its location, field and expectation; with it,
-  bad records are dropped and counted by reason. Nothing is written either way until every row is good, and the
-  directory appears only complete (`atomic_dir`): a failed run leaves no directory, or the old one untouched.
+- Without `skip_invalid`, the first bad record stops the run with its location, field and expectation; with
+  it, bad records are dropped and counted by reason. Nothing is written either way until every row is good,
+  and the directory appears only complete (`atomic_dir`): a failed run leaves no directory, or the old one
+  untouched.
 - `out` may be new, empty, or a previous prepared-dataset directory (which is replaced whole); anything else
   (a directory with other files, `.`, a project with `.git`, a file) is refused before any work, untouched.
 - `load_prepared` checks each split's file against the sha256 in the manifest: edited data is an error
   naming the file, never read as if it were what the manifest describes.
 - Exact duplicate prompts (same question, same images) are always dropped and counted as "duplicate prompt":
   a copy on each side of the split would make the held-out score a training score.
-- Ids are `<task>-<n>`, n the record's 0-based position in the source (so ids do not move with the seed or when
-  bad records are skipped), or `<task>-<its own id>` when the record has a `unique_id` or `id`.
-- `heldout`: 0 for none, a number in (0, 1) for a fraction (at least one row), a whole number >= 1 for a count.
-  The rows are split by a `random.Random(seed)` shuffle; each file keeps source order. Sources that assign
-  the split themselves (the synthetic addition pools) keep their assignment and `heldout` is not used; the
-  manifest's `split_by` says which happened.
+- Ids are `<task>-<n>`, n the record's 0-based position in the source (so ids do not move with the seed or
+  when bad records are skipped), or `<task>-<its own id>` when the record has a `unique_id` or `id`.
+- `heldout`: 0 for none, a number in (0, 1) for a fraction (at least one row), a whole number >= 1 for a
+  count. The rows are split by a `random.Random(seed)` shuffle; each file keeps source order. Sources that
+  assign the split themselves (the synthetic addition pools) keep their assignment and `heldout` is not used;
+  the manifest's `split_by` says which happened.
 - `limit` keeps the first `limit` usable rows, before the split.
 """
 

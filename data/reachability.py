@@ -1,13 +1,14 @@
 """Is a service there? One bounded probe for every network service grpoflow talks to, asked before the work.
 
-MLflow's client retries an unreachable server for minutes, an OpenAI client waits on a server that accepted the
-connection and never answers, and Prefect's client retries too: a command that needs a service asks this module
-first, with a short timeout, and stops with one line naming the service (credentials masked) when it is not there.
+MLflow's client retries an unreachable server for minutes, an OpenAI client waits on a server that accepted
+the connection and never answers, and Prefect's client retries too: a command that needs a service asks this
+module first, with a short timeout, and stops with one line naming the service (credentials masked) when it is
+not there.
 
-- `probe(url, timeout)`: why `url` cannot be used, or None when it can. For `http(s)://` a GET must get any HTTP
-  answer (an error status counts as an answer: the server is there); for other schemes with a host
-  (`postgresql://`, `mysql://`, ...) a TCP connection must open. URLs without a host (`sqlite:`, `file:`, a path)
-  need no network and always pass.
+- `probe(url, timeout)`: why `url` cannot be used, or None when it can. For `http(s)://` a GET must get any
+  HTTP answer (an error status counts as an answer: the server is there); for other schemes with a host
+  (`postgresql://`, `mysql://`, ...) a TCP connection must open. URLs without a host (`sqlite:`, `file:`, a
+  path) need no network and always pass.
 - `require_reachable(url, what, timeout, hint)`: raises `ServiceUnavailable` naming `what`, the masked URL,
   the reason, and `hint` (where the URL was set, e.g. `MLFLOW_TRACKING_URI`).
 

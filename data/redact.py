@@ -1,4 +1,5 @@
-"""Masking credentials in URIs before they are shown or stored: the one place that knows what a secret looks like.
+"""Masking credentials in URIs before they are shown or stored: the one place that knows what a secret looks
+like.
 
 A URI may carry a secret in its userinfo (`postgresql://user:PASS@host/db`, `https://TOKEN@host/v1`) or in a
 query parameter (`?api_key=...`, `?sig=...`). `mask_uri` replaces those parts with `***` and leaves the rest

@@ -24,7 +24,8 @@ SYSTEM_PROMPT = (
     "<answer> answer here </answer>"
 )
 
-# The same request in few tokens: for tiny models, where a 90-token system prompt would be most of the compute.
+# The same request in few tokens: for tiny models, where a 90-token system prompt would be most of the
+# compute.
 BRIEF_SYSTEM_PROMPT = "Think in <think> </think>, then answer in <answer> </answer>."
 SYSTEM_PROMPTS = {"r1": SYSTEM_PROMPT, "brief": BRIEF_SYSTEM_PROMPT, "none": ""}
 

@@ -2,13 +2,13 @@
 dataset hub is reachable.
 
 Each image has 1-`max_count` simple shapes (circle, square, triangle) of a few colours and sizes on a plain
-background, one per cell of a grid (so they never overlap); the row asks how many there are. Everything is seeded: the same seed and
-index give the same image, byte for byte. The held-out pool is drawn from its own seed stream, so a warm-up on
-the training pool never sees a held-out image.
+background, one per cell of a grid (so they never overlap); the row asks how many there are. Everything is
+seeded: the same seed and index give the same image, byte for byte. The held-out pool is drawn from its own
+seed stream, so a warm-up on the training pool never sees a held-out image.
 
 `write_counting_source(directory, n, seed, split)` writes PNGs and a `counting.jsonl` in the R1-V /
-CLEVR-70k-Counting layout (`image`, `problem`, `solution: "<answer> N </answer>"`), which `grpoflow prep --task
-counting` reads like any other source.
+CLEVR-70k-Counting layout (`image`, `problem`, `solution: "<answer> N </answer>"`), which
+`grpoflow prep --task counting` reads like any other source.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ SPLIT_SEED = {"train": 0, "heldout": 1}
 
 
 def draw_counting_image(count: int, rng: random.Random, size: int = 56, cell: int = 14):
-    """An RGB image of `count` shapes, each in its own `cell` x `cell` square of a grid (a vision patch, for the
-    tiny model: 14 pixels), centred with a pixel of jitter; `rng` decides cells, shapes, colours and sizes."""
+    """An RGB image of `count` shapes, each in its own `cell` x `cell` square of a grid (a vision patch, for
+    the tiny model: 14 pixels), centred with a pixel of jitter; `rng` decides cells, shapes, colours and
+    sizes."""
     from PIL import Image, ImageDraw
 
     cells = [(x, y) for y in range(0, size - cell + 1, cell) for x in range(0, size - cell + 1, cell)]

@@ -1,10 +1,11 @@
-"""Where raw records come from: local files, a directory of them, a Hugging Face hub dataset, or the generator.
+"""Where raw records come from: local files, a directory of them, a Hugging Face hub dataset, or the
+generator.
 
 `open_source(spec, ...)` decides what `spec` names and returns a `Source` whose `records()` yields `Record`s,
 each with its location for error messages:
 
-- `path/to/file.jsonl:17` for JSON lines (`.jsonl`, or `.json` holding one object per line; a `.json` file that
-  starts with `[` is read as one JSON array and located as `file.json row 17`),
+- `path/to/file.jsonl:17` for JSON lines (`.jsonl`, or `.json` holding one object per line; a `.json` file
+  that starts with `[` is read as one JSON array and located as `file.json row 17`),
 - `path/to/file.parquet row 17`, `path/to/file.csv row 17` (row 1 is the first data row, after a CSV header),
 - `hub:openai/gsm8k[train] row 17`, `synthetic:addition row 17`.
 Every number counts from 1.
@@ -12,8 +13,9 @@ Every number counts from 1.
 How a spec is read, in this order:
 1. `synthetic`, `synthetic:addition`, `synthetic:countdown`: `data.synthetic.generate(rows, seed, kind)`.
 2. `hub:<id>`: a hub dataset, whatever is on disk.
-3. An existing path, or one that looks like a path (starts with `/`, `.` or `~`, has a data-file suffix, or has
-   more than one `/`): a local file or directory; if it does not exist, "source not found", never a hub lookup.
+3. An existing path, or one that looks like a path (starts with `/`, `.` or `~`, has a data-file suffix, or
+   has more than one `/`): a local file or directory; if it does not exist, "source not found", never a hub
+   lookup.
 4. Anything else (`name` or `owner/name`) is a hub dataset id, loaded with `datasets.load_dataset(id, config,
    split=split)`.
 
@@ -22,8 +24,8 @@ A directory is read non-recursively (a hub snapshot keeps configs in subdirector
 `test.parquet`, `train-00000-of-00002.parquet`), only the files of the requested split are read; otherwise all
 data files are read, in name order. `split` is ignored for a single file: naming the file chose the split.
 
-The hub is probed with a plain TCP connection before `load_dataset`: unreachable, `huggingface_hub` retries five
-times with backoff (about 25 s here) before it gives up, and we want one clear error at once.
+The hub is probed with a plain TCP connection before `load_dataset`: unreachable, `huggingface_hub` retries
+five times with backoff (about 25 s here) before it gives up, and we want one clear error at once.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ Two kinds:
 - `countdown`: three numbers and a target reachable with + - * / using each number once (the target is
   computed from a random expression over the numbers, so a solution exists).
 - `counting`: a PNG of 1-6 shapes (`data.shapes`) and "How many objects are there in the image?", for the
-  embedded vision demo. A tenth of the rows (every tenth) come from the held-out image stream (`split: heldout`),
-  which the tiny vision model's warm-up never draws from.
+  embedded vision demo. A tenth of the rows (every tenth) come from the held-out image stream
+  (`split: heldout`), which the tiny vision model's warm-up never draws from.
 
 `worked_solution(row)` gives the reference completion in the `<think>…</think><answer>…</answer>`
 format; it is what the tiny base model is warmed up on.
@@ -70,7 +70,8 @@ def _counting(n: int, seed: int) -> list[dict]:
 
 
 def counting_row_images(n: int, seed: int, split: str) -> list[tuple[str, int]]:
-    """`n` (PNG as a `data:` URI, count) pairs of one image stream (`data.shapes`), as prepared rows keep them."""
+    """`n` (PNG as a `data:` URI, count) pairs of one image stream (`data.shapes`), as prepared rows keep
+    them."""
     import base64
     import io
 

@@ -1,4 +1,5 @@
-"""R1-Distill-Math-Test: MATH-500, GPQA-Diamond and AIME 2024 as one EvalScope collection, built and evaluated.
+"""R1-Distill-Math-Test: MATH-500, GPQA-Diamond and AIME 2024 as one EvalScope collection, built and
+evaluated.
 
 EvalScope evaluates a mix of benchmarks as one "collection": a JSONL whose every row is a sample already
 rendered by its own benchmark's adapter, plus where it came from (EvalScope's `DatasetEntry`):
@@ -211,7 +212,8 @@ def collection_paths(benchmarks: list[str], local_paths: dict[str, str] | None) 
 
 
 def check_local_paths(local_paths: dict[str, str]) -> dict[str, str]:
-    """Each of the collection's benchmark directories, resolved; names the benchmark whose directory is missing."""
+    """Each of the collection's benchmark directories, resolved; names the benchmark whose directory is
+    missing."""
     extra = sorted(set(local_paths) - set(R1_DISTILL_MATH_TEST))
     if extra:
         raise EvalInputError(

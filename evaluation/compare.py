@@ -5,9 +5,9 @@ paired: both sides are reduced to the problems both scored (keyed by a stable id
 confidence interval of the mean difference comes from a paired bootstrap over those problems.
 
 Per-sample correctness comes from EvalScope's review files (`report.json` lists them under `review_paths`),
-and for a held-out evaluation (`evaluation.heldout`: a recipe with `eval.benchmarks: []`) from its samples file,
-compared as the benchmark `heldout`. Two evaluations are compared on the benchmarks both have; one that only one
-side has is named in the table and left out. If the evaluation also
+and for a held-out evaluation (`evaluation.heldout`: a recipe with `eval.benchmarks: []`) from its samples
+file, compared as the benchmark `heldout`. Two evaluations are compared on the benchmarks both have; one that
+only one side has is named in the table and left out. If the evaluation also
 has a thinking-efficiency file (`<work_dir>/thinking/samples.jsonl`: one JSON object per sample with
 `benchmark`, `subset`, an `id` and numeric metric fields, as `evaluation.thinking` writes it), each numeric
 field is compared the same way over the problems where both sides have a value; those rows are reported but
@@ -128,8 +128,8 @@ def read_report_json(work_dir: str | os.PathLike) -> dict:
 
 
 def load_samples(work_dir: str | os.PathLike) -> Samples:
-    """Per-problem scores of a finished evaluation: correctness from EvalScope's reviews (and from the held-out
-    samples of a held-out evaluation, as benchmark `heldout`), plus thinking metrics.
+    """Per-problem scores of a finished evaluation: correctness from EvalScope's reviews (and from the
+    held-out samples of a held-out evaluation, as benchmark `heldout`), plus thinking metrics.
 
     A problem's id is MATH-500's `question_id` when the sample has one, else `<subset>/<group_id>` (EvalScope
     numbers problems within each subset; its `sample_id` numbers generations); a held-out problem's is its row
@@ -175,7 +175,8 @@ def load_samples(work_dir: str | os.PathLike) -> Samples:
 def paired_bootstrap(
     a: list[float], b: list[float], n_resamples: int = 10000, seed: int = 0, confidence: float = 0.95
 ) -> tuple[float, float, float]:
-    """(mean of b - a, lower, upper): percentile bootstrap over paired problems (a[i] and b[i] are one problem)."""
+    """(mean of b - a, lower, upper): percentile bootstrap over paired problems (a[i] and b[i] are one
+    problem)."""
     if len(a) != len(b):
         raise ValueError(
             f"paired bootstrap needs one baseline and one candidate value per problem, "
@@ -271,7 +272,8 @@ def compare(
 
 
 def only_one_side(a_samples: Samples, b_samples: Samples) -> tuple[list[str], list[str]]:
-    """(benchmarks only the baseline scored, benchmarks only the candidate scored): what `compare` leaves out."""
+    """(benchmarks only the baseline scored, benchmarks only the candidate scored): what `compare` leaves
+    out."""
     a, b = _scored(a_samples), _scored(b_samples)
     return sorted(a - b), sorted(b - a)
 

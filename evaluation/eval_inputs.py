@@ -127,7 +127,8 @@ def check_inputs(
     eval_batch_size: int = 1,
 ) -> None:
     """Everything `run_evalscope` checks that does not need the model, benchmark names included: a command
-    calls this before it resolves, downloads or serves a model. Raises `EvalInputError`/`FileNotFoundError`."""
+    calls this before it resolves, downloads or serves a model. Raises
+    `EvalInputError`/`FileNotFoundError`."""
     check_model_and_paths(None, benchmarks, dict(local_paths or {}), api_url, api_key_env)
     check_settings(limit, repeats, max_tokens, temperature, eval_batch_size, "float32")
     check_benchmark_names(benchmarks)

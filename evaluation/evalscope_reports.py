@@ -5,7 +5,8 @@ by construction. Layout of one EvalScope run (`no_timestamp=True`) under its out
 
     reports/<model_id>/<benchmark>.json              the report: metrics, subsets, counts, perf summary
     predictions/<model_id>/<benchmark>_<subset>.jsonl  one generation per line (output, usage, stop reason)
-    reviews/<model_id>/<benchmark>_<subset>.jsonl      the same samples scored (target, extracted answer, score)
+    reviews/<model_id>/<benchmark>_<subset>.jsonl      the same samples scored (target, extracted answer,
+                                                       score)
     logs/eval_log.log, configs/task_config.yaml, reports/report.html
 """
 
@@ -93,7 +94,8 @@ def review_score(review: dict) -> float | None:
 def problem_id(review: dict, subset: str) -> str:
     """The problem a reviewed sample answers, the same for its repeated generations and across evaluations:
     MATH-500's `question_id` (its unique_id) when the sample has one, else `<subset>/<group_id>` (EvalScope
-    numbers problems within each subset; `sample_id` numbers generations). KeyError if the review has no id."""
+    numbers problems within each subset; `sample_id` numbers generations). KeyError if the review has no
+    id."""
     score = review["sample_score"]
     # EvalScope keeps a sample's metadata under sample_score
     question = (score.get("sample_metadata") or review.get("sample_metadata") or {}).get("question_id")

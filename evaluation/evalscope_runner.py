@@ -1,8 +1,8 @@
 """Evaluate a model with EvalScope: a local checkpoint (`llm_ckpt`) or a served model (`openai_api`).
 
-`run_evalscope` checks its inputs (`eval_inputs`), runs EvalScope in a child process (`evalscope_worker.py`) whose output
-goes to a log file, reads the scores back from EvalScope's own report files and writes `report.json`.
-Layout of `work_dir` after a successful run:
+`run_evalscope` checks its inputs (`eval_inputs`), runs EvalScope in a child process (`evalscope_worker.py`)
+whose output goes to a log file, reads the scores back from EvalScope's own report files and writes
+`report.json`. Layout of `work_dir` after a successful run:
 
     report.json     grpoflow's summary: scores, subsets, counts, paths, and the settings that made them.
                     Written last and atomically: a work_dir without it holds no finished evaluation.
@@ -189,7 +189,8 @@ def run_evalscope(
         "seed": seed,
         "work_dir": str(outputs),
         "no_timestamp": True,
-        # an endpoint's requests are retried by EvalScope (`_endpoint_waits`), not again inside its OpenAI client
+        # an endpoint's requests are retried by EvalScope (`_endpoint_waits`), not again inside its OpenAI
+        # client
         **(
             {"model_args": {"precision": dtype}}
             if checkpoint
@@ -417,7 +418,8 @@ def _run_worker(outputs: Path, spec: dict, offline: bool, echo: bool, secret_env
         ""
         if failed is None or local
         else (
-            f" ({failed!r} has no local path, so EvalScope loads it from its dataset hub, ModelScope by default; "
+            f" ({failed!r} has no local path, so EvalScope loads it from its dataset hub, "
+            "ModelScope by default; "
             f"without network access pass local_paths={{{failed!r}: '<directory with its data>'}})"
         )
     )

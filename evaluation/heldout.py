@@ -3,8 +3,8 @@
 
 A recipe with `eval.benchmarks: []` (the vision demo) has no EvalScope run: its prepared held-out rows are its
 evaluation. They are scored the way training scores them (`trainer.heldout.evaluate_greedy`: the first
-`train.eval_heldout` rows, greedy, at most `train.max_completion_length` tokens, the `accuracy` reward), so the
-score is the held-out accuracy training reports, kept here problem by problem. Layout of a work dir:
+`train.eval_heldout` rows, greedy, at most `train.max_completion_length` tokens, the `accuracy` reward), so
+the score is the held-out accuracy training reports, kept here problem by problem. Layout of a work dir:
 
     heldout/samples.jsonl   one line per held-out row: id, answer, completion, correct (1.0 or 0.0)
     report.json             benchmarks ["heldout"], scores {"heldout": accuracy}, num_samples, and under

@@ -1,50 +1,54 @@
-"""Thinking-efficiency metrics of reasoning models: how long they think, how often they switch thoughts, and how
-much of their thinking comes after they already had the right answer.
+"""Thinking-efficiency metrics of reasoning models: how long they think, how often they switch thoughts, and
+how much of their thinking comes after they already had the right answer.
 
 Per sample (`sample_metrics`), from the assistant message and the gold answers:
 
 - reasoning: the message's `reasoning_content` (or EvalScope's `{"type": "reasoning"}` content block) when
   present; else the text before the LAST `</think>`; else the whole output. It is stripped, and a leading
-  `<think>` tag is dropped (markup, not thought), so `<think>R</think>T` gives the same reasoning whether EvalScope
-  separated it or not.
+  `<think>` tag is dropped (markup, not thought), so `<think>R</think>T` gives the same reasoning whether
+  EvalScope separated it or not.
 - `reasoning_tokens`: the reasoning's length in the model's own tokenizer (no special tokens added).
-- `thought_num`: occurrences, case-insensitive, of ThinkBench's switch phrases (`SWITCH_PHRASES`) in the reasoning.
-- `correct` (-> `accuracy`): the whole output graded by `trainer.rewards.grade_math_answer`, the `accuracy` reward's
-  verifier: its last `<answer>` block, else its last `\\boxed{}`, compared under math-verify; correct if it matches
-  any gold answer. None when no gold answer parses (the dataset's fault); such samples are left out of `accuracy`.
-- paragraphs: the reasoning split at blank lines (a line break, then only whitespace and at least one more line
-  break). Prefix k is the reasoning up to the end of paragraph k, as written (separators kept).
-- `first_correct_paragraph`: the first k whose prefix is correct by the same verifier (the prefix's last `<answer>`
-  block, else its last `\\boxed{}`), or by the optional `judge(prefix, gold) -> bool` (e.g. `OpenAIJudge`, for
-  free-form reasoning without boxed answers). None if no prefix is. Computed for every sample, so a wrong sample
-  whose reasoning once held the right answer is visible.
-- `first_correct_tokens`, `reflection_tokens` (= `reasoning_tokens - first_correct_tokens`) and `token_efficiency`
-  (= `first_correct_tokens / reasoning_tokens`) are defined only for correct samples, None for the others. A correct
-  sample whose reasoning never states the answer (it comes after `</think>`) found it at the end of its
-  reasoning: `first_correct_tokens = reasoning_tokens`. `token_efficiency` is None for an empty reasoning (0/0).
+- `thought_num`: occurrences, case-insensitive, of ThinkBench's switch phrases (`SWITCH_PHRASES`) in the
+  reasoning.
+- `correct` (-> `accuracy`): the whole output graded by `trainer.rewards.grade_math_answer`, the `accuracy`
+  reward's verifier: its last `<answer>` block, else its last `\\boxed{}`, compared under math-verify; correct
+  if it matches any gold answer. None when no gold answer parses (the dataset's fault); such samples are left
+  out of `accuracy`.
+- paragraphs: the reasoning split at blank lines (a line break, then only whitespace and at least one more
+  line break). Prefix k is the reasoning up to the end of paragraph k, as written (separators kept).
+- `first_correct_paragraph`: the first k whose prefix is correct by the same verifier (the prefix's last
+  `<answer>` block, else its last `\\boxed{}`), or by the optional `judge(prefix, gold) -> bool` (e.g.
+  `OpenAIJudge`, for free-form reasoning without boxed answers). None if no prefix is. Computed for every
+  sample, so a wrong sample whose reasoning once held the right answer is visible.
+- `first_correct_tokens`, `reflection_tokens` (= `reasoning_tokens - first_correct_tokens`) and
+  `token_efficiency` (= `first_correct_tokens / reasoning_tokens`) are defined only for correct samples, None
+  for the others. A correct sample whose reasoning never states the answer (it comes after `</think>`) found
+  it at the end of its reasoning: `first_correct_tokens = reasoning_tokens`. `token_efficiency` is None for an
+  empty reasoning (0/0).
 
-Aggregates (`summarize`; per subset, per benchmark, overall): `reasoning_tokens` and `thought_num` are means over
-all samples; `first_correct_tokens`, `reflection_tokens`, `token_efficiency` means over correct samples (the
-efficiency over those with reasoning); `accuracy` the share of graded samples that are correct. `overthinking`
-covers the correct samples that had the answer before their reasoning ended (`reflection_tokens > 0`): their mean
-reflection tokens and mean share of reasoning spent after the first correct answer. `underthinking` covers wrong
-samples: their mean `thought_num`, and how many had the right answer in their reasoning and left it
-(`abandoned_correct`). Counts `samples`, `graded`, `correct` come along, and `evalscope_accuracy`, the mean of
-EvalScope's own per-sample verdicts (work dirs only), so a disagreement between the two verifiers shows. A mean
-over no samples is None.
+Aggregates (`summarize`; per subset, per benchmark, overall): `reasoning_tokens` and `thought_num` are means
+over all samples; `first_correct_tokens`, `reflection_tokens`, `token_efficiency` means over correct samples
+(the efficiency over those with reasoning); `accuracy` the share of graded samples that are correct.
+`overthinking` covers the correct samples that had the answer before their reasoning ended
+(`reflection_tokens > 0`): their mean reflection tokens and mean share of reasoning spent after the first
+correct answer. `underthinking` covers wrong samples: their mean `thought_num`, and how many had the right
+answer in their reasoning and left it (`abandoned_correct`). Counts `samples`, `graded`, `correct` come along,
+and `evalscope_accuracy`, the mean of EvalScope's own per-sample verdicts (work dirs only), so a disagreement
+between the two verifiers shows. A mean over no samples is None.
 
 Differences from EvalScope's ThinkBench (`evalscope/third_party/thinkbench/eval.py`), on purpose:
-- ThinkBench's first-correct text is the paragraphs BEFORE the one its judge names, dropping the paragraph that
-  holds the answer; here the prefix includes it.
+- ThinkBench's first-correct text is the paragraphs BEFORE the one its judge names, dropping the paragraph
+  that holds the answer; here the prefix includes it.
 - ThinkBench treats an answer in the first paragraph as no correct answer at all (empty prefix -> score 0);
   here it counts as correct at paragraph 1.
-- ThinkBench scores a sample whose reasoning never reached the answer as 0 first-correct tokens, all its tokens as
-  reflection and efficiency 0, and averages those over all samples; here they are undefined for wrong samples
-  and averaged over correct ones, so efficiency and accuracy do not mix.
-- ThinkBench's `accuracy` is "the judge found a correct paragraph"; here it is the final output's verdict by the
-  same verifier as the training reward, and prefixes are graded by that verifier unless a judge is given.
-- ThinkBench's keyword split is case-sensitive; here nothing is split at keywords (counting is case-insensitive
-  in both). ThinkBench also keeps only the first 50 samples per subset under 8000 tokens; here all are measured.
+- ThinkBench scores a sample whose reasoning never reached the answer as 0 first-correct tokens, all its
+  tokens as reflection and efficiency 0, and averages those over all samples; here they are undefined for
+  wrong samples and averaged over correct ones, so efficiency and accuracy do not mix.
+- ThinkBench's `accuracy` is "the judge found a correct paragraph"; here it is the final output's verdict by
+  the same verifier as the training reward, and prefixes are graded by that verifier unless a judge is given.
+- ThinkBench's keyword split is case-sensitive; here nothing is split at keywords (counting is
+  case-insensitive in both). ThinkBench also keeps only the first 50 samples per subset under 8000 tokens;
+  here all are measured.
 """
 
 from __future__ import annotations
@@ -80,7 +84,8 @@ CountTokens = Callable[[str], int]
 
 
 def split_reasoning(message: Mapping) -> tuple[str, str, str]:
-    """(reasoning, whole output, where the reasoning came from: "reasoning_content" | "think_tag" | "whole_output").
+    """(reasoning, whole output, where the reasoning came from: "reasoning_content" | "think_tag" |
+    "whole_output").
 
     With separate reasoning the whole output is the reasoning, a blank line, then the text.
     """
@@ -110,7 +115,8 @@ def _clean(reasoning: str) -> str:
 
 
 def count_thought_switches(reasoning: str) -> int:
-    """Case-insensitive occurrences of `SWITCH_PHRASES` (none of them contains another, so none counts twice)."""
+    """Case-insensitive occurrences of `SWITCH_PHRASES` (none of them contains another, so none counts
+    twice)."""
     lowered = reasoning.lower()
     return sum(lowered.count(phrase) for phrase in SWITCH_PHRASES)
 
@@ -124,7 +130,8 @@ def paragraph_prefixes(reasoning: str) -> list[str]:
 
 
 def token_counter(tokenizer: object) -> CountTokens:
-    """A `count_tokens(text) -> int` from a tokenizer with `encode(text) -> list`, or from such a function itself.
+    """A `count_tokens(text) -> int` from a tokenizer with `encode(text) -> list`, or from such a function
+    itself.
 
     A transformers tokenizer counts without the special tokens (BOS) it would add to a whole prompt.
     """
@@ -182,7 +189,8 @@ def first_correct_paragraph(
 def sample_metrics(
     message: Mapping | str, golds: Sequence[str] | str, count_tokens: CountTokens, judge: Judge | None = None
 ) -> dict:
-    """The per-sample metrics (see the module docstring) of one assistant message, or of a whole output text."""
+    """The per-sample metrics (see the module docstring) of one assistant message, or of a whole output
+    text."""
     if isinstance(message, str):
         message = {"content": message}
     golds = [golds] if isinstance(golds, str) else list(golds)
@@ -219,7 +227,8 @@ def _mean(values) -> float | None:
 
 
 def summarize(rows: Sequence[Mapping]) -> dict:
-    """Means of the per-sample metrics over `rows` (see the module docstring for which samples each covers)."""
+    """Means of the per-sample metrics over `rows` (see the module docstring for which samples each
+    covers)."""
     graded = [r for r in rows if r["correct"] is not None]
     right = [r for r in rows if r["correct"]]
     wrong = [r for r in rows if r["correct"] is False]
@@ -266,9 +275,9 @@ def analyze(
     judge: Judge | None = None,
     progress: bool | None = None,
 ) -> ThinkingReport:
-    """Measure every sample of an EvalScope work dir or a JSONL (see `thinking_inputs`) and write the rows to `out`
-    (default `thinking_inputs.default_out`). `tokenizer`: a name or path for `load_tokenizer`, or anything
-    `token_counter` accepts."""
+    """Measure every sample of an EvalScope work dir or a JSONL (see `thinking_inputs`) and write the rows to
+    `out` (default `thinking_inputs.default_out`). `tokenizer`: a name or path for `load_tokenizer`, or
+    anything `token_counter` accepts."""
     samples = read_samples(path)  # before the tokenizer loads: bad input fails fast
     count_tokens = (
         load_tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else token_counter(tokenizer)
@@ -310,8 +319,9 @@ def _progress(samples: list[Sample], enabled: bool | None):
 
 
 def format_table(summary: Mapping) -> str:
-    """A plain-text table: one line per benchmark and subset, then the overall line. Columns: accuracy, then the
-    means of reasoning tokens, thought switches, first-correct tokens, reflection tokens and token efficiency."""
+    """A plain-text table: one line per benchmark and subset, then the overall line. Columns: accuracy, then
+    the means of reasoning tokens, thought switches, first-correct tokens, reflection tokens and token
+    efficiency."""
     columns = {
         "samples": "samples",
         "accuracy": "accuracy",
@@ -349,8 +359,8 @@ def format_table(summary: Mapping) -> str:
 
 
 class OpenAIJudge:
-    """A `judge(prefix, gold) -> bool` asking a chat model at an OpenAI-compatible endpoint whether the reasoning so
-    far has reached the gold answer. Greedy, a few tokens; the reply must start with YES."""
+    """A `judge(prefix, gold) -> bool` asking a chat model at an OpenAI-compatible endpoint whether the
+    reasoning so far has reached the gold answer. Greedy, a few tokens; the reply must start with YES."""
 
     PROMPT = (
         "Here is the beginning of a solution to a problem, and the problem's correct final answer.\n\n"

@@ -49,8 +49,8 @@ def read_samples(path: str | os.PathLike) -> list[Sample]:
 
 
 def default_out(path: str | os.PathLike) -> Path:
-    """Where the per-sample rows go by default: `<work_dir>/thinking/samples.jsonl`, or `<stem>.thinking.jsonl`
-    next to a JSONL input."""
+    """Where the per-sample rows go by default: `<work_dir>/thinking/samples.jsonl`, or
+    `<stem>.thinking.jsonl` next to a JSONL input."""
     path = Path(path)
     return (
         path / "thinking" / "samples.jsonl"

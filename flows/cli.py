@@ -277,7 +277,8 @@ def _add_recipe_args(p: argparse.ArgumentParser, default_config: Path | None) ->
         "--config",
         "-c",
         default=None,
-        help=f"recipe YAML (default: {default_config.relative_to(REPO_ROOT) if default_config else 'built-in defaults'})",
+        help="recipe YAML (default: "
+        f"{default_config.relative_to(REPO_ROOT) if default_config else 'built-in defaults'})",
     )
     p.add_argument(
         "overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. train.learning_rate=1e-4"
@@ -442,7 +443,8 @@ def _parse(argv: list[str] | None):
     late = [t for t in extra if "=" in t and not t.startswith("-")]
     if len(late) != len(extra) or (late and not hasattr(args, "overrides")):
         parser.error(
-            f"unrecognized arguments: {' '.join(t for t in extra if t not in late or not hasattr(args, 'overrides'))}"
+            "unrecognized arguments: "
+            f"{' '.join(t for t in extra if t not in late or not hasattr(args, 'overrides'))}"
         )
     if late:
         args.overrides = [*args.overrides, *late]
@@ -496,7 +498,8 @@ def main(argv: list[str] | None = None) -> int:
             RedactingFormatter(handler.formatter._fmt if handler.formatter else None, datefmt="%H:%M:%S")
         )
     try:
-        # --json: stdout holds the JSON alone, a library's prints (DeepSpeed's) go to stderr; serve-model streams its own
+        # --json: stdout holds the JSON alone, a library's prints (DeepSpeed's) go to stderr; serve-model
+        # streams its own
         with contextlib.redirect_stdout(
             sys.stderr if args.json and not getattr(args, "streams_json", 0) else sys.stdout
         ):

@@ -1,5 +1,5 @@
-"""infra/prefect.yaml's deployments, made real: created on a Prefect server (`grpoflow deploy`), or served with
-their schedules from one long-lived process (`grpoflow serve`), for users without a worker.
+"""infra/prefect.yaml's deployments, made real: created on a Prefect server (`grpoflow deploy`), or served
+with their schedules from one long-lived process (`grpoflow serve`), for users without a worker.
 
 The YAML is the one home of each deployment's settings (entrypoint, parameters, schedules, work pool); both
 commands read it. Both need a Prefect server (PREFECT_API_URL): Prefect's ephemeral API runs no scheduler, so
@@ -236,7 +236,7 @@ def _ensure_process_pool(name: str) -> bool:
             return True
 
 
-# ---- the commands -------------------------------------------------------------------------------------------
+# ---- the commands ------------------------------------------------------------------------------------------
 
 
 def add_commands(sub, number) -> None:

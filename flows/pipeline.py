@@ -41,7 +41,8 @@ def grpo_pipeline(
 ) -> dict:
     """Run the recipe. `grpoflow run` passes the loaded `recipe` and its `services`; a deployment
     (infra/prefect.yaml) passes `config`, a recipe path relative to the working directory, with `overrides`
-    (`key=value`), and the services are the worker's (PREFECT_API_URL, MLFLOW_TRACKING_URI, GRPOFLOW_STATE)."""
+    (`key=value`), and the services are the worker's (PREFECT_API_URL, MLFLOW_TRACKING_URI,
+    GRPOFLOW_STATE)."""
     if recipe is None:
         recipe, services = _deployment_inputs(config, overrides)
     recipe = copy.deepcopy(recipe)
@@ -146,10 +147,11 @@ def grpo_pipeline(
 
 
 def run_pipeline(recipe, services, source: str) -> dict:
-    """`grpoflow run`: the pipeline on `recipe` (a `trainer.recipe.Recipe`) with `services` (`tasks.services`),
-    holding the state folder from the checks before it to its end. One pipeline per state folder: two at once
-    would race on its stores (MLflow's sqlite schema is made by the first to touch it, Prefect's home) and
-    register the same checkpoint twice; the second is refused (`DirectoryBusy`, exit 2) naming the first."""
+    """`grpoflow run`: the pipeline on `recipe` (a `trainer.recipe.Recipe`) with `services`
+    (`tasks.services`), holding the state folder from the checks before it to its end. One pipeline per state
+    folder: two at once would race on its stores (MLflow's sqlite schema is made by the first to touch it,
+    Prefect's home) and register the same checkpoint twice; the second is refused (`DirectoryBusy`, exit 2)
+    naming the first."""
     from data.dir_lock import exclusive
     from tasks.preflight import check_before_run
 

@@ -102,7 +102,8 @@ def open_store(recipe: Recipe, services: dict) -> tuple[MlflowClient, str]:
 
 def check_sides(baseline: str, candidate: str, client: MlflowClient) -> None:
     """Refuse, naming the side, a reference that cannot stand for one (an unknown version, a missing path),
-    before either side is evaluated: one side's evaluation can take long, and its error would hide the other's."""
+    before either side is evaluated: one side's evaluation can take long, and its error would hide the
+    other's."""
     for role, ref in (("baseline", baseline), ("candidate", candidate)):
         try:
             if is_registered_ref(ref):
@@ -118,7 +119,8 @@ def check_sides(baseline: str, candidate: str, client: MlflowClient) -> None:
 def evaluated_side(
     ref: str, client: MlflowClient, experiment_id: str, recipe: Recipe, services: dict
 ) -> Side:
-    """The finished evaluation standing for `ref`: reused when one with the recipe's settings exists, else run."""
+    """The finished evaluation standing for `ref`: reused when one with the recipe's settings exists, else
+    run."""
     settings = recipe.eval
     heldout = None if settings.benchmarks else heldout_settings(recipe)
     benchmarks = list(settings.benchmarks) or [HELDOUT]
@@ -165,8 +167,8 @@ def find_evaluation(
     experiment_id: str,
     heldout: dict | None = None,
 ) -> tuple[Path, str] | None:
-    """(work dir, eval run id) of an evaluation of this version made with `settings` (with `heldout`, the held-out
-    evaluation those settings name, see `evaluation.heldout`), found on this machine."""
+    """(work dir, eval run id) of an evaluation of this version made with `settings` (with `heldout`, the
+    held-out evaluation those settings name, see `evaluation.heldout`), found on this machine."""
     try:
         tagged = client.get_model_version(name, version).tags.get("eval_mlflow_run_id")
         runs = client.search_runs(
@@ -330,8 +332,8 @@ def _work_dir_candidates(run, name: str, version: str) -> list[Path]:
 
 
 def _fresh_work_dir(settings: EvalConfig, name: str, heldout: dict | None = None) -> Path:
-    """`<eval.out>/<name>`, or a settings-specific sibling when that one holds an evaluation with other settings
-    (or an unreadable report.json)."""
+    """`<eval.out>/<name>`, or a settings-specific sibling when that one holds an evaluation with other
+    settings (or an unreadable report.json)."""
     work_dir = Path(settings.out).resolve() / name
     if (work_dir / "report.json").is_file() and not _usable(work_dir, settings, heldout):
         key = settings_hash(settings)

@@ -149,10 +149,10 @@ def record_evaluation(
 
 
 def thinking_scores(work_dir: Path, tokenizer: str) -> dict[str, float]:
-    """The thinking-efficiency aggregates of an EvalScope work dir (`evaluation.thinking.analyze`, tokens counted
-    by `tokenizer`) as `thinking/<metric>` numbers (`thinking/overthinking/samples`, ...); none for a work dir
-    without per-sample outputs, and none of the aggregates that no sample defines (e.g. first-correct tokens
-    when nothing was right)."""
+    """The thinking-efficiency aggregates of an EvalScope work dir (`evaluation.thinking.analyze`, tokens
+    counted by `tokenizer`) as `thinking/<metric>` numbers (`thinking/overthinking/samples`, ...); none for a
+    work dir without per-sample outputs, and none of the aggregates that no sample defines (e.g. first-correct
+    tokens when nothing was right)."""
     from evaluation.thinking import analyze
 
     try:
@@ -355,7 +355,8 @@ def _served(
         )
     from evaluation.serving import served_model
 
-    # vLLM's server starts in minutes on a CPU (three processes, each importing vLLM), seconds for transformers
+    # vLLM's server starts in minutes on a CPU (three processes, each importing vLLM), seconds for
+    # transformers
     return served_model(
         ref.local_path,
         served_model_name=served_model_name or name,

@@ -64,8 +64,9 @@ def find_logged_model(client: MlflowClient, experiment_id: str, checkpoint_sha25
 
 
 def package_checkpoint(checkpoint: str | Path, dest: Path) -> dict:
-    """Write the MLflow model of `checkpoint` into `dest` (a new folder): MLflow's transformers flavor (MLmodel,
-    requirements, signature, the tokenizer component) around `serving_copy(checkpoint)`; returns its manifest.
+    """Write the MLflow model of `checkpoint` into `dest` (a new folder): MLflow's transformers flavor
+    (MLmodel, requirements, signature, the tokenizer component) around `serving_copy(checkpoint)`; returns its
+    manifest.
 
     MLflow 3.17 cannot package a local checkpoint folder under transformers 5 (its pipeline table holds class
     names there), so the flavor is written from the loaded model and its model files are then replaced by the
@@ -83,7 +84,8 @@ def package_checkpoint(checkpoint: str | Path, dest: Path) -> dict:
         return _package_vision(checkpoint, dest)
     model, tokenizer = load_model(str(checkpoint), ModelConfig(dtype="auto"))
     signature = infer_signature("What is 1+1?", "2", params={"max_new_tokens": 256, "do_sample": False})
-    # MLflow's own requirement inference imports torchvision for any transformers model; the CPU torch here has none
+    # MLflow's own requirement inference imports torchvision for any transformers model; the CPU torch here
+    # has none
     requirements = [f"torch=={torch.__version__.split('+')[0]}", f"transformers=={transformers.__version__}"]
     mlflow.transformers.save_model(
         {"model": model, "tokenizer": tokenizer},
@@ -99,7 +101,8 @@ def package_checkpoint(checkpoint: str | Path, dest: Path) -> dict:
 
 def _package_vision(checkpoint: str | Path, dest: Path) -> dict:
     """A vision checkpoint as a python-function MLflow model (MLflow's transformers flavor has no image-text
-    task): `evaluation.serving.vision_pyfunc` loads the same serving files and generates as the trainer does."""
+    task): `evaluation.serving.vision_pyfunc` loads the same serving files and generates as the trainer
+    does."""
     import mlflow.pyfunc
     import pandas as pd
     import torch
@@ -137,7 +140,8 @@ def log_checkpoint_model(
     checkpoint: str | Path,
     checkpoint_sha256: str,
 ) -> LoggedModel:
-    """Upload the MLflow model of `checkpoint` as a logged model of `run_id`; marked FAILED if the upload fails."""
+    """Upload the MLflow model of `checkpoint` as a logged model of `run_id`; marked FAILED if the upload
+    fails."""
     with tempfile.TemporaryDirectory(prefix="grpoflow-register-") as tmp:
         local = Path(tmp) / "mlflow-model"
         package_checkpoint(checkpoint, local)
@@ -169,8 +173,8 @@ def register_checkpoint(
     tags: dict,
     alias: str = "candidate",
 ) -> tuple[str, bool]:
-    """(version, created) of `checkpoint` registered as `name`, its MLflow model logged by `run_id`; one version
-    per checkpoint also when processes register it at once (see the module docstring)."""
+    """(version, created) of `checkpoint` registered as `name`, its MLflow model logged by `run_id`; one
+    version per checkpoint also when processes register it at once (see the module docstring)."""
     with registration_lock(client):
         return _register(client, name, experiment_id, run_id, checkpoint, checkpoint_sha256, tags, alias)
 

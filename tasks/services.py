@@ -6,9 +6,9 @@ start-up timeout, since the default 20 s is not enough on 2 cores; analytics off
 MLFLOW_TRACKING_URI is set, those servers are used instead and nothing here overrides them.
 
 Everything the pipeline writes lives under the state folder or in the tracking server's artifact store, never
-in the directory a command was started from: a recipe's relative output paths are placed under the state folder
-(`place_outputs`), and a database-backed MLFLOW_TRACKING_URI gets `<state>/mlartifacts` as the artifact root of
-the experiments grpoflow creates (MLflow's own default would be `./mlruns` of the working directory).
+in the directory a command was started from: a recipe's relative output paths are placed under the state
+folder (`place_outputs`), and a database-backed MLFLOW_TRACKING_URI gets `<state>/mlartifacts` as the artifact
+root of the experiments grpoflow creates (MLflow's own default would be `./mlruns` of the working directory).
 
 Credentials in MLFLOW_TRACKING_URI, MLFLOW_REGISTRY_URI or PREFECT_API_URL are used to connect and shown
 nowhere: `describe()`, `ui_commands()` and `flow_parameters()` carry the URIs masked, and
@@ -55,8 +55,8 @@ class Services:
         }
 
     def flow_parameters(self) -> dict:
-        """The services as flows and tasks get them (Prefect stores parameters): URIs masked, the real ones are
-        read from the environment by `tasks.tracking.client_for`."""
+        """The services as flows and tasks get them (Prefect stores parameters): URIs masked, the real ones
+        are read from the environment by `tasks.tracking.client_for`."""
         return {
             "tracking_uri": mask_uri(self.tracking_uri),
             "registry_uri": mask_uri(self.registry_uri),
@@ -88,7 +88,8 @@ class Services:
         return self.state_dir.joinpath(*parts)
 
     def place_outputs(self, recipe):
-        """`recipe` (a `trainer.recipe.Recipe`) with its output paths (`OUTPUT_PATHS`) under the state folder."""
+        """`recipe` (a `trainer.recipe.Recipe`) with its output paths (`OUTPUT_PATHS`) under the state
+        folder."""
         sections = {}
         for section, name in OUTPUT_PATHS:
             config = sections.get(section, getattr(recipe, section))

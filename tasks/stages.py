@@ -57,8 +57,10 @@ def prepare_data(data_cfg: dict, ctx: dict) -> dict:
         key=_artifact_key("prepare"),
         description="prepared dataset",
         markdown=(
-            f"# Prepared data\n\n| | |\n|---|---|\n| out | `{result['out']}` |\n| sha256 | `{manifest['sha256']}` |\n"
-            f"| rows | {result['rows']} |\n| dropped | {result['dropped'] or 'none'} |\n| source | `{manifest['source']}` |\n"
+            f"# Prepared data\n\n| | |\n|---|---|\n| out | `{result['out']}` |\n"
+            f"| sha256 | `{manifest['sha256']}` |\n"
+            f"| rows | {result['rows']} |\n| dropped | {result['dropped'] or 'none'} |\n"
+            f"| source | `{manifest['source']}` |\n"
             f"| MLflow run | `{run_id}` |\n"
         ),
     )
@@ -121,9 +123,12 @@ def train_policy(recipe_dict: dict, base: dict, prepared: dict, ctx: dict) -> di
         key=_artifact_key("train"),
         description="GRPO training",
         markdown=(
-            f"# GRPO training\n\n| | |\n|---|---|\n| checkpoint | `{checkpoint}` |\n| checkpoint sha256 | `{manifest['sha256']}` |\n"
-            f"| data sha256 | `{manifest.get('data_sha256')}` |\n| base model | `{base['path']}` |\n| steps | {result['steps']} |\n"
-            f"| held-out accuracy | {result['heldout_accuracy_before']:.3f} → {result['heldout_accuracy_after']:.3f} |\n"
+            f"# GRPO training\n\n| | |\n|---|---|\n| checkpoint | `{checkpoint}` |\n"
+            f"| checkpoint sha256 | `{manifest['sha256']}` |\n"
+            f"| data sha256 | `{manifest.get('data_sha256')}` |\n| base model | `{base['path']}` |\n"
+            f"| steps | {result['steps']} |\n"
+            f"| held-out accuracy | {result['heldout_accuracy_before']:.3f} → "
+            f"{result['heldout_accuracy_after']:.3f} |\n"
             f"| s/step | {result['seconds_per_step']:.3f} |\n| MLflow run | `{run_id}` |\n\n"
             + "".join(f"![{p.stem}]({p.as_uri()})\n" for p in plots)
         ),
@@ -197,14 +202,15 @@ def register_model(
     except Exception as e:
         raise tracking.TrackingError(
             f"registering {trained['checkpoint']} as '{model_name}' in MLflow at "
-            f"{ctx.get('registry_uri') or ctx['tracking_uri']!r} failed ({type(e).__name__}: {e}); the checkpoint "
-            "on disk is untouched"
+            f"{ctx.get('registry_uri') or ctx['tracking_uri']!r} failed ({type(e).__name__}: {e}); "
+            "the checkpoint on disk is untouched"
         ) from e
     create_markdown_artifact(
         key=_artifact_key("register"),
         description="registered model version",
         markdown=(
-            f"# Registered\n\n`models:/{model_name}/{version}` (alias `candidate`){'' if created else ' — already registered'}\n\n"
+            f"# Registered\n\n`models:/{model_name}/{version}` (alias `candidate`)"
+            f"{'' if created else ' — already registered'}\n\n"
             + "\n".join(f"- {k}: `{v}`" for k, v in tags.items())
         ),
     )

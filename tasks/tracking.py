@@ -100,7 +100,8 @@ def _open_client(tracking_uri: str, registry_uri: str) -> MlflowClient:
 
 
 def local_store(uri: str) -> Path | None:
-    """The file (sqlite) or folder (file store) of a store on this machine; None for a server or a database."""
+    """The file (sqlite) or folder (file store) of a store on this machine; None for a server or a
+    database."""
     parts = urlsplit(uri)
     if parts.scheme == "sqlite":
         path = unquote(uri.removeprefix("sqlite:///"))
@@ -121,7 +122,8 @@ def bound_http_waits() -> None:
 def check_reachable(
     uri: str, what: str = "MLflow tracking store", variable: str = "MLFLOW_TRACKING_URI"
 ) -> None:
-    """Raise `ServiceUnavailable` unless the server or database host of `uri` answers (sqlite/file: no check)."""
+    """Raise `ServiceUnavailable` unless the server or database host of `uri` answers (sqlite/file: no
+    check)."""
     if uri in _reachable:
         return
     timeout = min(PROBE_TIMEOUT_S, float(os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT") or PROBE_TIMEOUT_S))

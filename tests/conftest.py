@@ -101,8 +101,8 @@ def memorising_model(tiny_base, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def memorised_eval(memorising_model, tmp_path_factory):
-    """The memorising model's EvalScope evaluation on `memorised_model.evaluated_problems` (an `EvalResult`; its
-    scores are known problem by problem). Shared: a test that writes into its work dir works on a copy."""
+    """The memorising model's EvalScope evaluation on `memorised_model.evaluated_problems` (an `EvalResult`;
+    its scores are known problem by problem). Shared: a test that writes into its work dir works on a copy."""
     from memorised_model import evaluate_known_problems
 
     return evaluate_known_problems(memorising_model, shared(), tmp_path_factory.mktemp("eval") / "memorising")
@@ -118,7 +118,8 @@ def plain_eval(tiny_base, tmp_path_factory):
 
 @contextmanager
 def loopback_http(handler: type[BaseHTTPRequestHandler]) -> Iterator[ThreadingHTTPServer]:
-    """A real HTTP server on 127.0.0.1 (a free port) serving `handler` in daemon threads, shut down on exit."""
+    """A real HTTP server on 127.0.0.1 (a free port) serving `handler` in daemon threads, shut down on
+    exit."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -134,8 +135,8 @@ def scored_copy(src: Path, dst: Path, bench: str, scores: list[float]) -> Path:
     (report.json's score follows).
 
     A test fixture standing for "a version whose predictions are better/worse": the tiny model solves no
-    AIME problem, so a real evaluation of it cannot show a regression by itself. Everything else is EvalScope's.
-    Where a real difference is wanted, `memorised_eval` against `plain_eval` is one.
+    AIME problem, so a real evaluation of it cannot show a regression by itself. Everything else is
+    EvalScope's. Where a real difference is wanted, `memorised_eval` against `plain_eval` is one.
     """
     shutil.copytree(src, dst)
     report = json.loads((dst / "report.json").read_text())

@@ -1,14 +1,15 @@
 """A tiny model that is right on purpose, so that evaluation tests see scores other than zero.
 
 The tiny base model solves no MATH-500 or AIME problem: a real evaluation of it scores 0 everywhere, and a
-comparison, a gate, pass@k or the thinking metrics of its work dir only ever see zeros. `train_memorising_model`
-over-trains a copy of it on a fixed handful of problems, prompted as EvalScope prompts them, until it answers each
-with the same `<think>` section and `\\boxed{}` answer (`completion`). A real EvalScope run of it then has known
-scores problem by problem (1 on a memorised problem, 0 on the others of `evaluated_problems`) and known outputs,
-whose thinking metrics can be counted by hand.
+comparison, a gate, pass@k or the thinking metrics of its work dir only ever see zeros.
+`train_memorising_model` over-trains a copy of it on a fixed handful of problems, prompted as EvalScope
+prompts them, until it answers each with the same `<think>` section and `\\boxed{}` answer (`completion`). A
+real EvalScope run of it then has known scores problem by problem (1 on a memorised problem, 0 on the others
+of `evaluated_problems`) and known outputs, whose thinking metrics can be counted by hand.
 
-`COIN` is one more AIME problem, outside the first `LIMIT`, trained with its right answer and a wrong one in equal
-measure: sampled at temperature 1 it is right about half the time, so pass@k differs from the mean accuracy.
+`COIN` is one more AIME problem, outside the first `LIMIT`, trained with its right answer and a wrong one in
+equal measure: sampled at temperature 1 it is right about half the time, so pass@k differs from the mean
+accuracy.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ BENCHMARKS = ["math_500", "aime24"]
 LIMIT = 2  # EvalScope's limit is per subset: 2 problems of each MATH-500 level, the first 2 AIME problems
 MAX_TOKENS = 64  # the longest memorised completion is 60 tokens and its EOS with the tiny tokenizer
 LEARNING_RATE = 3e-3
-# One of the first LIMIT problems of MATH-500 levels 1, 3, 4 and 5 (level 2's two have long answers, so none of it)
-# and the second AIME problem; the other evaluated problems are unknown to the model. No answer of one evaluated
-# problem is the answer of another, so the model cannot be right by accident.
+# One of the first LIMIT problems of MATH-500 levels 1, 3, 4 and 5 (level 2's two have long answers, so none
+# of it) and the second AIME problem; the other evaluated problems are unknown to the model. No answer of one
+# evaluated problem is the answer of another, so the model cannot be right by accident.
 MEMORISED = {
     "math_500": (
         "test/intermediate_algebra/134.json",
@@ -37,18 +38,20 @@ MEMORISED = {
 }
 COIN = ("63", "386")  # AIME 2024 problem 63 (answer 385) and the wrong answer it is also taught
 
-# EvalScope's prompt templates (its math_500 and aime adapters); a test checks them against EvalScope's reviews
+# EvalScope's prompt templates (its math_500 and aime adapters); a test checks them against EvalScope's
+# reviews
 PROMPTS = {
     "math_500": "{question}\nPlease reason step by step, and put your final answer within \\boxed{{}}.",
-    "aime24": "\nSolve the following math problem step by step. Put your answer inside \\boxed{{}}.\n\n{question}\n\n"
-    "Remember to put your answer inside \\boxed{{}}.",
+    "aime24": "\nSolve the following math problem step by step. Put your answer inside \\boxed{{}}.\n\n"
+    "{question}\n\nRemember to put your answer inside \\boxed{{}}.",
 }
 
 
 @dataclass(frozen=True)
 class Problem:
     benchmark: str
-    key: str  # the id `evaluation.compare.load_samples` pairs on: MATH-500's unique_id, else "<subset>/<place>"
+    # the id `evaluation.compare.load_samples` pairs on: MATH-500's unique_id, else "<subset>/<place>"
+    key: str
     subset: str
     question: str
     answer: str
@@ -75,8 +78,8 @@ def _rows(data: Path, bench: str) -> list[dict]:
 
 
 def evaluated_problems(data: Path, limit: int = LIMIT) -> list[Problem]:
-    """The problems an EvalScope run of `BENCHMARKS` with `limit` scores: the first `limit` of each subset, in the
-    file's order (MATH-500's subsets are its levels)."""
+    """The problems an EvalScope run of `BENCHMARKS` with `limit` scores: the first `limit` of each subset, in
+    the file's order (MATH-500's subsets are its levels)."""
     problems = []
     math = _rows(data, "math_500")
     for level in range(1, 6):
@@ -111,14 +114,16 @@ def coin_problem(data: Path) -> Problem:
 
 
 def training_pairs(data: Path) -> list[tuple[str, str]]:
-    """(prompt, completion) pairs: every memorised problem once, the coin problem with each of its two answers."""
+    """(prompt, completion) pairs: every memorised problem once, the coin problem with each of its two
+    answers."""
     pairs = [(p.prompt, completion(p.answer)) for p in evaluated_problems(data) if p.memorised]
     coin = coin_problem(data)
     return pairs + [(coin.prompt, completion(coin.answer)), (coin.prompt, completion(COIN[1]))]
 
 
 def reviews(result) -> dict[tuple[str, str], dict]:
-    """EvalScope's reviews of an evaluation read straight from its files: (benchmark, problem id) -> review."""
+    """EvalScope's reviews of an evaluation read straight from its files: (benchmark, problem id) ->
+    review."""
     found = {}
     for bench, paths in result.review_paths.items():
         for path in paths:
@@ -132,7 +137,8 @@ def reviews(result) -> dict[tuple[str, str], dict]:
 
 
 def text_of(message: dict) -> str:
-    """The model's whole output: EvalScope hands back a `<think>` section as a reasoning block beside the text."""
+    """The model's whole output: EvalScope hands back a `<think>` section as a reasoning block beside the
+    text."""
     content = message["content"]
     if isinstance(content, str):
         return content
@@ -141,13 +147,15 @@ def text_of(message: dict) -> str:
 
 
 def reasoning_of(message: dict) -> str:
-    """The `<think>` section of a recorded output, which EvalScope keeps as the message's one reasoning block."""
+    """The `<think>` section of a recorded output, which EvalScope keeps as the message's one reasoning
+    block."""
     [block] = [b for b in message["content"] if b["type"] == "reasoning"]
     return block["reasoning"]
 
 
 def eval_overrides(data: Path) -> list[str]:
-    """The recipe overrides of an evaluation on `evaluated_problems`: greedy, `LIMIT` per subset, `MAX_TOKENS`."""
+    """The recipe overrides of an evaluation on `evaluated_problems`: greedy, `LIMIT` per subset,
+    `MAX_TOKENS`."""
     paths = ", ".join(f"{b}: {data / b}" for b in BENCHMARKS)
     return [
         f"eval.benchmarks=[{', '.join(BENCHMARKS)}]",
@@ -160,7 +168,8 @@ def eval_overrides(data: Path) -> list[str]:
 
 
 def evaluate_known_problems(model: str, data: Path, work_dir: Path):
-    """`model` evaluated on `evaluated_problems` through the one evaluation entry point (`evaluation.evaluate`)."""
+    """`model` evaluated on `evaluated_problems` through the one evaluation entry point
+    (`evaluation.evaluate`)."""
     from evaluation import evaluate
     from trainer.recipe import load_recipe
 
@@ -170,9 +179,9 @@ def evaluate_known_problems(model: str, data: Path, work_dir: Path):
 def train_memorising_model(base: str | Path, out: Path, data: Path, max_steps: int = 300) -> Path:
     """Over-train the model at `base` on `training_pairs` and save it (model and tokenizer) to `out`.
 
-    Training stops once greedy decoding reproduces every memorised completion with a margin: teacher-forced, each
-    next token is the most likely one with probability over 0.9, but at the coin problem's branch, where each of
-    its two answers keeps over 0.3. RuntimeError if that is not reached within `max_steps`.
+    Training stops once greedy decoding reproduces every memorised completion with a margin: teacher-forced,
+    each next token is the most likely one with probability over 0.9, but at the coin problem's branch, where
+    each of its two answers keeps over 0.3. RuntimeError if that is not reached within `max_steps`.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -148,7 +148,8 @@ def keep_grads(optimizer, args, kwargs):  # the gradient the optimizer steps wit
 trainer.strategy.optimizer.register_step_pre_hook(keep_grads)
 trainer.optimize(batch)
 if trainer.rank == 0:
-    torch.save({"grads": grads, "weights": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}},
+    torch.save({"grads": grads, "weights": {k: v.detach().clone() \
+for k, v in trainer.model.state_dict().items()}},
                sys.argv[3])
 from trainer.launch import leave_distributed; leave_distributed()  # no rank exits with the group alive
 """

@@ -97,8 +97,8 @@ def test_two_workers_shard_the_prompts_and_return_each_group_to_its_prompt(tmp_p
     assert not worker_pids() & pids  # closed with the source
 
     # The same prompts generated here, shard by shard as the workers got them: 5 prompts over 2 workers are
-    # prompts 0-2 (worker 1, the step's seed) and 3-4 (worker 2, the step's seed + 2**32). Same weights, seeds,
-    # batch and thread count: the same samples.
+    # prompts 0-2 (worker 1, the step's seed) and 3-4 (worker 2, the step's seed + 2**32). Same weights,
+    # seeds, batch and thread count: the same samples.
     engine = HFEngine(model, tokenizer)
     threads = torch.get_num_threads()
     torch.set_num_threads(cpu_threads_per_side(2))
@@ -159,7 +159,8 @@ def test_on_policy_async_with_two_workers_samples_every_batch_with_the_weights_t
     rows = [json.loads(line) for line in Path(result.metrics_path).read_text().splitlines()]
     assert result.steps == 3 and [r["step"] for r in rows] == [1, 2, 3]
     assert [r["staleness"] for r in rows] == [0.0, 0.0, 0.0]
-    # on-policy: no importance weights (the ratio to the behaviour policy is 1), nothing clipped on the one pass
+    # on-policy: no importance weights (the ratio to the behaviour policy is 1), nothing clipped on the one
+    # pass
     assert not any(k.startswith("importance_ratio") for r in rows for k in r)
     assert all(r["clip_ratio/region_mean"] == 0.0 for r in rows)
     # each worker sampled its half of every batch with the trainer's current weights: after an lr 1e-3 update,
@@ -187,7 +188,8 @@ def make():  # a training callback factory: every trainer rank calls it once its
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     (OUT / f"rank-{rank}.json").write_text(json.dumps({"rank": rank, "world": world, "pid": os.getpid(),
-                                                       "ppid": os.getppid(), "env_rank": os.environ.get("RANK")}))
+                                                       "ppid": os.getppid(), \
+"env_rank": os.environ.get("RANK")}))
     # at interpreter exit: has the rank left its process group?
     atexit.register(lambda: (OUT / f"exit-{rank}.json").write_text(json.dumps(
         {"group_alive": dist.is_initialized()})))

@@ -107,7 +107,8 @@ def _env() -> dict:
 
 
 def _start(cmd: list[str], logs: Path, **kwargs) -> subprocess.Popen:
-    """`cmd` in a session of its own, its output in files (a pipe nobody reads while it runs could fill up)."""
+    """`cmd` in a session of its own, its output in files (a pipe nobody reads while it runs could fill
+    up)."""
     kwargs = {"cwd": REPO_ROOT, "env": _env(), **kwargs}
     return subprocess.Popen(
         cmd,

@@ -97,9 +97,10 @@ def test_bootstrap_model_json_reports_cached_model(tiny_base):
     assert summary["heldout_accuracy"] == tiny_base["heldout_accuracy"] == manifest["heldout_accuracy"]
     assert summary["warmup_steps"] == manifest["warmup_steps"] == manifest["history"][-1]["step"]
 
-    # the reported accuracy is the saved model's: greedy answers of the checkpoint on the warm-up's held-out rows,
-    # scored here again. The warm-up measured it with the machine's thread count and these tests run with fewer
-    # threads (float sums in another order), so one answer may flip on a near-tie: one row of slack, no more.
+    # the reported accuracy is the saved model's: greedy answers of the checkpoint on the warm-up's held-out
+    # rows, scored here again. The warm-up measured it with the machine's thread count and these tests run
+    # with fewer threads (float sums in another order), so one answer may flip on a near-tie: one row of
+    # slack, no more.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from data.schema import resolve_system_prompt

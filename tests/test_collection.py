@@ -71,7 +71,7 @@ def _detailed(result, bench="data_collection"):
     return json.loads(result.report_paths[bench].with_name("collection_detailed_report.json").read_text())
 
 
-# ---- building -----------------------------------------------------------------------------------------------
+# ---- building ----------------------------------------------------------------------------------------------
 
 
 def test_built_collection_holds_every_benchmark_in_evalscopes_entry_format(local_paths, tmp_path):
@@ -142,7 +142,7 @@ def test_a_missing_benchmark_directory_is_named(local_paths, tmp_path):
         evaluate_collection("some/model", tmp_path / "eval", per_benchmark_limit=2, api_url="http://x/v1")
 
 
-# ---- evaluating ---------------------------------------------------------------------------------------------
+# ---- evaluating --------------------------------------------------------------------------------------------
 
 
 def test_tiny_checkpoint_on_the_offline_collection_reports_evalscopes_numbers(
@@ -267,7 +267,7 @@ def test_the_three_benchmarks_alone_report_evalscopes_numbers(tiny_base, local_p
     assert list(result.subsets["math_500"]) == LEVELS
 
 
-# ---- settings --------------------------------------------------------------------------------------------------
+# ---- settings ----------------------------------------------------------------------------------------------
 
 
 def test_a_loopback_urls_port_is_not_a_setting():

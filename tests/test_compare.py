@@ -20,7 +20,7 @@ from evaluation.compare import Row, compare, gate, load_samples, markdown_table,
 BENCH = "aime24"
 
 
-# --- the maths, by hand ---------------------------------------------------------------------------------------
+# --- the maths, by hand -------------------------------------------------------------------------------------
 
 
 def test_identical_scores_give_zero_with_a_zero_width_interval():
@@ -104,8 +104,9 @@ def test_gate_fails_only_when_the_whole_interval_is_below_the_allowed_drop():
     assert gate(rows, max_drop=0.05).passed
 
 
-# --- real EvalScope work dirs: the memorising model, whose scores are known problem by problem, and the plain ----
-# tiny model, which solves none of the problems (conftest's memorised_eval and plain_eval, shared by the session)
+# --- real EvalScope work dirs: the memorising model, whose scores are known problem by problem, and the ----
+# plain tiny model, which solves none of the problems (conftest's memorised_eval and plain_eval, shared by
+# the session)
 
 
 def grpoflow(*args: str, state: Path, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -201,8 +202,9 @@ def test_gate_fails_a_clearly_worse_candidate_with_exit_1_and_a_table(memorised_
     )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
-    # MATH-500: differences -1 on the 4 memorised problems of 10; a resample's mean is -Binomial(10, 0.4) / 10,
-    # whose 2.5% and 97.5% points fall inside the masses at -0.7 and -0.1 (P(X <= 1) = 0.046, P(X <= 6) = 0.945).
+    # MATH-500: differences -1 on the 4 memorised problems of 10; a resample's mean is
+    # -Binomial(10, 0.4) / 10, whose 2.5% and 97.5% points fall inside the masses at -0.7 and -0.1
+    # (P(X <= 1) = 0.046, P(X <= 6) = 0.945).
     # AIME: differences [0, -1], so the interval reaches 0 and that benchmark does not fail.
     assert "Gate FAIL" in proc.stdout and "1 of 2 benchmarks" in proc.stdout
     assert "| math_500 | accuracy | 0.400 | 0.000 | -0.400 | [-0.700, -0.100] | 10 |" in proc.stdout
@@ -293,7 +295,7 @@ def test_unreachable_mlflow_is_exit_2_with_a_clear_message(tmp_path):
         assert "grpoflow gate: error:" in proc.stderr and uri in proc.stderr and "unreachable" in proc.stderr
 
 
-# --- registered versions in a real sqlite MLflow ------------------------------------------------------------------
+# --- registered versions in a real sqlite MLflow ------------------------------------------------------------
 
 
 def register(client, experiment_id: str, checkpoint: Path, name: str) -> str:
@@ -458,7 +460,8 @@ def test_regression_eval_flow_returns_the_verdict_under_prefect(memorised_eval, 
         "    regression_eval(sys.argv[2], sys.argv[3], math.nan, False, recipe, services)\n"
         "except ValueError as e:\n"
         "    print(json.dumps({'refused': str(e)}))\n"
-        "print(json.dumps(regression_eval(sys.argv[2], sys.argv[3], 0.02, False, recipe, services), default=str))\n"
+        "print(json.dumps(regression_eval(sys.argv[2], sys.argv[3], 0.02, False, recipe, services), "
+        "default=str))\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
     proc = subprocess.run(
@@ -488,12 +491,13 @@ def test_regression_eval_flow_returns_the_verdict_under_prefect(memorised_eval, 
     assert diffs == {"math_500": pytest.approx(-0.4), "aime24": -0.5} and Path(result["plot"]).is_file()
 
 
-# --- versions evaluated on their held-out split (eval.benchmarks: []) -------------------------------------------
+# --- versions evaluated on their held-out split (eval.benchmarks: []) ---------------------------------------
 
 
 def heldout_data(out: Path) -> Path:
     """A prepared data dir whose held-out split is `evaluated_problems`, prompted as the memorising model was
-    taught (no system prompt), so that its greedy answers are known problem by problem; two rows to train on."""
+    taught (no system prompt), so that its greedy answers are known problem by problem; two rows to train
+    on."""
     from data.prepare import prepare
 
     source = out.parent / f"{out.name}-source.jsonl"
@@ -558,7 +562,8 @@ def test_heldout_only_versions_are_compared_and_gated_problem_by_problem(
     memorising = registrable_copy(memorising_model, tiny_base["path"], tmp_path / "memorising")
     assert register(client, experiment_id, memorising, name) == "2"
 
-    # version 2 evaluated as `grpoflow run` evaluates a recipe with eval.benchmarks: [] (tasks.stages.evaluate_model)
+    # version 2 evaluated as `grpoflow run` evaluates a recipe with eval.benchmarks: []
+    # (tasks.stages.evaluate_model)
     recipe = load_recipe(REPO_ROOT / "configs" / "tiny-cpu.yaml", overrides)
     v2_dir = tmp_path / "eval" / f"{name}-v2"
     report = evaluate_heldout(memorising, recipe.model, heldout_settings(recipe), v2_dir)
@@ -691,7 +696,8 @@ def test_compare_takes_the_benchmarks_both_sides_have_and_names_the_rest(
     held_only = tmp_path / "held-only"
     evaluate_heldout(tiny_base["path"], recipe.model, heldout_settings(recipe), held_only)
 
-    # EvalScope's benchmarks on one side, the held-out split on the other: nothing to compare, exit 2 naming both
+    # EvalScope's benchmarks on one side, the held-out split on the other: nothing to compare, exit 2 naming
+    # both
     proc = grpoflow(
         "gate",
         "--candidate",
@@ -705,8 +711,8 @@ def test_compare_takes_the_benchmarks_both_sides_have_and_names_the_rest(
     assert "no benchmark in common" in proc.stderr
     assert "baseline ['aime24', 'math_500'], candidate ['heldout']" in proc.stderr
 
-    # a work dir with both (the memorising model's EvalScope run and its held-out answers) against the held-out
-    # only one: the held-out split is compared, the EvalScope benchmarks are named as left out
+    # a work dir with both (the memorising model's EvalScope run and its held-out answers) against the
+    # held-out only one: the held-out split is compared, the EvalScope benchmarks are named as left out
     both = shutil.copytree(memorised_eval.work_dir, tmp_path / "both")
     held = evaluate_heldout(
         memorising_model, recipe.model, heldout_settings(recipe), tmp_path / "held-memorising"
@@ -765,7 +771,7 @@ def test_held_out_results_of_different_data_are_not_paired(tiny_base, tmp_path):
     assert "scored on different data" in proc.stderr and str(dirs[0]) in proc.stderr
 
 
-# --- what a comparison refuses, naming it -------------------------------------------------------------------------
+# --- what a comparison refuses, naming it -------------------------------------------------------------------
 
 
 def test_a_missing_version_is_named_with_its_side_before_the_other_is_evaluated(tiny_base, tmp_path):

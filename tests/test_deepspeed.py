@@ -1,8 +1,8 @@
 """DeepSpeed ZeRO in the trainer, for real: DeepSpeed's CPU accelerator with 2 gloo ranks under torchrun.
 
-What a GPU node would do with `train.deepspeed`, minus CUDA: ZeRO-2 and ZeRO-3 updates equal the plain one-rank
-update, a ZeRO-3 weight sync hands an engine the weights the trainer trains, bf16 training keeps fp32 master
-weights, and a run killed with SIGKILL under ZeRO resumes to the same weights as one that was not.
+What a GPU node would do with `train.deepspeed`, minus CUDA: ZeRO-2 and ZeRO-3 updates equal the plain
+one-rank update, a ZeRO-3 weight sync hands an engine the weights the trainer trains, bf16 training keeps fp32
+master weights, and a run killed with SIGKILL under ZeRO resumes to the same weights as one that was not.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ def clean_env(**extra: str) -> dict:
     return {**env, "DS_ACCELERATOR": "cpu", **extra}
 
 
-# One update on a fixed batch (advantages set by hand), then the whole weights and, under ZeRO-3, the log-probs an
-# engine holding the synced weights gives vs the trainer's own on the same completions.
+# One update on a fixed batch (advantages set by hand), then the whole weights and, under ZeRO-3, the
+# log-probs an engine holding the synced weights gives vs the trainer's own on the same completions.
 ONE_UPDATE = """
 import sys, torch
 from trainer.deepspeed_setup import gathered
@@ -69,7 +69,8 @@ out = {"weights": weights, "lr": trainer.strategy.learning_rate()}
 engine_model, tok = load_model(sys.argv[2], recipe.model, "cpu", verify=False)
 engine_model.load_state_dict(weights)
 asked = [batch.prompt_ids[0], batch.prompt_ids[-1]]  # two distinct prompts (rows of a group share one)
-groups = HFEngine(engine_model.eval(), tok).generate(asked, 3, SamplingParams(max_tokens=8, temperature=1.0, seed=7))
+groups = HFEngine(engine_model.eval(), tok).generate(asked, 3, \
+SamplingParams(max_tokens=8, temperature=1.0, seed=7))
 completions = [c for g in groups for c in g]
 prompts = [p for p, g in zip(asked, groups) for _ in g]
 sampled = RolloutBatch(prompts, completions, torch.zeros(len(completions)), torch.ones(len(completions)))
@@ -127,9 +128,10 @@ def assert_same_update(zero: dict, plain: dict, base_path: str) -> None:
     assert any(not torch.equal(base[n], plain["weights"][n]) for n in base), "the update changed nothing"
     assert zero["weights"].keys() == plain["weights"].keys()
     assert zero["lr"] == plain["lr"] > 0  # the schedule stepped once on both sides
-    # Adam's first step is about lr * g / |g| on every component: a gradient halved, doubled or taken from one rank's
-    # half of the batch only would flip or shrink many of them. Components whose gradient is mathematically zero
-    # (k_proj.bias) are float noise and may step anywhere in [-lr, lr], so all but such components must agree.
+    # Adam's first step is about lr * g / |g| on every component: a gradient halved, doubled or taken from one
+    # rank's half of the batch only would flip or shrink many of them. Components whose gradient is
+    # mathematically zero (k_proj.bias) are float noise and may step anywhere in [-lr, lr], so all but such
+    # components must agree.
     close = [
         torch.isclose(zero["weights"][n], plain["weights"][n], rtol=1e-5, atol=1e-6).flatten() for n in base
     ]
@@ -141,8 +143,9 @@ def test_two_rank_zero_update_equals_the_one_rank_update(stage, tmp_path, tiny_b
     zero = one_update(tmp_path, tiny_base, tiny_data, 2, f"train.deepspeed=zero{stage}")
     assert zero["ds_world"] == 2 and zero["zero_stage"] == stage
     assert_same_update(zero, one_rank, tiny_base["path"])
-    # the synced weights sample with the log-probs the trainer computes for the same tokens (float32 both sides;
-    # the engine's incremental decode vs the trainer's one forward differ by float summation order only)
+    # the synced weights sample with the log-probs the trainer computes for the same tokens (float32 both
+    # sides; the engine's incremental decode vs the trainer's one forward differ by float summation order
+    # only)
     assert zero["tokens"] >= 6 and zero["logp_gap"] < 1e-4
     assert one_rank["logp_gap"] < 1e-4
 
@@ -163,7 +166,8 @@ trainer.optimize(batch)
 after = master.detach()
 module_after = {n: p.detach() for n, p in trainer.model.named_parameters()}
 moved = (after - before).abs()
-print(json.dumps({"master_dtype": str(master.dtype), "module_dtype": str(next(trainer.model.parameters()).dtype),
+print(json.dumps({"master_dtype": str(master.dtype), \
+"module_dtype": str(next(trainer.model.parameters()).dtype),
        "median_step": moved.median().item(), "master_moved": (moved > 0).float().mean().item(),
        "module_moved": sum((module_after[n] != module_before[n]).sum().item() for n in module_after)
                        / sum(p.numel() for p in module_after.values())}))
@@ -176,7 +180,8 @@ def test_bf16_training_keeps_fp32_master_weights_that_hold_updates_bf16_would_ro
 ):
     script = tmp_path / "master.py"
     script.write_text(MASTER_WEIGHTS)
-    lr = 1e-5  # Adam's first step moves each weight by about lr; bf16 keeps ~3 digits, so |w| ~ 0.02 has an ulp ~1e-4
+    # Adam's first step moves each weight by about lr; bf16 keeps ~3 digits, so |w| ~ 0.02 has an ulp ~1e-4
+    lr = 1e-5
     args = small(
         tmp_path,
         tiny_base,
@@ -283,10 +288,11 @@ def test_grpoflow_train_under_zero3_samples_every_step_from_the_weights_just_tra
 ):
     """`grpoflow train` end to end under ZeRO-3 (held-out before and after, 3 steps, a checkpoint), 2 ranks.
     sync: each rank generates with the policy itself, gathered whole and unhooked (ranks decode different
-    numbers of tokens: ZeRO-3's collective per-module hooks could hang, by reading of DeepSpeed's code). async: rank 0 alone sends the rollout
-    worker its weights while the other rank gathers alongside (a collective), at the same moments. On-policy
-    (async with max_staleness 0), so the engine's log-probs equal the trainer's at every step: a sync that sent
-    shards, stale or partial weights would show as a gap of the size of an lr-1e-3 update."""
+    numbers of tokens: ZeRO-3's collective per-module hooks could hang, by reading of DeepSpeed's code).
+    async: rank 0 alone sends the rollout worker its weights while the other rank gathers alongside (a
+    collective), at the same moments. On-policy (async with max_staleness 0), so the engine's log-probs equal
+    the trainer's at every step: a sync that sent shards, stale or partial weights would show as a gap of the
+    size of an lr-1e-3 update."""
     from safetensors.torch import load_file
 
     overrides = (
@@ -318,7 +324,7 @@ def test_grpoflow_train_under_zero3_samples_every_step_from_the_weights_just_tra
     assert moved > 1e-3  # two synced updates (steps 2 and 3 sampled after them) really moved the weights
 
 
-# ---- the config, without starting DeepSpeed ----------------------------------------------------------------------
+# ---- the config, without starting DeepSpeed ----------------------------------------------------------------
 
 
 def test_the_recipe_owns_batch_clipping_and_bf16_over_a_users_ds_config(tmp_path, caplog):

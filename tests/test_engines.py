@@ -77,7 +77,8 @@ def test_transformers_engine_wraps_the_given_model(tiny_lm):
 
 
 def test_ignore_eos_decodes_max_tokens_past_every_eos(tiny_lm):
-    """Every token id is an EOS here: a normal request stops after one token, an ignore_eos one runs to max_tokens."""
+    """Every token id is an EOS here: a normal request stops after one token, an ignore_eos one runs to
+    max_tokens."""
     model, tokenizer = tiny_lm
     engine = HFEngine(model, tokenizer, eos_token_ids=range(len(tokenizer)))
     prompt = tokenizer("3 + 4 =", add_special_tokens=False)["input_ids"]
@@ -137,7 +138,8 @@ def test_gpu_engine_classes_raise_the_same_error_when_built_directly(tmp_path):
 
 
 def test_deepspeed_without_the_extra_names_the_install_command(monkeypatch):
-    # make install builds DeepSpeed here; a None entry makes `import deepspeed` fail as on a machine without it
+    # make install builds DeepSpeed here; a None entry makes `import deepspeed` fail as on a machine without
+    # it
     monkeypatch.setitem(sys.modules, "deepspeed", None)
     from trainer.deepspeed_setup import initialize, zero_config
 

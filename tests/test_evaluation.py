@@ -1,6 +1,6 @@
 """EvalScope runs: real EvalScope on the tiny checkpoint and the reference data in ../shared/data, its
-report files read back independently, pass@k on the memorising model (right on purpose, so its samples' verdicts
-differ) against the unbiased estimator, and the errors a caller sees for bad inputs."""
+report files read back independently, pass@k on the memorising model (right on purpose, so its samples'
+verdicts differ) against the unbiased estimator, and the errors a caller sees for bad inputs."""
 
 from __future__ import annotations
 
@@ -123,14 +123,15 @@ def test_tiny_checkpoint_on_math500_and_aime24_reports_evalscope_numbers(tiny_ba
 
 
 def unbiased_pass_at_k(n: int, c: int, k: int) -> float:
-    """Chen et al. (2021): the chance that k of n samples, c of them correct, drawn without replacement hold one
-    correct sample, 1 - C(n - c, k) / C(n, k)."""
+    """Chen et al. (2021): the chance that k of n samples, c of them correct, drawn without replacement hold
+    one correct sample, 1 - C(n - c, k) / C(n, k)."""
     return 1 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def test_repeats_add_evalscope_pass_at_k(memorising_model, tmp_path):
     # the first 4 AIME problems: one memorised, one memorised with a right and a wrong answer in equal measure
-    # (memorised_model.COIN), two unknown; sampled at temperature 1, the counts of right samples differ by problem
+    # (memorised_model.COIN), two unknown; sampled at temperature 1, the counts of right samples differ by
+    # problem
     aime24 = shared("aime24")
     result = run_evalscope(
         memorising_model,
@@ -164,8 +165,8 @@ def test_repeats_add_evalscope_pass_at_k(memorising_model, tmp_path):
         f"default/{g}": sum(v) / 4 for g, v in correct.items()
     }
 
-    # so do the thinking metrics: each of the 16 rows names its problem, and a comparison sees 4 problems whose
-    # reasoning-token count is the mean of their 4 samples' (16 keys, one per sample, before problem_id)
+    # so do the thinking metrics: each of the 16 rows names its problem, and a comparison sees 4 problems
+    # whose reasoning-token count is the mean of their 4 samples' (16 keys, one per sample, before problem_id)
     from evaluation.thinking import analyze
 
     rows = analyze(tmp_path, memorising_model, progress=False).rows

@@ -146,8 +146,8 @@ def test_call_on_loop_runs_plain_and_async_functions_on_the_loop_thread(loop_thr
 
 
 class FakeAsyncEngine:
-    """Fake of LMDeploy 0.18's `AsyncEngine` over the PyTorch engine, as far as sleep / wakeup go: `sleep` is a
-    coroutine, `wakeup` a plain method that, once every tag is awake, sets the engine loop's resume
+    """Fake of LMDeploy 0.18's `AsyncEngine` over the PyTorch engine, as far as sleep / wakeup go: `sleep` is
+    a coroutine, `wakeup` a plain method that, once every tag is awake, sets the engine loop's resume
     `asyncio.Event` (`EngineLoop.resume_from_sleep`), which a task on the pipeline's loop waits on."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):

@@ -1,4 +1,5 @@
-"""The GRPO maths on tensors small enough to check by hand; every expected number is worked out in a comment."""
+"""The GRPO maths on tensors small enough to check by hand; every expected number is worked out in a
+comment."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def close(actual, expected, atol=1e-5):
     )
 
 
-# --- advantages -------------------------------------------------------------------------------------------------
+# --- advantages ---------------------------------------------------------------------------------------------
 
 # Group 1 = [1, 0, 0, 1]: mean 0.5, unbiased var = 4 * 0.25 / 3 = 1/3, std = 0.577350.
 # Group 2 = [1, 1, 1, 1]: mean 1, std 0, advantages 0.
@@ -93,7 +94,7 @@ def test_advantage_arguments_are_checked():
         group_advantages(REWARDS, group_size=4, scale_rewards="sequence")
 
 
-# --- the clipped surrogate --------------------------------------------------------------------------------------
+# --- the clipped surrogate ----------------------------------------------------------------------------------
 
 
 def clip_case():
@@ -105,8 +106,10 @@ def clip_case():
 
 def test_clipping_takes_the_pessimistic_side():
     loss, stats = clip_case()
-    # A = 2:  ratio 1.5 -> min(3.0, 1.2 * 2 = 2.4) = 2.4 (clipped);  ratio 0.5 -> min(1.0, 0.8 * 2 = 1.6) = 1.0
-    # A = -2: ratio 0.5 -> min(-1.0, 0.8 * -2 = -1.6) = -1.6 (clipped); ratio 1.5 -> min(-3.0, -2.4) = -3.0
+    # A = 2:  ratio 1.5 -> min(3.0, 1.2 * 2 = 2.4) = 2.4 (clipped);
+    #         ratio 0.5 -> min(1.0, 0.8 * 2 = 1.6) = 1.0
+    # A = -2: ratio 0.5 -> min(-1.0, 0.8 * -2 = -1.6) = -1.6 (clipped);
+    #         ratio 1.5 -> min(-3.0, -2.4) = -3.0
     close(loss, [[-2.4, -1.0], [1.6, 3.0]])
     close(stats["ratio"], [[1.5, 0.5], [0.5, 1.5]])
     assert stats["high_clipped"].tolist() == [[True, False], [False, False]]
@@ -148,7 +151,7 @@ def test_clip_metrics_are_masked_means():
     )
 
 
-# --- KL and importance weights ------------------------------------------------------------------------------------
+# --- KL and importance weights ------------------------------------------------------------------------------
 
 
 def test_k3_kl_by_hand():
@@ -202,7 +205,7 @@ def test_importance_weights_scale_the_policy_term_but_not_the_kl():
     close(loss, [[-2.0 + 0.0106531, -0.5 + 0.0106531]])
 
 
-# --- normalisations -----------------------------------------------------------------------------------------------
+# --- normalisations -----------------------------------------------------------------------------------------
 
 PER_TOKEN = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
 MASK = torch.tensor([[1, 1, 0], [1, 0, 0]])
@@ -242,7 +245,8 @@ def test_micro_batch_shares_sum_to_the_full_batch_loss(loss_type, splits):
     mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 0, 0]])
     totals = dict(sequences=4, tokens=6, max_len=3)
     full = reduce(loss_type, per_token, mask, **totals)
-    # one shot: grpo = mean(1.5/3, 3/1, 2.5/2, 0) = 4.75/4; masked sum 1.5 + 3 + 2.5 = 7 over 6 tokens or 4 * 3
+    # one shot: grpo = mean(1.5/3, 3/1, 2.5/2, 0) = 4.75/4; masked sum 1.5 + 3 + 2.5 = 7 over 6 tokens or
+    # 4 * 3
     assert full == pytest.approx(
         {"grpo": 4.75 / 4, "bnpo": 7 / 6, "dapo": 7 / 6, "dr_grpo": 7 / 12}[loss_type]
     )
@@ -258,7 +262,7 @@ def test_masked_mean():
     close(masked_mean(PER_TOKEN, torch.zeros(2, 3)), 0.0)
 
 
-# --- log-probs and entropy ----------------------------------------------------------------------------------------
+# --- log-probs and entropy ----------------------------------------------------------------------------------
 
 LOGITS = torch.tensor([[[1.0, 2.0, 0.5], [0.0, -1.0, 3.0]]])  # one sequence, two positions, vocabulary of 3
 
@@ -291,9 +295,10 @@ def test_entropy_by_hand():
 
 
 def test_a_group_of_equal_rewards_is_flat_even_where_float32_rounding_leaves_a_std():
-    """Eight rewards of 0.2 (format only, every answer wrong: the common case of the tiny recipe) have a float32
-    std of ~3e-8, above isclose's atol of 1e-8. The group is flat: counted in frac_reward_zero_std, dropped by
-    dynamic sampling, advantages exactly 0; the other group (one right answer at 1.2) is untouched."""
+    """Eight rewards of 0.2 (format only, every answer wrong: the common case of the tiny recipe) have a
+    float32 std of ~3e-8, above isclose's atol of 1e-8. The group is flat: counted in frac_reward_zero_std,
+    dropped by dynamic sampling, advantages exactly 0; the other group (one right answer at 1.2) is
+    untouched."""
     rewards = torch.tensor([0.2] * 8 + [1.2] + [0.2] * 7)
     advantages, valid, stats = group_advantages(rewards, group_size=8)
     assert zero_std_groups(rewards, 8).tolist() == [True] * 8 + [False] * 8

@@ -1,6 +1,6 @@
-"""A real evaluation whose every score is known: the memorising model (`memorised_model`) through EvalScope scores 1
-on each problem it memorised and 0 on the others, with the prompts EvalScope sends and the outputs it was taught;
-`compare` pairs it with the plain tiny model's evaluation problem by problem, by id."""
+"""A real evaluation whose every score is known: the memorising model (`memorised_model`) through EvalScope
+scores 1 on each problem it memorised and 0 on the others, with the prompts EvalScope sends and the outputs
+it was taught; `compare` pairs it with the plain tiny model's evaluation problem by problem, by id."""
 
 from __future__ import annotations
 

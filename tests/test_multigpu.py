@@ -1,11 +1,13 @@
 """Multi-GPU correctness without a GPU: where each process computes, the trainer ranks' process group, and who
 talks to a rollout server, checked with plain functions and real gloo ranks.
 
-- placement: trainer and engine GPUs, each process's CUDA_VISIBLE_DEVICES (8 GPUs split 6+2, 4+4, colocated 8),
-  `grpoflow train --dry-run --json` on every GPU recipe, the environment spawned rollout workers really get;
+- placement: trainer and engine GPUs, each process's CUDA_VISIBLE_DEVICES (8 GPUs split 6+2, 4+4,
+  colocated 8), `grpoflow train --dry-run --json` on every GPU recipe, the environment spawned rollout
+  workers really get;
 - backends: two torchrun ranks through `init_distributed` all-reduce a CPU tensor on the composite backend;
-- vLLM (needs vLLM's CPU build, `.venv-vllm`): two trainer ranks each build their in-process engine under vLLM's
-  external launcher, one per rank; in server mode only rank 0 syncs and generates, and both ranks get its batch.
+- vLLM (needs vLLM's CPU build, `.venv-vllm`): two trainer ranks each build their in-process engine under
+  vLLM's external launcher, one per rank; in server mode only rank 0 syncs and generates, and both ranks get
+  its batch.
 What needs CUDA itself (NCCL, a GPU per rank) is for `infra/gpu/smoke.sh`.
 """
 
@@ -46,7 +48,7 @@ def devices(placement) -> dict[str, str]:
     return {p.name: p.device for p in placement.processes}
 
 
-# ---- placement: plain functions ---------------------------------------------------------------------------------
+# ---- placement: plain functions ----------------------------------------------------------------------------
 
 
 def test_six_train_and_two_rollout_gpus():
@@ -190,7 +192,7 @@ def test_placements_the_node_or_the_mode_cannot_give_are_refused_naming_the_fiel
     assert message in str(info.value)
 
 
-# ---- the environment each process gets ------------------------------------------------------------------------------
+# ---- the environment each process gets ---------------------------------------------------------------------
 
 
 def test_trainer_ranks_are_launched_with_the_plans_gpus_and_find_their_own():
@@ -263,9 +265,10 @@ def test_each_spawned_rollout_worker_starts_with_its_engines_gpus_and_no_trainer
     assert {name: os.environ.get(name) for name in torchrun} == torchrun  # the trainer's own is as it was
 
 
-# ---- grpoflow train --dry-run --json -------------------------------------------------------------------------------
+# ---- grpoflow train --dry-run --json -----------------------------------------------------------------------
 
-DRY_RUN = {  # recipe -> (mode, train_devices, rollout_devices, colocate, CUDA_VISIBLE_DEVICES of each process)
+# recipe -> (mode, train_devices, rollout_devices, colocate, CUDA_VISIBLE_DEVICES of each process)
+DRY_RUN = {
     "qwen2.5-7b-numina-8gpu": ("workers", [0, 1, 2, 3, 4, 5], [[6], [7]], False, [EIGHT] * 6 + ["6", "7"]),
     "qwen2.5-vl-3b-clevr-counting": (
         "workers",
@@ -328,7 +331,7 @@ def test_dry_run_for_another_node_size_and_a_placement_that_does_not_fit(capsys)
     assert "--dry-run" in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["error"]
 
 
-# ---- the trainer ranks' process group -------------------------------------------------------------------------------
+# ---- the trainer ranks' process group ----------------------------------------------------------------------
 
 
 def test_backends_are_gloo_for_cpu_tensors_and_nccl_for_cuda_ones():
@@ -340,7 +343,8 @@ RANKS_SCRIPT = """
 import json, sys, torch, torch.distributed as dist
 from trainer.launch import init_distributed
 rank, world = init_distributed(120)
-metrics = torch.tensor([rank + 1.0, 10.0 * (rank + 1)], dtype=torch.float64)  # a CPU tensor, like the trainer's
+metrics = torch.tensor([rank + 1.0, 10.0 * (rank + 1)], dtype=torch.float64)  \
+# a CPU tensor, like the trainer's
 dist.all_reduce(metrics)
 box = [{"batch from": rank}]
 dist.broadcast_object_list(box, src=0)
@@ -379,7 +383,7 @@ def test_two_ranks_all_reduce_a_cpu_tensor_on_the_composite_backend(tmp_path):
         assert out == {"world": 2, "backend": "cpu:gloo", "sum": [3.0, 30.0], "box": {"batch from": 0}}, out
 
 
-# ---- vLLM (its CPU build, .venv-vllm) ------------------------------------------------------------------------------
+# ---- vLLM (its CPU build, .venv-vllm) ----------------------------------------------------------------------
 
 ENGINE_SCRIPT = """
 import json, os, sys
@@ -392,7 +396,8 @@ cfg = RolloutConfig(engine="vllm", colocate=True, enforce_eager=True, train_devi
 rank, world = init_distributed(600, cfg)
 engine = make_engine(cfg, sys.argv[1], model_cfg=ModelConfig(dtype="float32"), seed=0, max_model_len=88)
 [(vllm_rank, vllm_local_rank)] = engine.llm.collective_rpc(lambda worker: (worker.rank, worker.local_rank))
-groups = engine.generate([[5, 6, 7], [8, 9, 10, 11]], 3, SamplingParams(max_tokens=8, temperature=1.0, seed=3))
+groups = engine.generate([[5, 6, 7], [8, 9, 10, 11]], 3, \
+SamplingParams(max_tokens=8, temperature=1.0, seed=3))
 json.dump({"executor": engine.settings.get("distributed_executor_backend"), "vllm_rank": vllm_rank,
            "vllm_local_rank": vllm_local_rank, "tokens": [[c.token_ids for c in g] for g in groups]},
           open(f"{sys.argv[2]}/rank{rank}.json", "w"))
@@ -475,8 +480,8 @@ def counting_proxy(target: str, counts: dict[str, int]) -> type[BaseHTTPRequestH
 def test_in_server_mode_only_rank_zero_syncs_and_generates_and_both_ranks_train_on_its_batch(
     rollout_server, tiny_base, tiny_data, tmp_path
 ):
-    """Finding 5: two trainer ranks, one vLLM server. Rank 0 alone connects, sends the weights (reload sync) and
-    asks for each batch; rank 1 holds no client and gets the batch from rank 0."""
+    """Finding 5: two trainer ranks, one vLLM server. Rank 0 alone connects, sends the weights (reload sync)
+    and asks for each batch; rank 1 holds no client and gets the batch from rank 0."""
     require_vllm("`make test-vllm` runs this test in .venv-vllm")
     (tmp_path / "server_ranks.py").write_text(SERVER_SCRIPT)
     counts: dict[str, int] = {}

@@ -1,7 +1,7 @@
-"""Images in GRPO, end to end on a real tiny Qwen2-VL-architecture model (trainer.tiny_vl, made here in a second):
-image rows validated at preparation, the manifest hashing image bytes, prompts with expanded image placeholders,
-the engine's and the trainer's log-probs of a vision batch against a plain full forward, the counting reward,
-and a short vision training run."""
+"""Images in GRPO, end to end on a real tiny Qwen2-VL-architecture model (trainer.tiny_vl, made here in a
+second): image rows validated at preparation, the manifest hashing image bytes, prompts with expanded image
+placeholders, the engine's and the trainer's log-probs of a vision batch against a plain full forward, the
+counting reward, and a short vision training run."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def png(path: Path, count: int, size: int = 56) -> Path:
     return path
 
 
-# ---- data -----------------------------------------------------------------------------------------------------------
+# ---- data --------------------------------------------------------------------------------------------------
 
 
 def test_image_rows_fail_with_file_line_and_path_or_are_dropped_and_recorded(tmp_path):
@@ -151,7 +151,7 @@ def test_parquet_image_feature_bytes_are_embedded(tmp_path):
     assert row["answer"] == "4" and base64.b64decode(row["images"][0].split(",", 1)[1]) == data
 
 
-# ---- prompts, engine and trainer forward ----------------------------------------------------------------------------
+# ---- prompts, engine and trainer forward -------------------------------------------------------------------
 
 
 def test_image_placeholders_expand_to_the_patches_over_merge_squared(tmp_path):
@@ -298,7 +298,7 @@ def test_the_counting_reward_on_hand_written_completions():
     ]  # a missing gold is the row's fault
 
 
-# ---- training -------------------------------------------------------------------------------------------------------
+# ---- training ----------------------------------------------------------------------------------------------
 
 
 def vision_recipe(tmp_path: Path, model: Path, data: Path, *overrides: str):
@@ -397,8 +397,8 @@ def test_vision_recipes_on_paths_images_do_not_reach_yet_are_refused_before_any_
 def test_asynchronous_rollout_workers_generate_from_the_images_and_the_trainer_scores_their_log_probs(
     tiny_vl, counting_data, tmp_path
 ):
-    """A rollout worker process (spawned, its own copy of the model) gets the pickled prompts with their pixels:
-    its log-probs equal the trainer's forward of the same tokens and images."""
+    """A rollout worker process (spawned, its own copy of the model) gets the pickled prompts with their
+    pixels: its log-probs equal the trainer's forward of the same tokens and images."""
     from trainer.grpo import GRPOTrainer
 
     recipe = vision_recipe(
@@ -471,14 +471,14 @@ def test_a_completion_that_samples_an_image_placeholder_is_left_out_of_the_loss_
     assert torch.allclose(logps[1, :2], plain_logps(model, prompt, [word, word]), atol=1e-5)
 
 
-# ---- the pipeline ---------------------------------------------------------------------------------------------------
+# ---- the pipeline ------------------------------------------------------------------------------------------
 
 
 def test_grpoflow_run_on_the_vision_demo_registers_a_loadable_model_with_the_image_hash_in_its_lineage(
     tmp_path, monkeypatch
 ):
-    """`grpoflow run --config configs/tiny-vl-counting-cpu.yaml` as a user runs it (a subprocess, its own state,
-    a few steps): prep, the counting bootstrap, training, registration, the held-out evaluation."""
+    """`grpoflow run --config configs/tiny-vl-counting-cpu.yaml` as a user runs it (a subprocess, its own
+    state, a few steps): prep, the counting bootstrap, training, registration, the held-out evaluation."""
     import os
     import subprocess
     import sys
@@ -527,7 +527,8 @@ def test_grpoflow_run_on_the_vision_demo_registers_a_loadable_model_with_the_ima
     client = MlflowClient(uri, registry_uri=uri)
     [version] = client.search_model_versions("name='grpoflow-tiny-vl-counting'")
     data = json.loads((tmp_path / "data" / "manifest.json").read_text())
-    # every image (embedded in the rows; a drawn twin of another is dropped as a duplicate prompt), hashed by its bytes
+    # every image (embedded in the rows; a drawn twin of another is dropped as a duplicate prompt), hashed by
+    # its bytes
     assert data["images"]["files"] == data["rows"]["train"] + data["rows"]["heldout"] >= 390
     assert version.tags["dataset_sha256"] == data["sha256"]
     train_run = next(
@@ -559,8 +560,8 @@ def test_grpoflow_run_on_the_vision_demo_registers_a_loadable_model_with_the_ima
 
 
 def test_two_gloo_ranks_update_a_vision_model_as_one_rank_does(tiny_vl, counting_data, tmp_path):
-    """DDP: each rank forwards its share of the rows with their own images; the averaged gradient, vision tower
-    included, equals one rank's on the whole batch."""
+    """DDP: each rank forwards its share of the rows with their own images; the averaged gradient, vision
+    tower included, equals one rank's on the whole batch."""
     import os
     import subprocess
     import sys

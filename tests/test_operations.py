@@ -208,7 +208,8 @@ def services(tmp_path_factory):
 
 
 def overrides(tiny_base: dict, eval_out: Path | None = None) -> list[str]:
-    """The tiny recipe, a few steps, a two-problem AIME evaluation (the gate's benchmark) from ../shared/data."""
+    """The tiny recipe, a few steps, a two-problem AIME evaluation (the gate's benchmark) from
+    ../shared/data."""
     found = [
         f"bootstrap.out={tiny_base['path']}",
         "data.synthetic_rows=600",
@@ -247,7 +248,7 @@ def prefect(services: Services, *args: str, timeout: float = RUN_TIMEOUT_S) -> s
     )
 
 
-# ---- the services ------------------------------------------------------------------------------------------------
+# ---- the services ------------------------------------------------------------------------------------------
 
 
 def test_up_writes_what_a_client_needs_and_no_secret(services):
@@ -452,7 +453,7 @@ def test_up_with_the_prefect_port_taken_fails_and_stops_what_it_started(tmp_path
             )
 
 
-# ---- deployments, a schedule, the pipeline through the worker ---------------------------------------------------
+# ---- deployments, a schedule, the pipeline through the worker ----------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -676,7 +677,7 @@ def task_states(services: Services, flow_run_id: str) -> dict[str, str]:
     return {r["name"].rsplit("-", 1)[0]: r["state"]["name"] for r in runs}
 
 
-# ---- the regression gate, as CI triggers it ----------------------------------------------------------------------
+# ---- the regression gate, as CI triggers it ----------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -860,16 +861,17 @@ def test_the_ci_workflow_passes_an_equal_candidate_and_fails_a_worse_one_with_ex
     assert code == 2, out
 
 
-# ---- faults ------------------------------------------------------------------------------------------------------
+# ---- faults ------------------------------------------------------------------------------------------------
 
 
 def test_a_run_killed_with_its_worker_is_crashed_and_a_rerun_on_a_new_worker_resumes_it(
     services, deployed, tiny_base
 ):
-    """The worker and its flow-run process SIGKILLed mid-training (what losing the machine does: killing the worker
-    alone leaves the run going on by itself, since Prefect starts each run in a session of its own). The heartbeat
-    automation up.sh installs marks the run Crashed; up.sh again starts a new worker; the rerun resumes training
-    from the last checkpoint: each step in metrics.jsonl once, the checkpoints before the kill untouched."""
+    """The worker and its flow-run process SIGKILLed mid-training (what losing the machine does: killing the
+    worker alone leaves the run going on by itself, since Prefect starts each run in a session of its own).
+    The heartbeat automation up.sh installs marks the run Crashed; up.sh again starts a new worker; the rerun
+    resumes training from the last checkpoint: each step in metrics.jsonl once, the checkpoints before the
+    kill untouched."""
     import signal
 
     steps = 30
@@ -932,8 +934,9 @@ def test_a_run_killed_with_its_worker_is_crashed_and_a_rerun_on_a_new_worker_res
 def test_mlflow_stopped_during_registration_and_back_within_the_retry_window_gives_one_version(
     services, scheduled_run, tiny_base
 ):
-    """The MLflow server SIGKILLed the moment training is done (registration starts next), then started again by
-    up.sh: the registration's retries (5 s, then 20 s apart) reach it, and the checkpoint is one version."""
+    """The MLflow server SIGKILLed the moment training is done (registration starts next), then started again
+    by up.sh: the registration's retries (5 s, then 20 s apart) reach it, and the checkpoint is one
+    version."""
     import signal
 
     from mlflow import MlflowClient
@@ -973,7 +976,7 @@ def test_mlflow_stopped_during_registration_and_back_within_the_retry_window_giv
     assert len(shas) == len(set(shas))  # one version per checkpoint: the retries made no second one
 
 
-# ---- secrets and bad services -------------------------------------------------------------------------------------
+# ---- secrets and bad services ------------------------------------------------------------------------------
 
 
 def test_no_secret_in_logs_flow_run_logs_or_mlflow(services, scheduled_run):
@@ -1013,7 +1016,7 @@ def test_up_with_postgresql_refusing_fails_naming_the_masked_url_and_starts_noth
     assert not (s.dir / "services.env").exists() and not any((s.dir / "pids").iterdir())
 
 
-# ---- the GPU work pool ------------------------------------------------------------------------------------------
+# ---- the GPU work pool -------------------------------------------------------------------------------------
 
 
 def test_the_kubernetes_gpu_template_is_accepted_by_prefect_and_asks_for_eight_gpus(services, tmp_path):

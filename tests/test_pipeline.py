@@ -179,7 +179,8 @@ def test_unreachable_registry_fails_clearly_and_keeps_the_checkpoint(tmp_path, t
 
 
 def test_a_cached_result_whose_files_are_gone_is_named_by_missing_outputs(tmp_path):
-    """What the flow checks on a cache hit before handing a stage's result on (a rerun when something is gone)."""
+    """What the flow checks on a cache hit before handing a stage's result on (a rerun when something is
+    gone)."""
     from tasks.stages import missing_outputs
 
     (tmp_path / "data").mkdir()

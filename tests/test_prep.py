@@ -405,7 +405,8 @@ class QuietHandler(BaseHTTPRequestHandler):
 
 def test_an_image_url_has_one_deadline_for_the_whole_request(tmp_path, monkeypatch):
     """A server sending a valid PNG one byte every 0.25 s (about 20 s in all) answers every read long before a
-    read timeout; the whole request still ends at its deadline (set to 1 s here), naming the URL and the limit."""
+    read timeout; the whole request still ends at its deadline (set to 1 s here), naming the URL and the
+    limit."""
     body = small_png(tmp_path / "a.png")
     assert len(body) * 0.25 > 15
 
@@ -566,7 +567,8 @@ def test_synthetic_addition_keeps_the_generators_evaluation_pool_held_out(tmp_pa
 
 
 def _countdown_solution(nums: list[int], target: int) -> str | None:
-    """An expression using every number once with + - * / that equals `target` exactly, or None (brute force)."""
+    """An expression using every number once with + - * / that equals `target` exactly, or None (brute
+    force)."""
 
     def build(items: list[tuple[Fraction, str]]):
         if len(items) == 1:

@@ -1,5 +1,6 @@
-"""Recipe help: `grpoflow recipe explain [KEY]` shows each recipe field's type, default, bounds and help from the
-recipe dataclasses, and `docs/recipe.md` is the same table, generated, kept equal to the dataclasses here."""
+"""Recipe help: `grpoflow recipe explain [KEY]` shows each recipe field's type, default, bounds and help from
+the recipe dataclasses, and `docs/recipe.md` is the same table, generated, kept equal to the dataclasses
+here."""
 
 from __future__ import annotations
 

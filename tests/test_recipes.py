@@ -179,8 +179,12 @@ def test_error_messages_show_a_bad_value_cut_short(tmp_path):
         f"name: {long_list}\n": "name: expected str, got list [0, 1, 2, 3, 4, 5, 6, 7, ...]",
         f"train:\n  loss_type: {'x' * 5000}\n": "train.loss_type: 'xxxxxxxxxx",
         f"? {'y' * 5000}\n: 1\n": "unknown key 'yyyyyyyyyy",  # an explicit key: a plain one is 1024 at most
-        f"rollout:\n  train_devices: [{', '.join(['-1'] * 5000)}]\n": "rollout.train_devices[0]: must be >= 0, got -1",
-        f"bootstrap:\n  target_accuracy: {[0] * 10_000}\n": "target_accuracy must be [lo, hi], got [0.0, 0.0, 0.0",
+        f"rollout:\n  train_devices: [{', '.join(['-1'] * 5000)}]\n": (
+            "rollout.train_devices[0]: must be >= 0, got -1"
+        ),
+        f"bootstrap:\n  target_accuracy: {[0] * 10_000}\n": (
+            "target_accuracy must be [lo, hi], got [0.0, 0.0, 0.0"
+        ),
     }
     for text, expected in cases.items():
         path = tmp_path / "r.yaml"
@@ -225,7 +229,8 @@ def test_numbers_that_size_memory_have_upper_bounds(key):
 
 @pytest.mark.parametrize("command", ["train", "run"])
 def test_a_vision_recipe_loads_but_training_it_stops_at_start(tmp_path, command):
-    """Until images reach vLLM, the 3B vision recipe (vLLM rollouts) must not generate from the questions alone."""
+    """Until images reach vLLM, the 3B vision recipe (vLLM rollouts) must not generate from the questions
+    alone."""
     config = REPO_ROOT / "configs" / "qwen2.5-vl-3b-clevr-counting.yaml"
     assert load_recipe(config).model.modality == "vision"  # the recipe itself still loads and validates
     extra = ["--state-dir", str(tmp_path / "state")] if command == "run" else []
@@ -254,12 +259,12 @@ def test_a_vision_recipe_loads_but_training_it_stops_at_start(tmp_path, command)
     assert not (tmp_path / "data").exists() and not (tmp_path / "run").exists()  # stopped before any work
 
 
-# What each shipped recipe builds: where its processes go on its node, and what its rewards pay. Written from the
-# YAML by hand, so a recipe edit or a change in how placement/rewards read it shows up here.
+# What each shipped recipe builds: where its processes go on its node, and what its rewards pay. Written from
+# the YAML by hand, so a recipe edit or a change in how placement/rewards read it shows up here.
 _TAGGED = "<think>work</think><answer>{}</answer>"
 BUILDS = {
-    # name: (gpus, mode, trainer CUDA_VISIBLE_DEVICES, rollout workers' masks, executor, rewards, task columns,
-    #        (right answer, wrong answer), (reward of right, of wrong, of untagged wrong))
+    # name: (gpus, mode, trainer CUDA_VISIBLE_DEVICES, rollout workers' masks, executor, rewards,
+    #        task columns, (right answer, wrong answer), (reward of right, of wrong, of untagged wrong))
     "tiny-cpu": (
         0,
         "in-process",

@@ -86,7 +86,8 @@ def pg_database():
 @contextmanager
 def guarded_relay(upstream: str, user: str, password: str, query_key: str):
     """An HTTP relay on loopback to `upstream` that answers 401 unless a request carries HTTP Basic auth
-    `user:password` and `?api_key=<query_key>`; yields (its base URL, the credentials each request carried)."""
+    `user:password` and `?api_key=<query_key>`; yields (its base URL, the credentials each request
+    carried)."""
     seen: list[dict] = []
     expected_auth = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
 
@@ -133,7 +134,8 @@ def guarded_relay(upstream: str, user: str, password: str, query_key: str):
 
 @contextmanager
 def mlflow_server(root: Path):
-    """A real MLflow tracking server on loopback (sqlite store, artifacts proxied into `root`); yields its URL."""
+    """A real MLflow tracking server on loopback (sqlite store, artifacts proxied into `root`); yields its
+    URL."""
     import socket
 
     root.mkdir(parents=True, exist_ok=True)
@@ -200,7 +202,8 @@ def files_holding(root: Path, needles: dict[str, bytes]) -> list[str]:
 
 
 def mlflow_text(tracking_uri: str) -> str:
-    """Every param, tag, metric name, artifact path, registered model and version field of the store, as text."""
+    """Every param, tag, metric name, artifact path, registered model and version field of the store, as
+    text."""
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)

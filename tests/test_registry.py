@@ -1,8 +1,9 @@
-"""Registered versions are MLflow models: loadable with MLflow's own API, lean, idempotent, with linked metrics.
+"""Registered versions are MLflow models: loadable with MLflow's own API, lean, idempotent, with linked
+metrics.
 
-Real MLflow on a sqlite store in the test's folder; a real grpoflow checkpoint (the tiny base model after one real
-AdamW step, saved by the trainer's own `save_checkpoint`, so it carries `trainer_state.pt` with Adam's moments).
-Loading runs with HF_HUB_OFFLINE=1: nothing may come from a hub.
+Real MLflow on a sqlite store in the test's folder; a real grpoflow checkpoint (the tiny base model after one
+real AdamW step, saved by the trainer's own `save_checkpoint`, so it carries `trainer_state.pt` with Adam's
+moments). Loading runs with HF_HUB_OFFLINE=1: nothing may come from a hub.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Reward library: every built-in on hand-written completions with hand-computed rewards, the registry, the runner."""
+"""Reward library: every built-in on hand-written completions with hand-computed rewards, the registry, the
+runner."""
 
 from __future__ import annotations
 
@@ -498,7 +499,8 @@ def test_runner_passes_each_sample_its_own_columns():
 
 
 def test_runner_scores_math_in_worker_threads():
-    # The runner calls rewards in worker threads; the math rewards must work there (they grade in a subprocess).
+    # The runner calls rewards in worker threads; the math rewards must work there (they grade in a
+    # subprocess).
     runner = RewardRunner([("accuracy", resolve_reward("accuracy"), 1.0)], timeout_s=30)
     result = runner(["p"] * 2, ["<answer>\\frac{1}{2}</answer>", "<answer>3</answer>"], answer=["0.5", "2"])
     assert result.per_function["accuracy"] == [1.0, 0.0]

@@ -189,7 +189,8 @@ def test_concurrent_requests_are_batched(server, client, local_engine):
     after = server.health()
     requests, batches = after["requests"] - before["requests"], after["batches"] - before["batches"]
     assert requests == 8 and 1 <= batches < requests
-    # batched or not, each answer is the one the same checkpoint gives that question alone, greedily, in this process
+    # batched or not, each answer is the one the same checkpoint gives that question alone, greedily, in this
+    # process
     engine, tokenizer = local_engine
     for i, question in enumerate(questions):
         [[alone]] = engine.generate(
@@ -233,8 +234,9 @@ def test_serve_model_cli_prints_its_url_and_stops_cleanly_on_sigint(tiny_base):
 
 
 def test_eval_serve_scores_through_the_endpoint_like_a_direct_run(memorising_model, memorised_eval, tmp_path):
-    """`grpoflow eval --serve` on the memorising model, with the settings of the session's direct evaluation of it
-    (`memorised_model.eval_overrides`): the same verdict on every problem, and the same answers where it knows them."""
+    """`grpoflow eval --serve` on the memorising model, with the settings of the session's direct evaluation
+    of it (`memorised_model.eval_overrides`): the same verdict on every problem, and the same answers where it
+    knows them."""
     proc = grpoflow(
         "eval",
         memorising_model,
@@ -267,7 +269,7 @@ def test_eval_serve_scores_through_the_endpoint_like_a_direct_run(memorising_mod
             assert answers == {completion(p.answer)}
 
 
-# ---- connections and the API key: a server as `serve-model --max-connections 16 --api-key-env` ---------------
+# ---- connections and the API key: a server as `serve-model --max-connections 16 --api-key-env` -------------
 # The key is given as a file's content reads: with a trailing newline. Every client here is 127.0.0.1, one
 # client address, whose default share is a quarter of the 16 connections; 127.0.0.2 is another client.
 
@@ -279,7 +281,8 @@ QUESTION_TEXT = {"prompt": "1+1", "max_tokens": 2, "temperature": 0}
 
 @pytest.fixture(scope="module")
 def keyed_server(tiny_base, tmp_path_factory):
-    """(port, stderr path) of `grpoflow serve-model --max-connections 16 --api-key-env VAR` (VAR = key + newline)."""
+    """(port, stderr path) of `grpoflow serve-model --max-connections 16 --api-key-env VAR` (VAR = key +
+    newline)."""
     err_path = tmp_path_factory.mktemp("keyed-server") / "stderr.log"
     with open(err_path, "w") as err:
         proc = subprocess.Popen(
@@ -414,7 +417,8 @@ def test_a_client_at_its_connection_share_gets_503_and_another_client_is_served(
             sock = stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=30))
             sock.sendall(
                 f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-                "Content-Type: application/json\r\nContent-Length: 100\r\nExpect: 100-continue\r\n\r\n".encode()
+                "Content-Type: application/json\r\nContent-Length: 100\r\n"
+                "Expect: 100-continue\r\n\r\n".encode()
             )
             # the 100 Continue says the server is reading its body: a request in progress
             assert sock.recv(4096).startswith(b"HTTP/1.1 100"), "the upload did not start"
@@ -435,7 +439,8 @@ def test_a_client_at_its_connection_share_gets_503_and_another_client_is_served(
 
 def test_a_connection_that_never_completes_its_headers_is_closed_after_the_header_timeout(keyed_server):
     """The default --header-timeout (10 s), counted from the connection's opening: a silent socket and one
-    sending a header line every half second are both closed; a server without the timeout keeps them for good."""
+    sending a header line every half second are both closed; a server without the timeout keeps them for
+    good."""
     port, _ = keyed_server
     default = 10.0  # --header-timeout
     with (

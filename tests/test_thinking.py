@@ -1,7 +1,8 @@
 """Thinking-efficiency metrics: each metric on hand-written reasoning traces with hand-counted numbers (a
-whitespace tokenizer, so every count can be checked by eye), then the `grpoflow thinking` command with the tiny
-model's real tokenizer, and the metrics of a real EvalScope run of the memorising model (right on purpose on 5 of 12
-problems) checked against EvalScope's own scores and against counts made here from the model's output text."""
+whitespace tokenizer, so every count can be checked by eye), then the `grpoflow thinking` command with the
+tiny model's real tokenizer, and the metrics of a real EvalScope run of the memorising model (right on purpose
+on 5 of 12 problems) checked against EvalScope's own scores and against counts made here from the model's
+output text."""
 
 from __future__ import annotations
 
@@ -198,7 +199,7 @@ def test_openai_judge_asks_the_endpoint(monkeypatch):
         OpenAIJudge(url, "judge-model", api_key_env="JUDGE_KEY")
 
 
-# ---- inputs and the command ---------------------------------------------------------------------------------
+# ---- inputs and the command --------------------------------------------------------------------------------
 
 
 def write_jsonl(path, rows):
@@ -295,12 +296,14 @@ def test_real_evalscope_work_dir(memorised_eval, memorising_model, tmp_path):
         b: set(subsets) for b, subsets in result.subsets.items()
     }
     for bench, s in summary["per_benchmark"].items():
-        # EvalScope's own per-sample verdicts, carried along, average to its report's score; ours agree with them
+        # EvalScope's own per-sample verdicts, carried along, average to its report's score; ours agree with
+        # them
         assert s["evalscope_accuracy"] == pytest.approx(result.scores[bench])
         assert s["accuracy"] == pytest.approx(result.scores[bench]) == {"math_500": 0.4, "aime24": 0.5}[bench]
 
     # the right answers' numbers, counted here from the model's own output text with its own tokenizer: the
-    # reasoning up to the paragraph holding the first \boxed{} (the second of three) is the first correct prefix
+    # reasoning up to the paragraph holding the first \boxed{} (the second of three) is the first correct
+    # prefix
     tokenizer = AutoTokenizer.from_pretrained(memorising_model)
     count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
     outputs = {

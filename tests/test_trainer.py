@@ -99,8 +99,9 @@ def test_a_raising_reward_is_counted_and_training_goes_on(tmp_path, tiny_base, t
     rows = [json.loads(line) for line in Path(result.metrics_path).read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
 
-    # What the plugin saw, written by the plugin itself: per step one call with the whole batch (2 prompts x 4),
-    # then, if that raised, one call per completion. The errors expected are the odd lengths of the batch calls.
+    # What the plugin saw, written by the plugin itself: per step one call with the whole batch
+    # (2 prompts x 4), then, if that raised, one call per completion. The errors expected are the odd lengths
+    # of the batch calls.
     seen = [json.loads(line) for line in calls.read_text().splitlines()]
     batches = [i for i, lengths in enumerate(seen) if len(lengths) == 8]
     assert len(batches) == 2 and batches[0] == 0
@@ -174,7 +175,8 @@ def test_sigkill_then_rerun_resumes_exactly(tmp_path, tiny_base, tiny_data):
     summary = json.loads(resumed.stdout.strip().splitlines()[-1])
     assert summary["resumed_from_step"] == int(killed_at.split("-")[1])
     # the held-out answers scored before and after training are kept in the run directory, named in the
-    # summary: before training's from the killed attempt (kept in its checkpoint's state), after's from the rerun
+    # summary: before training's from the killed attempt (kept in its checkpoint's state), after's from the
+    # rerun
     from trainer.heldout import read_samples
 
     straight_summary = json.loads(done.stdout.strip().splitlines()[-1])

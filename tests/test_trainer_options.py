@@ -2,11 +2,11 @@
 normalisations, the three reward scalings, dynamic sampling, truncated-completion masking, learning-rate
 schedules with warm-up, weight decay, gradient clipping and checkpoint pruning.
 
-Each test drives the real GRPOTrainer (setup, a rollout batch, `optimize`; `train` for pruning) and checks what
-the option does against a second computation made here: the loss written out on the same completions and
-differentiated with autograd, k3 from the policy's and the reference's log-probs, the schedule's formula, AdamW's
-update rule. A reward plugin that scores completion i of a batch with a fixed number makes the advantages
-known in advance, whatever the sampled text says.
+Each test drives the real GRPOTrainer (setup, a rollout batch, `optimize`; `train` for pruning) and checks
+what the option does against a second computation made here: the loss written out on the same completions and
+differentiated with autograd, k3 from the policy's and the reference's log-probs, the schedule's formula,
+AdamW's update rule. A reward plugin that scores completion i of a batch with a fixed number makes the
+advantages known in advance, whatever the sampled text says.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def ready_trainer(tmp_path: Path, tiny_base: dict, tiny_data: Path, *overrides: 
 
 
 def record_updates(trainer: GRPOTrainer) -> list[tuple[torch.Tensor, float]]:
-    """(gradient the optimizer applies, flattened, after clipping; its learning rate) for each update to come."""
+    """(gradient the optimizer applies, flattened, after clipping; its learning rate) for each update to
+    come."""
     seen = []
 
     def before_step(optimizer, args, kwargs):
@@ -72,7 +73,8 @@ def token_weights(
     batch, loss_type: str, kept: torch.Tensor, max_completion_length: int, sequences: int | None = None
 ) -> torch.Tensor:
     """[B, C]: each completion token's weight in the loss, as reduce_loss's docstring defines the four types
-    (0 for padding and for the completions not `kept`); `sequences`: the batch's count (default: all of it)."""
+    (0 for padding and for the completions not `kept`); `sequences`: the batch's count (default: all of
+    it)."""
     sequences = len(batch) if sequences is None else sequences
     lengths = torch.tensor([len(c.token_ids) for c in batch.completions])
     tokens = (torch.arange(max(int(lengths.max()), 1))[None, :] < lengths[:, None]).float() * kept[:, None]
@@ -86,8 +88,9 @@ def token_weights(
 def first_pass_loss_and_gradient(
     trainer: GRPOTrainer, batch, weights: torch.Tensor
 ) -> tuple[float, torch.Tensor]:
-    """The loss of an on-policy batch before its update, written out: there ratio = exp(logp - logp.detach()) = 1,
-    nothing is clipped, and -min(ratio * A, clip(ratio) * A) has value -A and the gradient of -A * logp."""
+    """The loss of an on-policy batch before its update, written out: there
+    ratio = exp(logp - logp.detach()) = 1, nothing is clipped, and -min(ratio * A, clip(ratio) * A) has value
+    -A and the gradient of -A * logp."""
     mb = batch.micro_batch(torch.arange(len(batch)), trainer.tokenizer.pad_token_id)
     # the whole batch in one plain forward: another path than the trainer's micro-batches with shared prompts
     logps, _ = completion_logps(trainer.model, mb, trainer.cfg.temperature)
@@ -98,8 +101,8 @@ def first_pass_loss_and_gradient(
 
 
 def batch_where(rollouts, wanted, what: str):
-    """The first of the next few batches (and its metrics) for which `wanted(batch)` holds; sampling is seeded,
-    so it is the same batch every run on this machine."""
+    """The first of the next few batches (and its metrics) for which `wanted(batch)` holds; sampling is
+    seeded, so it is the same batch every run on this machine."""
     for step in range(8):
         batch, metrics = rollouts.next(step)
         if wanted(batch):
@@ -120,7 +123,7 @@ def assert_same_direction_and_size(actual: torch.Tensor, expected: torch.Tensor)
     assert (actual - expected).norm() <= 1e-4 * expected.norm(), ((actual - expected).norm(), expected.norm())
 
 
-# ------------------------------------------------------------------------------------------- KL to the reference
+# ---------------------------------------------------------------------------------------- KL to the reference
 def test_beta_loads_the_reference_and_its_k3_kl_reaches_the_loss(tmp_path, tiny_base, tiny_data):
     beta = 0.1
     trainer = ready_trainer(tmp_path, tiny_base, tiny_data, f"train.beta={beta}", "train.learning_rate=1e-3")
@@ -149,7 +152,7 @@ def test_beta_loads_the_reference_and_its_k3_kl_reaches_the_loss(tmp_path, tiny_
     assert metrics["loss"] == pytest.approx(policy_term / tokens + beta * expected_kl, rel=1e-4, abs=1e-7)
 
 
-# ------------------------------------------------------------------------------ advantages and loss normalisation
+# -------------------------------------------------------------------------- advantages and loss normalisation
 @pytest.mark.parametrize(
     ("scale_rewards", "expected"),
     [
@@ -205,7 +208,7 @@ def test_loss_type_sets_each_tokens_weight_in_the_loss_and_gradient(
     assert_same_direction_and_size(applied[0][0], gradient)
 
 
-# ------------------------------------------------------------------------------------- what is left out of the loss
+# ------------------------------------------------------------------------------- what is left out of the loss
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
 def test_dynamic_sampling_leaves_groups_with_equal_rewards_out_of_the_loss(
     tmp_path, tiny_base, tiny_data, loss_type
@@ -228,7 +231,8 @@ def test_dynamic_sampling_leaves_groups_with_equal_rewards_out_of_the_loss(
         batch.advantages, torch.tensor([0.0] * 4 + [-1.5, -0.5, 0.5, 1.5]) / (1.290994 + EPS)
     )
     # the dropped group's advantages are 0 already: what dropping changes is that the group leaves the batch,
-    # its tokens the token mean (dapo) and its sequences the sequence count (grpo, dr_grpo: 4 sequences, not 8)
+    # its tokens the token mean (dapo) and its sequences the sequence count (grpo, dr_grpo: 4 sequences, not
+    # 8)
     weights = token_weights(batch, loss_type, kept, trainer.cfg.max_completion_length, sequences=4)
     loss, gradient = first_pass_loss_and_gradient(trainer, batch, weights)
     applied = record_updates(trainer)
@@ -348,7 +352,7 @@ def test_gradient_is_clipped_to_max_grad_norm_and_its_norm_before_clipping_logge
     assert_same_direction_and_size(applied[0][0], gradient * max_norm / (gradient.norm() + 1e-6))
 
 
-# ------------------------------------------------------------------------------------------------- checkpoints
+# ------------------------------------------------------------------------------------------------ checkpoints
 @pytest.mark.parametrize(("limit", "kept"), [(2, [3, 4]), (0, [1, 2, 3, 4])])
 def test_save_total_limit_prunes_the_oldest_checkpoints(tmp_path, tiny_base, tiny_data, limit, kept):
     recipe = small_recipe(

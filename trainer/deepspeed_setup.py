@@ -47,7 +47,8 @@ def zero_config(
     max_grad_norm: float = 1.0,
     bf16: bool = True,
 ) -> dict:
-    """A DeepSpeed config dict for ZeRO `stage` (1, 2 or 3): bf16 compute with fp32 master weights when `bf16`."""
+    """A DeepSpeed config dict for ZeRO `stage` (1, 2 or 3): bf16 compute with fp32 master weights when
+    `bf16`."""
     if stage not in (1, 2, 3):
         raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
     return {
@@ -105,7 +106,8 @@ def recipe_config(spec: str, *, micro_batch_size: int, max_grad_norm: float, bf1
 
 
 def trainer_config(recipe: Recipe) -> dict:
-    """The DeepSpeed config of a recipe with `train.deepspeed` set (its ZeRO stage checked against the rollout)."""
+    """The DeepSpeed config of a recipe with `train.deepspeed` set (its ZeRO stage checked against the
+    rollout)."""
     cfg = recipe.train
     config = recipe_config(
         cfg.deepspeed,
@@ -118,9 +120,10 @@ def trainer_config(recipe: Recipe) -> dict:
 
 
 def check_stage(stage: int, recipe: Recipe) -> None:
-    """ZeRO-3 gathers whole weights collectively (every trainer rank takes part). The async workers are synced by
-    rank 0 with the other ranks gathering alongside (tested with 2 gloo ranks); a rollout server's sync has the
-    same shape but has not run under ZeRO-3 anywhere yet (the vLLM venv has no DeepSpeed), so it is refused."""
+    """ZeRO-3 gathers whole weights collectively (every trainer rank takes part). The async workers are synced
+    by rank 0 with the other ranks gathering alongside (tested with 2 gloo ranks); a rollout server's sync has
+    the same shape but has not run under ZeRO-3 anywhere yet (the vLLM venv has no DeepSpeed), so it is
+    refused."""
     if stage == 3 and recipe.rollout.server_url:
         raise ConfigError(
             "train.deepspeed: ZeRO stage 3 with rollout.server_url is not supported yet: the server's "
@@ -164,11 +167,11 @@ STATE_TAG = "state"
 
 
 def save(engine, output_dir: Path, step: int, rank: int, write: Callable[[Path], Path]) -> Path | None:
-    """Checkpoint `step` under ZeRO; every trainer rank calls this. Each rank writes its shard of the optimizer
-    state (fp32 master weights, Adam moments) and the schedule into a staging directory with DeepSpeed's own
-    `save_checkpoint` (one node, or a shared `output_dir`); then rank 0 calls `write(staging)`, which writes the
-    model (whole: ZeRO-3 gathers it) and moves the staging directory into the checkpoint before its manifest
-    is hashed. Returns the checkpoint on rank 0, None elsewhere."""
+    """Checkpoint `step` under ZeRO; every trainer rank calls this. Each rank writes its shard of the
+    optimizer state (fp32 master weights, Adam moments) and the schedule into a staging directory with
+    DeepSpeed's own `save_checkpoint` (one node, or a shared `output_dir`); then rank 0 calls
+    `write(staging)`, which writes the model (whole: ZeRO-3 gathers it) and moves the staging directory into
+    the checkpoint before its manifest is hashed. Returns the checkpoint on rank 0, None elsewhere."""
     import torch.distributed as dist
 
     staging = Path(output_dir) / f".zero-state-{step}"
@@ -221,13 +224,14 @@ _ZERO3_HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module 
 
 @contextmanager
 def whole_parameters(model: torch.nn.Module):
-    """Every parameter of `model` whole on this rank for the block, and a plain module meanwhile; a no-op unless
-    ZeRO-3 shards it, or inside another such block. Collective on entry: all trainer ranks enter together.
+    """Every parameter of `model` whole on this rank for the block, and a plain module meanwhile; a no-op
+    unless ZeRO-3 shards it, or inside another such block. Collective on entry: all trainer ranks enter
+    together.
 
     ZeRO-3 hooks every submodule to fetch its shards before its forward and release them after, collectively.
-    Inside the block the weights are whole already, and the forward may be one rank's alone (held-out on rank 0,
-    each rank's own generation, whose number of forwards differs between ranks): the hooks are taken off for
-    the block and put back after (DeepSpeed re-traces its prefetching on the next forward)."""
+    Inside the block the weights are whole already, and the forward may be one rank's alone (held-out on rank
+    0, each rank's own generation, whose number of forwards differs between ranks): the hooks are taken off
+    for the block and put back after (DeepSpeed re-traces its prefetching on the next forward)."""
     params = list(model.parameters())
     if not is_sharded(model) or all(p.ds_status.name == "AVAILABLE" for p in params):
         yield
@@ -241,8 +245,9 @@ def whole_parameters(model: torch.nn.Module):
             return
         for p in params:
             p.ds_active_sub_modules.clear()
-        # the root module's start-of-forward hook (collective once its trace is recorded) and every submodule's
-        # fetch/release hooks; the first is put back as it was, the others re-registered as DeepSpeed does
+        # the root module's start-of-forward hook (collective once its trace is recorded) and every
+        # submodule's fetch/release hooks; the first is put back as it was, the others re-registered as
+        # DeepSpeed does
         start = offload.module._forward_pre_hooks.get(offload.fwd_pre_hook.id)
         for hook in [offload.fwd_pre_hook, *offload.forward_hooks, *offload.backward_hooks]:
             hook.remove()

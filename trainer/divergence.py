@@ -1,7 +1,7 @@
 """Stopping a diverging run before anything of the bad step is saved.
 
-A non-finite loss or gradient norm stops the run before the optimizer update is applied; non-finite weights, or
-weights whose forward overflows, right after it. Either way `NonFiniteError` names the step and the values;
+A non-finite loss or gradient norm stops the run before the optimizer update is applied; non-finite weights,
+or weights whose forward overflows, right after it. Either way `NonFiniteError` names the step and the values;
 under DDP all ranks stop together.
 """
 

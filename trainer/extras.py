@@ -1,4 +1,5 @@
-"""Optional packages (the `vllm`, `lmdeploy` and `deepspeed` extras), imported only when a recipe asks for them.
+"""Optional packages (the `vllm`, `lmdeploy` and `deepspeed` extras), imported only when a recipe asks for
+them.
 
 Asking for one that is not installed raises `MissingExtraError` (an `ImportError`, and a user error: exit 2)
 whose message names what needed it and the command that installs it. Each engine is its own extra: vLLM and

@@ -13,8 +13,9 @@
 - `rollout.async`: rank 0 spawns the rollout workers itself (trainer/rollout/worker_processes.py), each
   with its engine's CUDA_VISIBLE_DEVICES.
 Multi-node: run the same `grpoflow train` command under your own launcher, e.g.
-`torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 -m flows.cli train ...`;
-the trainer picks its rank from the environment (`init_distributed`) and does not relaunch.
+`torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500
+-m flows.cli train ...`; the trainer picks its rank from the environment (`init_distributed`) and does not
+relaunch.
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ def launch_ranks(recipe: Recipe, cli_args: list[str]) -> int:
 
 
 def process_group_backend(cuda: bool) -> str:
-    """The trainer ranks' backends: gloo for CPU tensors always (the metrics all-reduce, object broadcasts), NCCL
-    for CUDA tensors on GPUs (DDP's gradients)."""
+    """The trainer ranks' backends: gloo for CPU tensors always (the metrics all-reduce, object broadcasts),
+    NCCL for CUDA tensors on GPUs (DDP's gradients)."""
     return "cpu:gloo,cuda:nccl" if cuda else "cpu:gloo"
 
 
@@ -114,8 +115,8 @@ def init_distributed(timeout_s: float, rollout: RolloutConfig | None = None) -> 
 
 @contextlib.contextmanager
 def distributed_exit():
-    """Leave the process group (`leave_distributed`) when the block ends: cleanly after a success, at once after
-    an error."""
+    """Leave the process group (`leave_distributed`) when the block ends: cleanly after a success, at once
+    after an error."""
     try:
         yield
     except BaseException:

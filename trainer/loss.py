@@ -6,9 +6,9 @@ deliberate differences, both explained where they live:
 - a group with fewer than two valid rewards has std 0 here (TRL's `nanstd` gives nan); the advantages agree
   (0 either way) but such groups count in `frac_reward_zero_std` and in `zero_std_groups`, since they carry
   no learning signal;
-- a group "has zero std" when its valid rewards are all equal, tested exactly, and its advantages are exactly 0.
-  TRL tests `isclose(std, 0)`, whose default atol of 1e-8 a float32 std of equal rewards can miss: eight
-  rewards of 0.2 have a computed std of ~3e-8, so TRL counts that group as informative and gives it
+- a group "has zero std" when its valid rewards are all equal, tested exactly, and its advantages are
+  exactly 0. TRL tests `isclose(std, 0)`, whose default atol of 1e-8 a float32 std of equal rewards can miss:
+  eight rewards of 0.2 have a computed std of ~3e-8, so TRL counts that group as informative and gives it
   advantages of ~1e-4 made of rounding error;
 - `reduce_loss` returns each micro-batch's exact share of the full-batch loss, so that the sum over
   micro-batches equals the one-shot value even when micro-batches differ in size or token count.
@@ -102,7 +102,8 @@ def group_advantages(
 
 
 def k3_kl(logps: Tensor, ref_logps: Tensor) -> Tensor:
-    """Per-token k3 estimator of KL(policy || ref): exp(ref - logp) - (ref - logp) - 1, >= 0, 0 where equal."""
+    """Per-token k3 estimator of KL(policy || ref): exp(ref - logp) - (ref - logp) - 1, >= 0, 0 where
+    equal."""
     delta = ref_logps - logps
     return torch.exp(delta) - delta - 1
 
@@ -235,7 +236,8 @@ def clip_metrics(stats: dict[str, Tensor], mask: Tensor) -> dict[str, float]:
 def sequence_logps(
     model_logits: Tensor, target_ids: Tensor, temperature: float = 1.0, chunk_size: int = 1024
 ) -> Tensor:
-    """log_softmax(logits / temperature)[target] per token, in float32: x_t - logsumexp(x) with x = logits / T.
+    """log_softmax(logits / temperature)[target] per token, in float32: x_t - logsumexp(x) with
+    x = logits / T.
 
     Alignment is the caller's: logits[:, i] of a causal LM predicts token i + 1, so for input_ids =
     prompt (P tokens) + completion pass `logits[:, P - 1:-1]` with `input_ids[:, P:]`. The temperature must be

@@ -100,7 +100,8 @@ def _check_ids(cfg: RolloutConfig, n: int) -> None:
 def plan(cfg: RolloutConfig, gpus: int | Sequence[str], cpu_ranks: int | None = None) -> Placement:
     """The placement of every process for `cfg` on a node with `gpus` (a count, or the CUDA_VISIBLE_DEVICES
     entries that recipe ids index). Without GPUs there are `cpu_ranks` trainer ranks (default: one per
-    train_devices entry, at least one). Raises PlacementError for devices the node lacks or a mode they do not fit."""
+    train_devices entry, at least one). Raises PlacementError for devices the node lacks or a mode they do not
+    fit."""
     gpus = [str(i) for i in range(gpus)] if isinstance(gpus, int) else [str(g).strip() for g in gpus]
     mode = (
         "server"
@@ -218,12 +219,12 @@ def _cpu_plan(cfg: RolloutConfig, mode: str, ranks: int) -> Placement:
     return Placement([], mode, cfg.colocate, [], [], processes, executor)
 
 
-# ---- the environment of a process ---------------------------------------------------------------------------------
+# ---- the environment of a process --------------------------------------------------------------------------
 
 
 def visible_gpus(environ: Mapping[str, str] | None = None, count: int | None = None) -> list[str]:
-    """This process's GPUs in ordinal order: its CUDA_VISIBLE_DEVICES, or all `count` GPUs (default: as many as
-    torch counts, through NVML, which does not initialise CUDA)."""
+    """This process's GPUs in ordinal order: its CUDA_VISIBLE_DEVICES, or all `count` GPUs (default: as many
+    as torch counts, through NVML, which does not initialise CUDA)."""
     environ = os.environ if environ is None else environ
     if count is None:
         import torch
@@ -246,8 +247,8 @@ def node_gpus(environ: Mapping[str, str] | None = None, count: int | None = None
 
 
 def trainer_env(placement: Placement, environ: Mapping[str, str]) -> dict[str, str]:
-    """The environment trainer ranks are started with: `environ` plus their CUDA_VISIBLE_DEVICES and the node's
-    GPU list (unchanged on CPU)."""
+    """The environment trainer ranks are started with: `environ` plus their CUDA_VISIBLE_DEVICES and the
+    node's GPU list (unchanged on CPU)."""
     env = dict(environ)
     if placement.gpus:
         env["CUDA_VISIBLE_DEVICES"] = placement.trainers[0].cuda_visible_devices
@@ -277,7 +278,8 @@ def this_trainer(
         return placement, me
     # started some other way (a Prefect task, one's own torchrun): address the devices where they are
     where = (
-        f"this process has CUDA_VISIBLE_DEVICES={','.join(visible)}; start it with CUDA_VISIBLE_DEVICES={wanted}, "
+        f"this process has CUDA_VISIBLE_DEVICES={','.join(visible)}; "
+        f"start it with CUDA_VISIBLE_DEVICES={wanted}, "
         "as `grpoflow train` does"
     )
     mine = placement.gpus[me.devices[0]]
@@ -310,8 +312,8 @@ def trainer_device(
 
 
 def dry_run(cfg: RolloutConfig, gpus: int | None = None) -> tuple[dict, str]:
-    """The plan as `grpoflow train --dry-run` shows it (JSON summary, text) for a node of `gpus` GPUs, else the
-    GPUs this machine sees, else the fewest the recipe's device ids need. Touches no GPU."""
+    """The plan as `grpoflow train --dry-run` shows it (JSON summary, text) for a node of `gpus` GPUs, else
+    the GPUs this machine sees, else the fewest the recipe's device ids need. Touches no GPU."""
     if gpus is not None:
         node, source = [str(i) for i in range(gpus)], "--gpus"
     elif node_gpus():

@@ -54,8 +54,8 @@ def _load_file(target: str, base_dir: str | Path | None, spec: str, what: str) -
     where = f"file {str(path)!r}"
     if not path.is_file():
         raise PluginError(f"{what} {spec!r}: {where} does not exist")
-    # One module per file path, registered in sys.modules so that loading it twice gives the same functions and
-    # objects defined in it can be pickled (dataloader workers, multiprocessing).
+    # One module per file path, registered in sys.modules so that loading it twice gives the same functions
+    # and objects defined in it can be pickled (dataloader workers, multiprocessing).
     module_name = "grpoflow_plugin_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
     if module_name in sys.modules:
         return sys.modules[module_name], where

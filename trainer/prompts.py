@@ -1,4 +1,5 @@
-"""From prepared rows to what a model and the rewards get: chat-templated prompt tokens, and the other columns.
+"""From prepared rows to what a model and the rewards get: chat-templated prompt tokens, and the other
+columns.
 
 One encoding for training, held-out evaluation and the model server, so a served checkpoint sees exactly the
 prompts it was trained on.

@@ -10,8 +10,8 @@ recipe dataclasses (`trainer/recipe.py`), which stay the only place these are wr
 - `render_text` is the terminal form, `render_markdown` the reference table `docs/recipe.md`
   (`grpoflow recipe explain --markdown > docs/recipe.md` writes it; a test keeps it equal to the dataclasses).
 
-Defaults are shown as YAML flow values that are JSON as well (`null`, `true`, `"dapo"`, `1.0e-06`, `[0.3, 0.6]`),
-so a default can be pasted into a recipe or an override as printed.
+Defaults are shown as YAML flow values that are JSON as well (`null`, `true`, `"dapo"`, `1.0e-06`,
+`[0.3, 0.6]`), so a default can be pasted into a recipe or an override as printed.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""A tiny Qwen2-VL-architecture model, made locally (no hub): the vision path's test model and the start of the
-embedded counting demo.
+"""A tiny Qwen2-VL-architecture model, made locally (no hub): the vision path's test model and the start of
+the embedded counting demo.
 
 `make()` builds, and `build_tiny_vl(out)` writes in `save_pretrained` format, what a hub Qwen2-VL checkpoint
 holds for our purposes: the model (a 2-block vision tower with patch 14, a 2-layer text model with M-RoPE), a
@@ -23,8 +23,10 @@ from trainer.warmup import sft_batches as _sft_batches
 
 VIDEO_PAD = "<|video_pad|>"
 CORPUS = [
-    "How many objects are there in the image? <think> I count the shapes one by one. </think> <answer> 3 </answer>",
-    "A conversation between User and Assistant. Think in <think> </think>, then answer in <answer> </answer>.",
+    "How many objects are there in the image? <think> I count the shapes one by one. </think> "
+    "<answer> 3 </answer>",
+    "A conversation between User and Assistant. Think in <think> </think>, "
+    "then answer in <answer> </answer>.",
     "user assistant system 0 1 2 3 4 5 6 7 8 9 red green blue yellow circle square triangle objects count",
 ]
 
@@ -116,7 +118,7 @@ def make(
     return model, tokenizer
 
 
-# ---- the warm-up's pieces, for `trainer.bootstrap` (task: counting) --------------------------------------------------
+# ---- the warm-up's pieces, for `trainer.bootstrap` (task: counting) ----------------------------------------
 
 
 def rows(task: str, n: int, seed: int, pool: str, system_prompt: str) -> list[dict]:

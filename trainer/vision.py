@@ -91,7 +91,8 @@ class VisionEncoder:
         return VisionInputs(out["pixel_values"], out["image_grid_thw"], self.image_token_id, tuple(refs))
 
     def encode(self, tokenizer, row: dict) -> PromptIds:
-        """The chat-templated prompt of `row` with its images: placeholders expanded, vision inputs attached."""
+        """The chat-templated prompt of `row` with its images: placeholders expanded, vision inputs
+        attached."""
         vision = self.inputs(list(row["images"]))
         messages = [dict(m) for m in row["prompt"]]
         user = max(i for i, m in enumerate(messages) if m["role"] == "user")
@@ -123,8 +124,8 @@ def check_media(row: dict, vision: VisionEncoder | None) -> None:
 def vision_forward_kwargs(
     model, input_ids: torch.Tensor, attention_mask: torch.Tensor, vision: VisionInputs
 ) -> dict:
-    """What a forward over left-padded `input_ids` needs besides ids and mask: pixels, grids, modality types and
-    3-D positions (padding at 0), computed once here so that rollout and training agree."""
+    """What a forward over left-padded `input_ids` needs besides ids and mask: pixels, grids, modality types
+    and 3-D positions (padding at 0), computed once here so that rollout and training agree."""
     vision = vision.to(input_ids.device)
     types = (input_ids == vision.image_token_id).int()
     core = getattr(model, "module", model)  # DDP

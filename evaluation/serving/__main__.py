@@ -1,4 +1,5 @@
-"""`python -m evaluation.serving CHECKPOINT [flags]`: what `grpoflow serve-model` runs, and `eval --serve`'s child."""
+"""`python -m evaluation.serving CHECKPOINT [flags]`: what `grpoflow serve-model` runs, and `eval --serve`'s
+child."""
 
 import sys
 

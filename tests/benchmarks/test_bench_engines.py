@@ -2,12 +2,13 @@
 
 It needs vLLM, so it runs in the vLLM venv (vLLM's CPU build, made by `make install-vllm`):
 `GRPOFLOW_REQUIRE_VLLM=1 .venv-vllm/bin/python -m pytest -m bench tests/benchmarks/test_bench_engines.py -s`,
-or `.venv-vllm/bin/python tests/benchmarks/test_bench_engines.py`. Without vLLM the module is skipped (as under
-`make bench` in the main venv), unless GRPOFLOW_REQUIRE_VLLM=1, which makes a missing vLLM a failure.
+or `.venv-vllm/bin/python tests/benchmarks/test_bench_engines.py`. Without vLLM the module is skipped (as
+under `make bench` in the main venv), unless GRPOFLOW_REQUIRE_VLLM=1, which makes a missing vLLM a failure.
 Knobs: BENCH_STEPS (generated batches per side per round, default 6 here: the wide model's steps are long and
-steady), BENCH_REPEATS (rounds, default 3), BENCH_MODELS (default "tiny,wide"), BENCH_TRL_VLLM (default 1: TRL's
-GRPOTrainer on vLLM as a side; 0 leaves it out). Measured on this 2-core machine: a round of the wide model takes
-about 8.5 min at 6 steps (TRL's side 3.5 min of it), of the tiny one about 2 min; the defaults, about 32 min.
+steady), BENCH_REPEATS (rounds, default 3), BENCH_MODELS (default "tiny,wide"), BENCH_TRL_VLLM (default 1:
+TRL's GRPOTrainer on vLLM as a side; 0 leaves it out). Measured on this 2-core machine: a round of the wide
+model takes about 8.5 min at 6 steps (TRL's side 3.5 min of it), of the tiny one about 2 min; the defaults,
+about 32 min.
 
 The work is test_bench_grpo's (`pinned_recipe`: 4 prompts x 8 generations per batch, configs/tiny-cpu.yaml for
 everything else, its prepared data), with 16 held-out rows, on two models with the same tokenizer:
@@ -16,31 +17,34 @@ everything else, its prepared data), with 16 held-out rows, on two models with t
   1024, tied embeddings, random weights (seed 0), made in the run's tmp dir; completions <= 64 tokens. It
   learns nothing; it is there so that the model's arithmetic, not per-token Python overhead, sets the pace.
 
-Sides per model, each a whole `GRPOTrainer(...).train()` (test_bench_grpo's `run_ours`): sync transformers, sync
-vLLM (enforce_eager), async vLLM and async transformers (one rollout worker process; trainer and worker get one core
-each); and TRL (below). Per run: the median over steps 2..N (step 1 holds vLLM's warm-up) of `timing/step_s`, of
-`timing/rollout_s` and of rollout tokens/s = prompts x generations x mean completion length / rollout_s. Sync
-vLLM's rollout_s includes the weight update into the engine; async's is the worker's generation time. The sides
-run in rounds, alternated (A B C D E, then E D C B A, ...; tests/benchmarks/side_by_side.py), BENCH_REPEATS rounds
-per model; a side's figure is the median over its rounds. Ratios are computed within each round and then medianed
-over rounds: s/step vLLM/transformers (sync, async), async/sync per engine, grpoflow sync and async vLLM/TRL on
-vLLM (the aim: <= 0.5), and vLLM/transformers of sync rollout tokens/s. `other%` (the CPU other
-processes used meanwhile) is kept per run.
+Sides per model, each a whole `GRPOTrainer(...).train()` (test_bench_grpo's `run_ours`): sync transformers,
+sync vLLM (enforce_eager), async vLLM and async transformers (one rollout worker process; trainer and worker
+get one core each); and TRL (below). Per run: the median over steps 2..N (step 1 holds vLLM's warm-up) of
+`timing/step_s`, of `timing/rollout_s` and of rollout tokens/s = prompts x generations x mean completion
+length / rollout_s. Sync vLLM's rollout_s includes the weight update into the engine; async's is the worker's
+generation time. The sides run in rounds, alternated (A B C D E, then E D C B A, ...;
+tests/benchmarks/side_by_side.py), BENCH_REPEATS rounds per model; a side's figure is the median over its
+rounds. Ratios are computed within each round and then medianed over rounds: s/step vLLM/transformers (sync,
+async), async/sync per engine, grpoflow sync and async vLLM/TRL on vLLM (the aim: <= 0.5), and
+vLLM/transformers of sync rollout tokens/s. `other%` (the CPU other processes used meanwhile) is kept per run.
 
-Every run starts with the thread count the process started with (side_by_side.run_rounds): building an in-process
-vLLM replaces `torch.set_num_threads` with a no-op for the whole process (infra/vllm-cpu-notes.md, section 4) and
-an async run sets the trainer to one thread; both are put back between runs, as a fresh process would have them.
+Every run starts with the thread count the process started with (side_by_side.run_rounds): building an
+in-process vLLM replaces `torch.set_num_threads` with a no-op for the whole process (infra/vllm-cpu-notes.md,
+section 4) and an async run sets the trainer to one thread; both are put back between runs, as a fresh process
+would have them.
 
 TRL: test_bench_grpo's TRL side (`run_trl` with `pinned_trl_args`) given use_vllm=True, vllm_mode="colocate",
-run in a child process each round (its vLLM initialises torch.distributed in the process it runs in; the child's
-start-up is outside its step times, not outside its other%). TRL leaves vLLM's dtype on "auto", bfloat16 on CPU
-(notes, section 4), so its rollouts are not float32 as ours are. Where oneDNN packs the weights, vLLM drops each
-linear layer's weight and TRL 1.16's per-parameter `load_weights` fails at its first weight sync ("'Parameter'
-object has no attribute 'weight_loader'", notes section 2a). A failure is recorded in the JSON (error and the
-traceback's tail) and printed, not raised; a side that failed is not retried in later rounds.
+run in a child process each round (its vLLM initialises torch.distributed in the process it runs in; the
+child's start-up is outside its step times, not outside its other%). TRL leaves vLLM's dtype on "auto",
+bfloat16 on CPU (notes, section 4), so its rollouts are not float32 as ours are. Where oneDNN packs the
+weights, vLLM drops each linear layer's weight and TRL 1.16's per-parameter `load_weights` fails at its first
+weight sync ("'Parameter' object has no attribute 'weight_loader'", notes section 2a). A failure is recorded
+in the JSON (error and the traceback's tail) and printed, not raised; a side that failed is not retried in
+later rounds.
 
 Nothing here asserts a time: the test checks that every side ran and gave finite numbers, and prints a table
-and ratios. The numbers go to `.state/bench/engines.json`, the per-round ratios to `engines_ratios_<model>.png`.
+and ratios. The numbers go to `.state/bench/engines.json`, the per-round ratios to
+`engines_ratios_<model>.png`.
 """
 
 from __future__ import annotations
@@ -178,9 +182,9 @@ def rss_gib() -> float:
 
 
 def release_memory() -> None:
-    """Free the finished run's in-process vLLM (its 1 GiB KV cache) before the next is built. vLLM's engine core
-    calls gc.freeze() when built and gc.unfreeze() only in its shutdown, which the trainer does not call: frozen,
-    the engine is never collected, and every vLLM run would add about 1.3 GiB to this process."""
+    """Free the finished run's in-process vLLM (its 1 GiB KV cache) before the next is built. vLLM's engine
+    core calls gc.freeze() when built and gc.unfreeze() only in its shutdown, which the trainer does not call:
+    frozen, the engine is never collected, and every vLLM run would add about 1.3 GiB to this process."""
     gc.unfreeze()
     gc.collect()
 
@@ -249,7 +253,8 @@ def _trl_vllm_child(spec: dict) -> None:
 
 
 def skipping_after_failure(side):
-    """A side that failed once (recorded) is not run again: the same error would cost a vLLM build per round."""
+    """A side that failed once (recorded) is not run again: the same error would cost a vLLM build per
+    round."""
     failed: list[dict] = []
 
     def run(r: int) -> dict:
@@ -366,13 +371,14 @@ def format_table(r: dict) -> str:
     w = r["work"]
     lines = [
         "",
-        f"engines: {w['prompts_per_step']} prompts x {w['num_generations']} generations per batch, {w['steps']} "
-        f"steps per side per round, {w['repeats']} rounds alternated (A B C .. C B A ..), {w['threads']} CPU "
-        f"threads; vLLM {w['vllm']}, torch {w['torch']}, transformers {w['transformers']}, trl {w['trl']}; "
-        f"{w['elapsed_s'] / 60:.1f} min",
-        f"s/step, rollout: seconds per step and in rollout, median of steps 2..{w['steps']}, then median over rounds; "
-        "tok/s: rollout tokens per second; tokens: mean completion length; roll%: rollout_s / step s (async: "
-        "the worker generates while the trainer trains, so up to 100% is hidden and above 100% is possible)",
+        f"engines: {w['prompts_per_step']} prompts x {w['num_generations']} generations per batch, "
+        f"{w['steps']} steps per side per round, {w['repeats']} rounds alternated (A B C .. C B A ..), "
+        f"{w['threads']} CPU threads; vLLM {w['vllm']}, torch {w['torch']}, "
+        f"transformers {w['transformers']}, trl {w['trl']}; {w['elapsed_s'] / 60:.1f} min",
+        f"s/step, rollout: seconds per step and in rollout, median of steps 2..{w['steps']}, then median "
+        "over rounds; tok/s: rollout tokens per second; tokens: mean completion length; roll%: "
+        "rollout_s / step s (async: the worker generates while the trainer trains, so up to 100% is hidden "
+        "and above 100% is possible)",
         "setup: run wall time outside the steps (model load, engine build, held-out eval, save); other%: CPU "
         "other processes used during each run (above a few %: noisy)",
     ]

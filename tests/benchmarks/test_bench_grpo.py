@@ -1,24 +1,27 @@
 """Benchmark: grpoflow's GRPO next to TRL's GRPOTrainer, next to the machine's limit, and async next to sync.
 
-Run with `make bench` (pytest -m bench tests/benchmarks -s) or directly: `python tests/benchmarks/test_bench_grpo.py`.
-Two benchmarks, each side by side in one run, its sides alternated over rounds (tests/benchmarks/side_by_side.py:
-A B C in round 1, C B A in round 2, ...; a side's figure is the median over rounds, a ratio is computed within each
-round and then medianed; per-round values and `other%`, the CPU other processes took meanwhile, are kept).
+Run with `make bench` (pytest -m bench tests/benchmarks -s) or directly:
+`python tests/benchmarks/test_bench_grpo.py`. Two benchmarks, each side by side in one run, its sides
+alternated over rounds (tests/benchmarks/side_by_side.py: A B C in round 1, C B A in round 2, ...; a side's
+figure is the median over rounds, a ratio is computed within each round and then medianed; per-round values
+and `other%`, the CPU other processes took meanwhile, are kept).
 
 1. The step (`test_bench_grpo`, `.state/bench/grpo.json`, `grpo_ratios.png`). Every side does the same pinned
-   work on the recipe's tiny base model and data: 4 prompts x 8 generations = 32 sampled completions of at most
-   24 tokens per generated batch, with the learning rate, schedule, temperature, loss type, clipping and weighted
-   rewards of `configs/tiny-cpu.yaml`, mu = 1 unless said otherwise; BENCH_STEPS batches (default 10) per side per
-   round, BENCH_REPEATS rounds (default 3). A run's figure is the median (and the mean) over its steps 2..N.
+   work on the recipe's tiny base model and data: 4 prompts x 8 generations = 32 sampled completions of at
+   most 24 tokens per generated batch, with the learning rate, schedule, temperature, loss type, clipping and
+   weighted rewards of `configs/tiny-cpu.yaml`, mu = 1 unless said otherwise; BENCH_STEPS batches (default 10)
+   per side per round, BENCH_REPEATS rounds (default 3). A run's figure is the median (and the mean) over its
+   steps 2..N.
    - grpoflow, mu=1: `timing/step_s` of metrics.jsonl; held-out greedy accuracy after training.
-   - TRL's GRPOTrainer, mu=1, configured to the same work (32 completions per generation, float32, no activation
-     checkpointing, beta 0, nothing saved or evaluated during training). TRL counts optimizer steps, so it runs
-     `steps * mu`; a callback timestamps them and a generated batch's time is the wall time between the ends of
-     consecutive groups of mu steps (TRL's data loading and logging included). Its trained model is scored with
-     grpoflow's own `evaluate_greedy` on the same held-out rows.
-   - The limit: plain `model.generate` (sampling, 4 prompts x num_return_sequences=8) plus ONE forward+backward over
-     the same 32 sequences, as many times as the other sides have steps: the bare work of a step done with plain
-     transformers calls. A reference, not a floor: `generate` has per-token overhead our decode loop avoids.
+   - TRL's GRPOTrainer, mu=1, configured to the same work (32 completions per generation, float32, no
+     activation checkpointing, beta 0, nothing saved or evaluated during training). TRL counts optimizer
+     steps, so it runs `steps * mu`; a callback timestamps them and a generated batch's time is the wall time
+     between the ends of consecutive groups of mu steps (TRL's data loading and logging included). Its trained
+     model is scored with grpoflow's own `evaluate_greedy` on the same held-out rows.
+   - The limit: plain `model.generate` (sampling, 4 prompts x num_return_sequences=8) plus ONE
+     forward+backward over the same 32 sequences, as many times as the other sides have steps: the bare work
+     of a step done with plain transformers calls. A reference, not a floor: `generate` has per-token overhead
+     our decode loop avoids.
    - grpoflow with mu=4 on the same batches, and grpoflow with `rollout.async=true` (mu=1).
    Ratios per round, of the per-run medians: grpoflow/TRL, async/sync, async/TRL, grpoflow/limit, TRL/limit,
    mu4/mu1.
@@ -26,25 +29,26 @@ round and then medianed; per-round values and `other%`, the CPU other processes 
 2. The default tiny recipe end to end (`test_bench_tiny_recipe`, `.state/bench/tiny_recipe.json`,
    `tiny_recipe_ratios.png`): `configs/tiny-cpu.yaml` as shipped (its steps, prompts per step, group size,
    completion length) trained by grpoflow synchronously, by grpoflow with `rollout.async=true`, and by TRL's
-   GRPOTrainer given what the recipe says (model and its dtype float32, so no bf16 autocast; data, weighted rewards,
-   learning rate and schedule, prompts and generations per step, micro-batch size, steps, completion length,
-   temperature, beta, loss type, reward scaling, save interval: `recipe_trl_args`) and TRL's defaults for everything
-   the recipe is silent on (activation checkpointing on, seed 42, AdamW settings, logging every 10 steps, every
-   checkpoint kept). Per side: the wall time of the whole training (load, held-out accuracy before, all steps with their
-   checkpoints, held-out after: `GRPOTrainer.train()` for ours; the same pieces around TRL's `train()`), the loop
-   alone (first step start to last step end), the median step, and held-out greedy accuracy before and after on
-   the recipe's 256 rows, all scored by grpoflow's `evaluate_greedy`. Ratios per round: grpoflow/TRL and
-   async/sync (aim: <= 0.7) of wall, loop and median step. Long (minutes per side), so one round by default:
-   BENCH_E2E_REPEATS rounds (default 1), BENCH_E2E_STEPS steps (default: the recipe's max_steps; fewer for a check:
-   the schedule then decays over fewer steps), BENCH_E2E=0 skips it.
+   GRPOTrainer given what the recipe says (model and its dtype float32, so no bf16 autocast; data, weighted
+   rewards, learning rate and schedule, prompts and generations per step, micro-batch size, steps, completion
+   length, temperature, beta, loss type, reward scaling, save interval: `recipe_trl_args`) and TRL's defaults
+   for everything the recipe is silent on (activation checkpointing on, seed 42, AdamW settings, logging every
+   10 steps, every checkpoint kept). Per side: the wall time of the whole training (load, held-out accuracy
+   before, all steps with their checkpoints, held-out after: `GRPOTrainer.train()` for ours; the same pieces
+   around TRL's `train()`), the loop alone (first step start to last step end), the median step, and held-out
+   greedy accuracy before and after on the recipe's 256 rows, all scored by grpoflow's `evaluate_greedy`.
+   Ratios per round: grpoflow/TRL and async/sync (aim: <= 0.7) of wall, loop and median step. Long (minutes
+   per side), so one round by default: BENCH_E2E_REPEATS rounds (default 1), BENCH_E2E_STEPS steps (default:
+   the recipe's max_steps; fewer for a check: the schedule then decays over fewer steps), BENCH_E2E=0 skips
+   it.
 
-Time on this 2-core machine, idle (estimated from short runs): the step bench about 45 s a round, 2.5 min at the
-defaults; the tiny recipe about 17.5 min at its 300 steps (grpoflow sync 4.5, TRL 9.5, async 3.5). BENCH_E2E=0
-leaves the tiny recipe out.
+Time on this 2-core machine, idle (estimated from short runs): the step bench about 45 s a round, 2.5 min at
+the defaults; the tiny recipe about 17.5 min at its 300 steps (grpoflow sync 4.5, TRL 9.5, async 3.5).
+BENCH_E2E=0 leaves the tiny recipe out.
 
-Nothing here asserts a time: the tests check that every side ran the work asked and produced numbers, and print
-tables with ratios. On 2 shared cores a concurrent job slows 2-thread torch many times over: only a run whose
-sides all show other% near 0 is worth quoting, and the medians over rounds are what to quote.
+Nothing here asserts a time: the tests check that every side ran the work asked and produced numbers, and
+print tables with ratios. On 2 shared cores a concurrent job slows 2-thread torch many times over: only a run
+whose sides all show other% near 0 is worth quoting, and the medians over rounds are what to quote.
 """
 
 from __future__ import annotations
@@ -87,7 +91,8 @@ CONFIG = REPO_ROOT / "configs" / "tiny-cpu.yaml"
 RESULT_JSON = BENCH_OUT / "grpo.json"
 RECIPE_JSON = BENCH_OUT / "tiny_recipe.json"
 HELDOUT_ROWS = 128
-# The step benchmark's work is pinned (the recipe's shape may move); the rest (lr, temperature, loss, rewards) is the recipe's.
+# The step benchmark's work is pinned (the recipe's shape may move); the rest (lr, temperature, loss, rewards)
+# is the recipe's.
 PROMPTS_PER_STEP, NUM_GENERATIONS, MAX_COMPLETION_LENGTH = 4, 8, 24
 MU_HIGH = 4
 ASYNC_AIM = 0.7  # the aim: async/sync on the tiny recipe
@@ -115,14 +120,16 @@ def pinned_recipe(work: Path, steps: int, extra: list[str] = ()):
 
 
 def shipped_recipe(work: Path, steps: int | None = None, extra: list[str] = ()):
-    """configs/tiny-cpu.yaml as shipped; only where things are written moves (and the steps, for a short check)."""
+    """configs/tiny-cpu.yaml as shipped; only where things are written moves (and the steps, for a short
+    check)."""
     from trainer.recipe import load_recipe
 
     return load_recipe(CONFIG, [*_local(work), *([f"train.max_steps={steps}"] if steps else []), *extra])
 
 
 def _local(work: Path) -> list[str]:
-    # the base model where `make run` caches it (a deterministic bootstrap, keyed by its config); the rest in `work`
+    # the base model where `make run` caches it (a deterministic bootstrap, keyed by its config); the rest in
+    # `work`
     base = REPO_ROOT / load_yaml_config()["bootstrap"]["out"]
     return [f"bootstrap.out={base}", f"data.out={work / 'data'}", f"train.output_dir={work / 'unused'}"]
 
@@ -154,7 +161,8 @@ def _version(package: str) -> str:
 
 # ------------------------------------------------------------------------------------------------- ours
 def run_ours(recipe, model_path: str, data_dir: Path) -> dict:
-    """One `GRPOTrainer(recipe).train()`; its output directory is removed after (the bench keeps no checkpoints)."""
+    """One `GRPOTrainer(recipe).train()`; its output directory is removed after (the bench keeps no
+    checkpoints)."""
     from trainer.grpo import GRPOTrainer
 
     cfg, asynchronous = recipe.train, recipe.rollout.async_
@@ -316,9 +324,10 @@ _NOT_TRL = {
 
 
 def recipe_trl_args(recipe) -> tuple[dict, list[str]]:
-    """What the shipped recipe says, as GRPOConfig arguments; TRL's defaults for the rest. The batch shape always
-    follows the recipe (prompts x generations per step, micro-batch), so both do the same work per step. A `train:`
-    key this function does not know is an error: a new recipe setting must be placed, not silently dropped."""
+    """What the shipped recipe says, as GRPOConfig arguments; TRL's defaults for the rest. The batch shape
+    always follows the recipe (prompts x generations per step, micro-batch), so both do the same work per
+    step. A `train:` key this function does not know is an error: a new recipe setting must be placed, not
+    silently dropped."""
     from trl import GRPOConfig
 
     cfg, said = recipe.train, load_yaml_config().get("train", {})
@@ -357,9 +366,11 @@ def recipe_trl_args(recipe) -> tuple[dict, list[str]]:
 def run_trl(
     recipe, model_path: str, data_dir: Path, out_dir: Path, args: dict, mu: int = 1, score_base: bool = False
 ) -> dict:
-    """TRL's GRPOTrainer on the recipe's data and rewards with GRPOConfig(**args), scored by our evaluate_greedy.
+    """TRL's GRPOTrainer on the recipe's data and rewards with GRPOConfig(**args), scored by our
+    evaluate_greedy.
 
-    wall_s: load, held-out before (with `score_base`), build, train, held-out after: the pieces of our train()."""
+    wall_s: load, held-out before (with `score_base`), build, train, held-out after: the pieces of our
+    train()."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
@@ -659,7 +670,8 @@ def run_benchmark(work: Path, steps: int | None = None, repeats: int | None = No
 
 
 def summarize(runs: list[dict]) -> dict:
-    """A side over its rounds: the median of each per-run figure, the max of other%, and the runs themselves."""
+    """A side over its rounds: the median of each per-run figure, the max of other%, and the runs
+    themselves."""
     keys = (
         "median_s_per_step",
         "s_per_step",
@@ -699,19 +711,22 @@ def format_table(r: dict) -> str:
     lines = [
         "",
         f"step bench: {w['prompts_per_step']} prompts x {w['num_generations']} generations, "
-        f"<={w['max_completion_length']} completion tokens, {w['steps']} steps per side per round, {w['repeats']} "
-        f"rounds alternated (A B C .. C B A ..), model {w['parameters'] / 1e6:.2f}M params, {w['threads']} CPU "
-        f"threads, lr {w['learning_rate']:g}; {w['elapsed_s'] / 60:.1f} min",
-        f"median, mean: s per generated batch, the median (mean) over steps 2..{w['steps']} of a run, then the median "
-        f"over rounds; acc: greedy held-out accuracy on {w['heldout_rows']} rows (median over rounds); tokens: mean "
-        "completion length; other%: CPU other processes used during each run (above a few %: noisy)",
-        f"{'':26s}{'median':>8s}{'mean':>8s}{'acc':>8s}{'tokens':>8s}  {'other%':>10s}  {'s/step per round':24s}",
+        f"<={w['max_completion_length']} completion tokens, {w['steps']} steps per side per round, "
+        f"{w['repeats']} rounds alternated (A B C .. C B A ..), model {w['parameters'] / 1e6:.2f}M params, "
+        f"{w['threads']} CPU threads, lr {w['learning_rate']:g}; {w['elapsed_s'] / 60:.1f} min",
+        f"median, mean: s per generated batch, the median (mean) over steps 2..{w['steps']} of a run, then "
+        f"the median over rounds; acc: greedy held-out accuracy on {w['heldout_rows']} rows "
+        "(median over rounds); tokens: mean completion length; other%: CPU other processes used during each "
+        "run (above a few %: noisy)",
+        f"{'':26s}{'median':>8s}{'mean':>8s}{'acc':>8s}{'tokens':>8s}  "
+        f"{'other%':>10s}  {'s/step per round':24s}",
         row("base model (before)", acc=ours["heldout_before"]),
         row(
             STEP_LABELS["grpoflow_mu1"],
             ours,
             ours["heldout_after"],
-            f"rollout {ours['rollout_s']:.3f} + reward {ours['reward_s']:.3f} + train {ours['train_s']:.3f} s",
+            f"rollout {ours['rollout_s']:.3f} + reward {ours['reward_s']:.3f} "
+            f"+ train {ours['train_s']:.3f} s",
         ),
         row(STEP_LABELS["trl_mu1"], trl, trl["heldout_after"]),
         row(
@@ -728,7 +743,8 @@ def format_table(r: dict) -> str:
             f"idle: trainer {asy['trainer_idle_fraction']:.0%}, rollout {asy['rollout_idle_fraction']:.0%}; "
             f"weight sync {asy['weight_sync_s'] * 1000:.0f} ms",
         ),
-        f"ratios of median s/step, per round then the median over rounds [min-max; each round] ({r['ratio_method']}):",
+        f"ratios of median s/step, per round then the median over rounds [min-max; each round] "
+        f"({r['ratio_method']}):",
     ]
     lines += [f"  {label:16s}{format_ratio(ratio)}" for label, ratio in x.items()]
     t = trl["runs"][0]
@@ -848,8 +864,8 @@ def run_recipe_benchmark(work: Path, steps: int | None = None, repeats: int | No
         "trl_args_left_out": trl_left,
         "sides": {name: summarize(runs[name]) for name in RECIPE_SIDES},
         "ratios": ratios,
-        "ratio_method": "per round, then the median over rounds; wall: the whole training with held-out before "
-        "and after; loop: first step start to last step end; step: median step over 2..N",
+        "ratio_method": "per round, then the median over rounds; wall: the whole training with held-out "
+        "before and after; loop: first step start to last step end; step: median step over 2..N",
         "async_aim": ASYNC_AIM,
     }
     report["plot"] = plot_round_ratios(
@@ -868,14 +884,16 @@ def format_recipe_table(r: dict) -> str:
     lines = [
         "",
         f"tiny recipe end to end ({w['config']}): {w['steps']} steps (recipe: {w['recipe_max_steps']}), "
-        f"{w['prompts_per_step']} prompts x {w['num_generations']} generations, <={w['max_completion_length']} tokens, "
-        f"micro-batch {w['micro_batch_size']}, lr {w['learning_rate']:g} {w['lr_scheduler_type']}; {w['repeats']} "
-        f"round(s){' (one: no spread to judge)' if w['repeats'] == 1 else ', alternated'}; {w['threads']} CPU threads; "
-        f"{w['elapsed_s'] / 60:.1f} min",
-        "wall: load + held-out before + all steps and checkpoints + held-out after; loop: first step start to last "
-        "step end; step: median step 2..N; acc: greedy held-out accuracy (grpoflow's evaluate_greedy) on "
-        f"{w['heldout_rows']} rows; medians over rounds; other%: each run",
-        f"{'':30s}{'wall s':>8s}{'loop s':>8s}{'step s':>8s}{'before':>8s}{'after':>8s}{'reward':>8s}  other%",
+        f"{w['prompts_per_step']} prompts x {w['num_generations']} generations, "
+        f"<={w['max_completion_length']} tokens, micro-batch {w['micro_batch_size']}, "
+        f"lr {w['learning_rate']:g} {w['lr_scheduler_type']}; {w['repeats']} "
+        f"round(s){' (one: no spread to judge)' if w['repeats'] == 1 else ', alternated'}; "
+        f"{w['threads']} CPU threads; {w['elapsed_s'] / 60:.1f} min",
+        "wall: load + held-out before + all steps and checkpoints + held-out after; loop: first step start "
+        "to last step end; step: median step 2..N; acc: greedy held-out accuracy (grpoflow's "
+        f"evaluate_greedy) on {w['heldout_rows']} rows; medians over rounds; other%: each run",
+        f"{'':30s}{'wall s':>8s}{'loop s':>8s}{'step s':>8s}{'before':>8s}{'after':>8s}"
+        f"{'reward':>8s}  other%",
     ]
     for name in RECIPE_SIDES:
         side = s[name]

@@ -1,11 +1,11 @@
 """Benchmark: the embedded vision demo learns to count (configs/tiny-vl-counting-cpu.yaml), end to end.
 
-What it runs, in one process: the counting bootstrap (a tiny Qwen2-VL-architecture model warmed up on synthetic
-CLEVR-like images until its greedy held-out counting accuracy is in the recipe's band), the prepared synthetic
-counting data (2000 training images, 200 held-out images from their own stream), then GRPO with the recipe's
-format + counting rewards. It prints held-out greedy counting accuracy before and after, the training time,
-and the sampled counting reward per 50 steps; it writes the reward curve and a before/after grid of held-out
-images with their answers to `.state/bench/vision/`.
+What it runs, in one process: the counting bootstrap (a tiny Qwen2-VL-architecture model warmed up on
+synthetic CLEVR-like images until its greedy held-out counting accuracy is in the recipe's band), the prepared
+synthetic counting data (2000 training images, 200 held-out images from their own stream), then GRPO with the
+recipe's format + counting rewards. It prints held-out greedy counting accuracy before and after, the training
+time, and the sampled counting reward per 50 steps; it writes the reward curve and a before/after grid of
+held-out images with their answers to `.state/bench/vision/`.
 
 The aim: held-out counting accuracy up by at least 10 points in at most 10 minutes of training on a
 2-core machine. This is a figure, not a timed test: it is asserted only that training ran its steps and that

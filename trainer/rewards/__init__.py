@@ -1,6 +1,7 @@
 """Reward functions for GRPO, in TRL's signature `f(prompts, completions, **columns) -> list[float | None]`.
 
-Built-ins by name (`resolve_reward`): format, accuracy, countdown, counting, cosine, repetition, soft_overlong.
+Built-ins by name (`resolve_reward`): format, accuracy, countdown, counting, cosine, repetition,
+soft_overlong.
 `RewardRunner` scores a batch with several weighted rewards, isolating errors and timeouts per completion.
 This package is also the one answer checker `evaluation/` uses for scoring.
 """

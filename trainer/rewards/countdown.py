@@ -14,8 +14,8 @@ Accepted (anything else is 0.0):
 - optionally one trailing `= <target>` whose right-hand side is the target itself;
 - every intermediate value bounded (`MAX_ABS` for numerator and denominator), division by zero rejected.
 
-The gold columns are `nums` (a list of integers per row) and `target` (an integer); a row whose columns are not
-integers gets None, as it is the data's fault, not the model's.
+The gold columns are `nums` (a list of integers per row) and `target` (an integer); a row whose columns are
+not integers gets None, as it is the data's fault, not the model's.
 """
 
 from __future__ import annotations

@@ -4,15 +4,17 @@ Why a separate process: math-verify's own timeout is `signal.alarm`, which only 
 more importantly, cannot interrupt a single long C call. Parsing `\\binom{1000000}{500000}` or comparing
 `2^{2^{30}}` with a number spends seconds to hours inside one big-integer operation that holds the GIL, so a
 thread timeout cannot stop it either: the whole training process would freeze (huggingface/Math-Verify#65).
-`grade_answer` therefore sends each (gold, predicted) pair to one long-lived worker subprocess (this file run as
-a script) and waits at most `GRADE_TIMEOUT_S`; a worker that does not answer in time is killed and restarted, and
-the answer scores 0.0 (an answer too costly to check is treated as wrong). The worker's address space is capped
-at `WORKER_MEMORY_BYTES` where the OS allows it. One worker serves the whole process, one pair at a time.
+`grade_answer` therefore sends each (gold, predicted) pair to one long-lived worker subprocess (this file run
+as a script) and waits at most `GRADE_TIMEOUT_S`; a worker that does not answer in time is killed and
+restarted, and the answer scores 0.0 (an answer too costly to check is treated as wrong). The worker's address
+space is capped at `WORKER_MEMORY_BYTES` where the OS allows it. One worker serves the whole process, one pair
+at a time.
 
 `parse_math` and `grade_in_process` are the plain in-process functions the worker runs; they use math-verify's
 signal timeouts in the main thread and switch them off elsewhere (they raise there otherwise).
 
-This module imports nothing from `trainer`, so that the worker starts with just the standard library and math-verify.
+This module imports nothing from `trainer`, so that the worker starts with just the standard library and
+math-verify.
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ def _parse_gold(gold: str) -> tuple:
 
 
 def grade_in_process(gold: str, predicted: str) -> float | None:
-    """1.0 if `predicted` equals `gold` under math-verify, 0.0 if not, None if `gold` does not parse. Unbounded."""
+    """1.0 if `predicted` equals `gold` under math-verify, 0.0 if not, None if `gold` does not parse.
+    Unbounded."""
     gold_parsed = list(_parse_gold(gold))
     if not gold_parsed:
         return None
@@ -98,7 +101,8 @@ def grade_answer(gold: str, predicted: str) -> float | None:
 
 
 class _WorkerProcess:
-    """The worker subprocess: JSON `[gold, predicted]` lines in, JSON result lines out; restarted when killed."""
+    """The worker subprocess: JSON `[gold, predicted]` lines in, JSON result lines out; restarted when
+    killed."""
 
     def __init__(self):
         self._forget()

@@ -1,12 +1,13 @@
 """The format reward and the math-verify based correctness rewards (`format`, `accuracy`, `counting`).
 
-All three follow TRL's reward signature, `f(prompts, completions, **columns) -> list[float | None]`, read the gold
-answer from the `answer` column, and ignore every other column. The model's answer, and a gold answer written
-in tags or a box, are read by `data.answers.extract_answer` (last `<answer>` block, else last `\\boxed{}`).
+All three follow TRL's reward signature, `f(prompts, completions, **columns) -> list[float | None]`, read the
+gold answer from the `answer` column, and ignore every other column. The model's answer, and a gold answer
+written in tags or a box, are read by `data.answers.extract_answer` (last `<answer>` block, else last
+`\\boxed{}`).
 
-`accuracy` and `counting` return None only when the gold answer is missing or unparseable (the row's fault, not the
-model's); a missing, empty, unparseable or too costly model answer is 0.0. The math-verify comparison itself runs
-in `math_grader`'s worker process, so that no answer can hang training.
+`accuracy` and `counting` return None only when the gold answer is missing or unparseable (the row's fault,
+not the model's); a missing, empty, unparseable or too costly model answer is 0.0. The math-verify comparison
+itself runs in `math_grader`'s worker process, so that no answer can hang training.
 """
 
 from __future__ import annotations

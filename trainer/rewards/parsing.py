@@ -2,8 +2,8 @@
 the data adapters use for gold solutions, so "what counts as the model's answer" is decided once.
 
 `completion_text` accepts a plain string or TRL's conversational form (a list of messages, each
-  `{"role": ..., "content": ...}`, where content may itself be a list of `{"type": "text", "text": ...}` parts)
-  and returns the concatenated text.
+  `{"role": ..., "content": ...}`, where content may itself be a list of `{"type": "text", "text": ...}`
+  parts) and returns the concatenated text.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ def completion_text(completion: object) -> str:
     if isinstance(completion, Sequence):
         return "".join(completion_text(message) for message in completion)
     raise TypeError(
-        f"completion must be a string or a list of {{'role', 'content'}} messages, got {type(completion).__name__}"
+        f"completion must be a string or a list of {{'role', 'content'}} messages, "
+        f"got {type(completion).__name__}"
     )
 
 
@@ -32,7 +33,8 @@ def _plain_text(value: object) -> str | None:
 
 
 def _content_text(content: object) -> str:
-    # Message content is a string, or (multimodal chat templates) a list of typed parts of which only text counts.
+    # Message content is a string, or (multimodal chat templates) a list of typed parts of which only text
+    # counts.
     if (text := _plain_text(content)) is not None:
         return text
     if isinstance(content, Sequence):

@@ -1,16 +1,16 @@
 """Turning a reward spec from a recipe into a reward function.
 
 A spec is one of
-- a built-in name (`available_rewards()`): `format`, `accuracy`, `countdown`, `counting`, `cosine`, `repetition`,
-  `soft_overlong`; `args` are the factory's parameters (`cosine`, `repetition`, `soft_overlong` take some, the
-  others none);
+- a built-in name (`available_rewards()`): `format`, `accuracy`, `countdown`, `counting`, `cosine`,
+  `repetition`, `soft_overlong`; `args` are the factory's parameters (`cosine`, `repetition`, `soft_overlong`
+  take some, the others none);
 - `package.module:function`: imported with importlib;
 - `path/to/file.py:function`: loaded from that file (relative to `base_dir` when given, else to the working
   directory). This runs the file: it is code the user put in their recipe, like any import. Model text is
   never loaded or run anywhere in this package.
 
-For a plug-in, `args` are bound to the function as keyword arguments (`functools.partial`), so a plug-in is the
-reward function itself, with the TRL signature `f(prompts, completions, **columns)`.
+For a plug-in, `args` are bound to the function as keyword arguments (`functools.partial`), so a plug-in is
+the reward function itself, with the TRL signature `f(prompts, completions, **columns)`.
 
 Every failure raises RewardSpecError (a ValueError) naming the spec and what was expected.
 """
@@ -60,7 +60,8 @@ def available_rewards() -> tuple[str, ...]:
 
 
 def resolve_reward(spec: str, args: Mapping | None = None, *, base_dir: str | Path | None = None) -> RewardFn:
-    """The reward function for `spec` (a built-in name or a `module:function` / `file.py:function` plug-in)."""
+    """The reward function for `spec` (a built-in name or a `module:function` / `file.py:function`
+    plug-in)."""
     args = dict(args or {})
     if not isinstance(spec, str) or not spec.strip():
         raise RewardSpecError(f"reward spec must be a non-empty string, got {spec!r}")

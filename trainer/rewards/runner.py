@@ -123,7 +123,8 @@ class RewardRunner:
             self._log_once(name, error, "the whole batch")
             return [None] * n, n
         except Exception as error:
-            # Log the batch failure too: a function failing only on batches would otherwise run n times slower silently.
+            # Log the batch failure too: a function failing only on batches would otherwise run n times slower
+            # silently.
             self._log_once(name, error, "the whole batch")
             return self._score_each(name, fn, prompts, completions, columns)
         values, failed = [], 0
@@ -187,7 +188,8 @@ class RewardRunner:
 
 
 def _row(column, i: int, n: int):
-    # Per-sample columns are lists as long as the batch; anything else (e.g. TRL's trainer_state) passes through.
+    # Per-sample columns are lists as long as the batch; anything else (e.g. TRL's trainer_state) passes
+    # through.
     if isinstance(column, Sequence) and not isinstance(column, str) and len(column) == n:
         return [column[i]]
     return column

@@ -1,18 +1,20 @@
 """Shaping rewards that take parameters: `cosine`, `repetition` and `soft_overlong`.
 
-Each is a factory: called with its parameters, it checks them and returns a TRL-signature reward function whose
-`__name__` is the registry name. Lengths are in tokens, `len(completion_ids[i])`, when the trainer passes
-`completion_ids`, and in characters of the completion text otherwise; set `max_len`/`cache_len` in the same unit.
+Each is a factory: called with its parameters, it checks them and returns a TRL-signature reward function
+whose `__name__` is the registry name. Lengths are in tokens, `len(completion_ids[i])`, when the trainer
+passes `completion_ids`, and in characters of the completion text otherwise; set `max_len`/`cache_len` in the
+same unit.
 
 - `cosine` (open-r1's `get_cosine_scaled_reward`): correct answers earn more when short, wrong answers are
-  penalised less when long. progress = min(length / max_len, 1) (clipped so that an over-long completion stays at
-  the end of the curve instead of climbing back up the cosine), then reward = lo + (hi - lo) * (1 + cos(pi *
-  progress)) / 2 with (lo, hi) = (min_value_correct, max_value_correct) if correct, else
-  (max_value_wrong, min_value_wrong). Correctness is `accuracy`'s check; None where the gold answer is unreadable.
+  penalised less when long. progress = min(length / max_len, 1) (clipped so that an over-long completion stays
+  at the end of the curve instead of climbing back up the cosine), then
+  reward = lo + (hi - lo) * (1 + cos(pi * progress)) / 2 with
+  (lo, hi) = (min_value_correct, max_value_correct) if correct, else (max_value_wrong, min_value_wrong).
+  Correctness is `accuracy`'s check; None where the gold answer is unreadable.
 - `repetition` (open-r1's `get_repetition_penalty_reward`): max_penalty * (1 - unique / total) over the word
   n-grams of `text.lower().split()`; 0.0 with fewer than `ngram_size` words.
-- `soft_overlong` (DAPO's soft overlong punishment): 0 up to max_len - cache_len, then a linear ramp down to -1
-  at max_len, and -1 beyond.
+- `soft_overlong` (DAPO's soft overlong punishment): 0 up to max_len - cache_len, then a linear ramp
+  down to -1 at max_len, and -1 beyond.
 """
 
 from __future__ import annotations

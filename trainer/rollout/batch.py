@@ -1,4 +1,5 @@
-"""From sampled completions to the tensors the loss needs: one scored rollout batch, cut into padded micro-batches.
+"""From sampled completions to the tensors the loss needs: one scored rollout batch, cut into padded
+micro-batches.
 
 Sequences are [left-padded prompt | right-padded completion]; position ids count real tokens only, so the
 trainer's forward sees the same positions the engine saw while sampling.
@@ -83,9 +84,10 @@ class RolloutBatch:
                 cmask[r, :n] = float(self.loss_mask[i])
                 behaviour[r, :n] = torch.tensor(c.logprobs)
                 if (vision := vision_of(p)) is not None and vision.image_token_id in c.token_ids:
-                    # A sampled image placeholder has no image behind it: fed back it would make the model look
-                    # for one more image than it was given. Such a completion is left out of the loss, and the
-                    # placeholder is padding in the forward (its tokens' log-probs are then never used).
+                    # A sampled image placeholder has no image behind it: fed back it would make the model
+                    # look for one more image than it was given. Such a completion is left out of the loss,
+                    # and the placeholder is padding in the forward (its tokens' log-probs are then never
+                    # used).
                     ids[r, p_len : p_len + n].masked_fill_(
                         ids[r, p_len : p_len + n] == vision.image_token_id, pad_id
                     )

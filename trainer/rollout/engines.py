@@ -1,4 +1,5 @@
-"""Choosing a rollout engine from the recipe: transformers (any machine), vLLM or LMDeploy (the `[gpu]` extra).
+"""Choosing a rollout engine from the recipe: transformers (any machine), vLLM or LMDeploy (the `[gpu]`
+extra).
 
 The GPU engines are imported only when a recipe asks for them, so everything else runs on a machine
 without them. Asking for one that is not installed raises `trainer.extras.MissingExtraError`.
@@ -23,8 +24,8 @@ def vllm_settings(cfg: RolloutConfig, max_model_len: int | None = None) -> dict:
 
 
 def shares_weights(engine: RolloutEngine) -> bool:
-    """True for the transformers engine: it generates with the module the weights live in, so it always samples
-    them. vLLM and LMDeploy hold their own copy, which `load_policy` refreshes."""
+    """True for the transformers engine: it generates with the module the weights live in, so it always
+    samples them. vLLM and LMDeploy hold their own copy, which `load_policy` refreshes."""
     from trainer.rollout.hf_engine import HFEngine
 
     return isinstance(engine, HFEngine)
@@ -43,8 +44,8 @@ def load_policy(engine: RolloutEngine, model, version: int) -> None:
 
 
 def policy_tensors(model):
-    """(name, whole tensor) for every checkpoint tensor of `model`, also out of ZeRO-3 shards (collective there:
-    every trainer rank iterates to the end, also those that send nothing)."""
+    """(name, whole tensor) for every checkpoint tensor of `model`, also out of ZeRO-3 shards (collective
+    there: every trainer rank iterates to the end, also those that send nothing)."""
     from trainer.deepspeed_setup import gathered
 
     return gathered(model.state_dict(keep_vars=True).items())
@@ -53,8 +54,8 @@ def policy_tensors(model):
 class ServedByRankZero:
     """What trainer ranks other than 0 hold in server mode. Rank 0 alone talks to the server: it sends the
     weights, generates each batch and hands it to the other ranks (`rollout.source.SyncRollout`), so this rank
-    opens no connection and no weight-transfer communicator of its own. Asking it to generate or to send weights
-    is a bug, and raises."""
+    opens no connection and no weight-transfer communicator of its own. Asking it to generate or to send
+    weights is a bug, and raises."""
 
     def __init__(self, server_url: str):
         self.server_url, self.version = server_url, 0
@@ -100,8 +101,8 @@ def make_engine(
 
     transformers: wraps `model` and `tokenizer` when given (the trainer's own copy: generation then always
     sees the current weights), else loads both from `model_path` onto `device`.
-    vllm: an in-process `vllm.LLM` with the recipe's engine settings (sleep mode on when `cfg.colocate` and the
-    platform can sleep; `max_model_len` when the recipe sets none), or a client of the running server at
+    vllm: an in-process `vllm.LLM` with the recipe's engine settings (sleep mode on when `cfg.colocate` and
+    the platform can sleep; `max_model_len` when the recipe sets none), or a client of the running server at
     `cfg.server_url`. lmdeploy: an in-process pipeline; `lmdeploy_backend` "pytorch" is the one whose
     weights can be updated in place.
     """

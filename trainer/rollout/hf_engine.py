@@ -165,7 +165,8 @@ class Decoding:
 
     @torch.no_grad()
     def step(self, tokens: int | None = None) -> None:
-        """Decode up to `tokens` more tokens (all that remain when None); sets `done` at EOS everywhere or max_tokens."""
+        """Decode up to `tokens` more tokens (all that remain when None); sets `done` at EOS everywhere or
+        max_tokens."""
         engine, sampling = self.engine, self.sampling
         for _ in range(sampling.max_tokens if tokens is None else tokens):
             if self.done:

@@ -1,11 +1,13 @@
 """The LMDeploy rollout engine: an `lmdeploy.pipeline` in this process, generating from token ids.
 
 LMDeploy is the `lmdeploy` extra (its own environment: its torch pin excludes the `vllm` extra's), imported
-inside the constructor; without it the constructor raises `MissingExtraError` naming `pip install '.[lmdeploy]'`.
-LMDeploy has no CPU backend, so nothing here has run in this project: the plain functions below
-(`engine_config`, `call_on_loop`) are unit-tested on CPU, the engine itself only by `infra/gpu/smoke.sh`.
+inside the constructor; without it the constructor raises `MissingExtraError` naming
+`pip install '.[lmdeploy]'`. LMDeploy has no CPU backend, so nothing here has run in this project: the plain
+functions below (`engine_config`, `call_on_loop`) are unit-tested on CPU, the engine itself only by
+`infra/gpu/smoke.sh`.
 
-What was read (LMDeploy's source at the git tags v0.10.0 to v0.16.0, and the published 0.17.0 and 0.18.0 wheels):
+What was read (LMDeploy's source at the git tags v0.10.0 to v0.16.0, and the published 0.17.0 and 0.18.0
+wheels):
 - `GenerationConfig` supports n = 1 only, so each of a prompt's n samples is its own request with its own
   `random_seed`. Its defaults are greedy (`do_sample=False`) with top_k = 50, so both are set explicitly.
   The stop token is dropped from the output unless `include_stop_str_in_output` (0.11+), which is set so a
@@ -133,7 +135,8 @@ class LMDeployEngine:
     """Rollout engine over an in-process LMDeploy pipeline (backend "pytorch" or "turbomind").
 
     With the PyTorch backend the model runs in a Ray worker process that LMDeploy starts on this node (its Ray
-    executor, the one that takes weight updates; `engine_kwargs` asking for another executor raise ValueError).
+    executor, the one that takes weight updates; `engine_kwargs` asking for another executor raise
+    ValueError).
     `gpu_memory_utilization` becomes LMDeploy's `cache_max_entry_count`: the share of the GPU memory left
     after loading the weights that the KV cache takes (vLLM's setting counts the weights in). Raises
     `MissingExtraError` without LMDeploy, ValueError for a float32 dtype (LMDeploy runs float16/bfloat16),
@@ -295,8 +298,8 @@ class LMDeployEngine:
         if self.backend != "pytorch":
             raise NotImplementedError(
                 "LMDeploy's TurboMind backend has no in-place weight update usable between generations "
-                "(update_params only fills engines built with empty_init=True, layer by layer, up to 0.12, and "
-                "is not wired up from 0.15); use backend='pytorch' for training"
+                "(update_params only fills engines built with empty_init=True, layer by layer, up to 0.12, "
+                "and is not wired up from 0.15); use backend='pytorch' for training"
             )
         if "weights" in self._asleep:
             raise RuntimeError("the weights are asleep; call wake_up(['weights']) before update_weights()")

