@@ -217,6 +217,7 @@ def test_a_checkpoint_cut_short_by_sigkill_is_removed_by_the_next_run(tmp_path, 
     assert sorted(p.name for p in run.iterdir() if not p.name.startswith(".mlflow")) == [
         ".lock",
         "checkpoint-1",
+        "heldout",
         "latest",
         "metrics.jsonl",
     ]
