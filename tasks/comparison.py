@@ -91,7 +91,8 @@ def open_store(recipe: Recipe, services: dict) -> tuple[MlflowClient, str]:
         client = tracking.client_for(services["tracking_uri"], services.get("registry_uri"))
     except ServiceUnavailable:  # names the server already
         raise
-    except Exception as e:  # noqa: BLE001 - a sqlite store fails here already (e.g. its folder cannot be made)
+    # a sqlite store fails here already (e.g. its folder cannot be made)
+    except Exception as e:  # noqa: BLE001
         raise tracking.TrackingError(
             f"MLflow at {services['tracking_uri']!r} is unreachable: {type(e).__name__}: {e}"
         ) from e

@@ -311,7 +311,10 @@ def test_no_secret_in_any_output_log_artifact_param_or_tag_of_a_run_and_an_endpo
             served.url.removesuffix("/v1"), "evaluser", secret["url_token"], secret["query_key"]
         ) as (relay, seen),
     ):
-        endpoint = f"http://evaluser:{secret['url_token']}@{relay.removeprefix('http://')}/v1?api_key={secret['query_key']}"
+        endpoint = (
+            f"http://evaluser:{secret['url_token']}@{relay.removeprefix('http://')}"
+            f"/v1?api_key={secret['query_key']}"
+        )
         ev = grpoflow_run(
             "eval",
             endpoint,

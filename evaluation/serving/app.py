@@ -250,7 +250,8 @@ class _Parser:
         try:
             with self._lock:
                 return encode_prompts(self.tokenizer, [{"prompt": clean}])
-        except Exception as e:  # noqa: BLE001 - a template refusing these messages (roles, order) is the client's
+        # a template refusing these messages (roles, order) is the client's
+        except Exception as e:  # noqa: BLE001
             raise ApiError(
                 400,
                 f"messages: the chat template refused them: {type(e).__name__}: {str(e)[:200]}",

@@ -45,7 +45,10 @@ def main(prefect_db: str, mlflow_db: str) -> int:
             file=sys.stderr,
         )
         return 2
-    url = lambda driver, db: urlunsplit((f"postgresql+{driver}", parts.netloc, f"/{db}", "", ""))  # noqa: E731
+
+    def url(driver: str, db: str) -> str:
+        return urlunsplit((f"postgresql+{driver}", parts.netloc, f"/{db}", "", ""))
+
     print(url("asyncpg", prefect_db), url("psycopg", mlflow_db))
     return 0
 
