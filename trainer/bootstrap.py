@@ -63,12 +63,12 @@ def config_hash(cfg: BootstrapConfig, system_prompt: str) -> str:
     return sha256_json({**settings, "system_prompt": system_prompt})
 
 
-def build_model(cfg: BootstrapConfig, tokenizer):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def model_config(cfg: BootstrapConfig, vocab_size: int, **token_ids):
+    """The tiny base model's transformers config (also what the memory plan sizes before it is made)."""
+    from transformers import Qwen2Config
 
-    torch.manual_seed(cfg.seed)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
+    return Qwen2Config(
+        vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers,
@@ -76,6 +76,17 @@ def build_model(cfg: BootstrapConfig, tokenizer):
         num_key_value_heads=cfg.num_heads,
         max_position_embeddings=1024,
         tie_word_embeddings=True,
+        **token_ids,
+    )
+
+
+def build_model(cfg: BootstrapConfig, tokenizer):
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(cfg.seed)
+    config = model_config(
+        cfg,
+        len(tokenizer),
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),

@@ -311,16 +311,21 @@ def trainer_device(
     return this_trainer(cfg, environ, count)[1].device
 
 
+def planned_node(cfg: RolloutConfig, gpus: int | None = None) -> tuple[list[str], str]:
+    """The node a dry run plans for (its GPUs, and where that count came from): `gpus` GPUs, else the GPUs
+    this machine sees, else the fewest the recipe's device ids need."""
+    if gpus is not None:
+        return [str(i) for i in range(gpus)], "--gpus"
+    if node_gpus():
+        return node_gpus(), "this machine"
+    node = [str(i) for i in range(max([*cfg.train_devices, *cfg.rollout_devices], default=-1) + 1)]
+    return node, "the recipe's device ids" if node else "no GPU (CPU)"
+
+
 def dry_run(cfg: RolloutConfig, gpus: int | None = None) -> tuple[dict, str]:
     """The plan as `grpoflow train --dry-run` shows it (JSON summary, text) for a node of `gpus` GPUs, else
     the GPUs this machine sees, else the fewest the recipe's device ids need. Touches no GPU."""
-    if gpus is not None:
-        node, source = [str(i) for i in range(gpus)], "--gpus"
-    elif node_gpus():
-        node, source = node_gpus(), "this machine"
-    else:
-        node = [str(i) for i in range(max([*cfg.train_devices, *cfg.rollout_devices], default=-1) + 1)]
-        source = "the recipe's device ids" if node else "no GPU (CPU)"
+    node, source = planned_node(cfg, gpus)
     placement = plan(cfg, node)
     lines = [f"{len(node)} GPUs ({source}), rollout {placement.mode} ({cfg.engine})"]
     lines += [
@@ -339,6 +344,7 @@ __all__ = [
     "dry_run",
     "node_gpus",
     "plan",
+    "planned_node",
     "this_trainer",
     "trainer_device",
     "trainer_env",
