@@ -62,6 +62,7 @@ from trainer.checkpoint import (
 from trainer.divergence import NonFiniteError, stop_unless_finite, updated_policy_extremes
 from trainer.heldout import evaluate_greedy, write_samples
 from trainer.launch import distributed_exit
+from trainer.memory_plan import check_gpu_memory, engine_rollout
 from trainer.metrics import MetricsFile, TrainerCallback, TrainResult
 from trainer.model_loading import load_model
 from trainer.placement import trainer_device
@@ -128,8 +129,10 @@ class GRPOTrainer:
             )
             self.ref_model.eval().requires_grad_(False)
         # synchronous rollout and held-out evaluation; it holds the current policy whenever it is used
+        # an unset engine share comes from the memory plan (beside this rank: what the trainer leaves)
+        self.rollout = engine_rollout(self.recipe)
         engine = make_engine(
-            self.recipe.rollout,
+            self.rollout,
             str(self.checkpoint or self.model_path),
             model=self.model,
             tokenizer=self.tokenizer,
@@ -137,7 +140,7 @@ class GRPOTrainer:
             seed=cfg.seed,
             max_model_len=cfg.max_prompt_length + cfg.max_completion_length,
         )
-        self.local_engine = LocalEngine(engine, self.recipe.rollout, version=self.start_step)
+        self.local_engine = LocalEngine(engine, self.rollout, version=self.start_step)
         self.callbacks += [load_plugin(spec, what="training callback")() for spec in cfg.callbacks]
         self.rewards = RewardRunner(
             [
@@ -256,7 +259,7 @@ class GRPOTrainer:
                 world=self.world,
             )
         return AsyncRollout(
-            self.recipe.rollout,
+            self.rollout,
             self.cfg,
             str(self.checkpoint or self.model_path),
             self.recipe.model,
@@ -449,8 +452,10 @@ def check_supported(recipe: Recipe) -> None:
 
 
 def prepare_inputs(recipe: Recipe) -> str:
-    """Prepared data and base model (both cached); returns the model path."""
+    """Prepared data and base model (both cached); returns the model path. On GPUs the recipe's memory plan
+    must fit them first (`memory_plan.check_gpu_memory`)."""
     check_supported(recipe)
+    check_gpu_memory(recipe)
     from data.manifest import MANIFEST
     from data.prepare import prepare
     from trainer.bootstrap import resolve_base_model

@@ -148,6 +148,9 @@ class RewardSpec:
 
 
 ZERO_PRESETS = ("zero1", "zero2", "zero3")  # train.deepspeed shorthands: ZeRO stage 1, 2 or 3
+# rollout.gpu_memory_utilization of an engine with its GPUs to itself (vLLM's own default); beside a trainer
+# rank the memory plan (trainer/memory_plan.py) gives it the share the trainer leaves
+ENGINE_ALONE_UTILIZATION = 0.9
 
 
 @dataclass
@@ -234,7 +237,14 @@ class RolloutConfig:
     rollout_devices: list[int] = _f([], "device ids of the rollout engines", ge=0)
     num_engines: int = _f(1, "data-parallel engine instances; prompts are sharded across them", ge=1)
     tensor_parallel_size: int = _f(1, "tensor-parallel size of each engine", ge=1)
-    gpu_memory_utilization: float = _f(0.9, "fraction of GPU memory the engine may take", gt=0, le=1)
+    gpu_memory_utilization: float | None = _f(
+        None,
+        "fraction of each of its GPUs' memory the engine may take (vLLM's meaning; LMDeploy's "
+        "cache_max_entry_count). None: from the memory plan (`grpoflow train --dry-run`): "
+        f"{ENGINE_ALONE_UTILIZATION} on GPUs of its own, else the share the trainer's parts leave",
+        gt=0,
+        le=1,
+    )
     max_model_len: int | None = _f(
         None,
         "longest sequence the engine holds (None: max_prompt_length + max_completion_length)",
@@ -394,6 +404,7 @@ __all__ = [
     "BootstrapConfig",
     "ConfigError",
     "DataConfig",
+    "ENGINE_ALONE_UTILIZATION",
     "EvalConfig",
     "ModelConfig",
     "Recipe",

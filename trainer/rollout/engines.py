@@ -7,15 +7,23 @@ without them. Asking for one that is not installed raises `trainer.extras.Missin
 
 from __future__ import annotations
 
-from trainer.recipe import ModelConfig, RolloutConfig
+from trainer.recipe import ENGINE_ALONE_UTILIZATION, ModelConfig, RolloutConfig
 from trainer.rollout.base import RolloutEngine
+
+
+def memory_utilization(cfg: RolloutConfig) -> float:
+    """The engine's share of each of its GPUs. A recipe that leaves it unset (None) gets it from the memory
+    plan: the trainer resolves a share beside its own ranks before it builds the engine
+    (`trainer.memory_plan.engine_rollout`), so None here is an engine with its GPUs to itself."""
+    u = cfg.gpu_memory_utilization
+    return ENGINE_ALONE_UTILIZATION if u is None else u
 
 
 def vllm_settings(cfg: RolloutConfig, max_model_len: int | None = None) -> dict:
     """The recipe's settings of an in-process vLLM engine (`VLLMEngine` keyword arguments)."""
     return dict(
         tensor_parallel_size=cfg.tensor_parallel_size,
-        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        gpu_memory_utilization=memory_utilization(cfg),
         enable_sleep_mode=cfg.colocate,
         enforce_eager=cfg.enforce_eager,
         max_model_len=cfg.max_model_len or max_model_len,
@@ -156,7 +164,7 @@ def make_engine(
             model_path,
             backend=lmdeploy_backend,
             tensor_parallel_size=cfg.tensor_parallel_size,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            gpu_memory_utilization=memory_utilization(cfg),
             dtype=model_cfg.dtype,
             seed=seed,
         )

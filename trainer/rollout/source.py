@@ -115,6 +115,7 @@ class LocalEngine:
             return
         colocate = self.rollout.colocate
         if colocate:
+            torch.cuda.empty_cache()  # the trainer's freed cached blocks back to the GPU: no OOM on waking
             self.engine.wake_up(["weights"])
         if self.version != version:
             load_policy(self.engine, model, version)
