@@ -126,16 +126,35 @@ def cmd_bootstrap(args) -> dict:
     return result
 
 
+def _memory_text(memory: dict) -> str:
+    lines = [
+        f"memory plan, GPUs of {memory['gpu_memory_gib']:g} GiB: "
+        + ("fits" if memory["fits"] else "does NOT fit")
+    ]
+    lines += [
+        f"  {d['device']:<7} {d['role']:<9} {d['total_gib']:7.1f} GiB "
+        + ("" if d["fits"] else "(over) ")
+        + ", ".join(f"{k} {v:.1f}" for k, v in d["parts"].items() if v)
+        for d in memory["devices"]
+    ]
+    return "\n".join(lines + [f"  note: {n}" for n in memory["notes"]])
+
+
 def cmd_train(args) -> dict | None:
     recipe = _recipe(args)
-    if args.gpus is not None and not args.dry_run:
-        raise UsageError("--gpus plans a node of that size for --dry-run; a real run uses the GPUs it sees")
-    if args.dry_run:  # where each process would run; nothing is loaded, no GPU touched
+    for flag, value in (("--gpus", args.gpus), ("--gpu-memory-gib", args.gpu_memory_gib)):
+        if value is not None and not args.dry_run:
+            raise UsageError(f"{flag} plans a node for --dry-run; a real run uses the GPUs it sees")
+    if args.dry_run:  # where each process would run and what its GPU holds; nothing is loaded, no GPU touched
+        from trainer.memory_plan import estimate, refuse_unless_fits
         from trainer.placement import dry_run
 
         summary, text = dry_run(recipe.rollout, args.gpus)
         _say(args, f"{recipe.name}: {text}")
-        return {"dry_run": True, "recipe": recipe.name, **summary}
+        memory = estimate(recipe, args.gpus, args.gpu_memory_gib or 80.0)
+        _say(args, _memory_text(memory))
+        refuse_unless_fits(recipe, memory)
+        return {"dry_run": True, "recipe": recipe.name, **summary, "memory": memory}
     from trainer.grpo import prepare_inputs, train_recipe
     from trainer.launch import launch_ranks, needs_launch
 
@@ -316,10 +335,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dry-run",
         action="store_true",
-        help="print where each process would run (GPUs, CUDA_VISIBLE_DEVICES) and stop; touches no GPU",
+        help="print where each process would run (GPUs, CUDA_VISIBLE_DEVICES) and the memory plan of each "
+        "GPU, and stop; touches no GPU and loads no model",
     )
     p.add_argument(
         "--gpus", type=number(int, ge=0), help="with --dry-run: plan for a node with this many GPUs"
+    )
+    p.add_argument(
+        "--gpu-memory-gib",
+        type=number(float, gt=0),
+        help="with --dry-run: the memory plan's GPU size in GiB (default 80); a recipe that does not fit "
+        "is refused (exit 2) naming what to change",
     )
     _add_recipe_args(p, DEFAULT_CONFIG)
     p.set_defaults(func=cmd_train)
