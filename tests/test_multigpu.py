@@ -281,6 +281,10 @@ DRY_RUN = {
 }
 
 
+# as written, its DDP trainer (no DeepSpeed for images yet) needs more than 80 GiB: planned for an H200
+NEEDS_141_GIB = {"qwen2.5-vl-3b-clevr-counting"}
+
+
 def _gpu_recipes() -> list[Path]:
     return [
         p
@@ -297,7 +301,8 @@ def test_every_gpu_recipe_is_checked_below():
 def test_dry_run_prints_the_placement_of_every_gpu_recipe(path):
     # the command as a user types it; with no GPU in sight the node is as large as the recipe's device ids ask
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "train", "--config", str(path), "--dry-run", "--json"],
+        [sys.executable, "-m", "flows.cli", "train", "--config", str(path), "--dry-run", "--json"]
+        + (["--gpu-memory-gib", "141"] if path.stem in NEEDS_141_GIB else []),
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
