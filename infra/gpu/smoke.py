@@ -570,7 +570,8 @@ def run_train(ctx, args) -> dict:
         "train.loss_type=dapo",
         "train.eval_heldout=8",
     )
-    trainer = GRPOTrainer(recipe, saved_model(ctx), prepared_data(ctx), progress=False)  # on cuda if there
+    # on cuda when there is one
+    trainer = GRPOTrainer(recipe, saved_model(ctx), prepared_data(ctx), progress=False)
     sync(args.device)
     t0 = time.perf_counter()
     result = trainer.train()
