@@ -206,7 +206,7 @@ def test_server_completions_are_grouped_by_prompt_from_an_openai_body():
 def test_gpu_smoke_script_passes_on_cpu(tmp_path):
     out = tmp_path / "smoke.json"
     # the `grpoflow train` layouts (2 gloo ranks + a rollout worker) take minutes here; tests/test_multigpu.py
-    # and tests/test_async.py run those paths
+    # and tests/test_async.py run those paths, tests/test_deepspeed.py ZeRO-2 through the trainer
     proc = subprocess.run(
         [
             sys.executable,
@@ -214,7 +214,7 @@ def test_gpu_smoke_script_passes_on_cpu(tmp_path):
             "--device",
             "cpu",
             "--skip",
-            "layout_sync,layout_async",
+            "layout_sync,layout_async,deepspeed",
             "--out",
             str(out),
         ],
@@ -226,10 +226,17 @@ def test_gpu_smoke_script_passes_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["ok"] is True
-    for name in ("generate", "logprobs", "train"):
-        assert result["checks"][name]["ok"] is True, result["checks"][name]
-    assert result["checks"]["logprobs"]["ratio_to_untempered"] < 0.01
-    assert "deepspeed: " in proc.stdout
+    checks = result["checks"]
+    for name in ("generate", "logprobs", "bf16_logps", "bf16_masters", "train"):
+        assert checks[name]["ok"] is True, checks[name]
+    assert checks["logprobs"]["ratio_to_untempered"] < 0.01
+    # bf16 steps fp32 master weights: nearly every weight moves as in fp32, few of the bf16 copy's own do
+    masters = checks["bf16_masters"]
+    assert masters["relative_update_difference_l1"] < 1e-2 and masters["masters_moved_fraction"] > 0.99
+    assert masters["bf16_module_moved_fraction"] < 0.5
+    assert len(checks["bf16_logps"]["sampling/sampling_logp_difference/mean"]) == 2
+    assert checks["memory_plan"] == {"ok": None, "skipped": "needs cuda: torch.cuda.max_memory_allocated"}
+    assert "deepspeed: --skip, skipped" in proc.stdout
 
 
 def test_train_with_a_missing_gpu_engine_exits_2_naming_the_install(tmp_path, tiny_base, tiny_data):

@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""GPU smoke check: the rollout engines, their behaviour log-probs, and the real trainer through
-`grpoflow train` in the two layouts the GPU recipes use, on a small random model.
+"""GPU smoke check: what a GPU changes, with the real trainer: the rollout engines and their behaviour
+log-probs, `grpoflow train` in the layouts the GPU recipes use, bf16 numerics (fp32 master weights, the
+engine-vs-trainer log-prob gap), the memory plan against the CUDA allocator on real-size models, DeepSpeed
+ZeRO-2.
 
-Builds a random Qwen2 model (hidden 256, 4 layers on cuda; smaller on cpu) with a tokenizer trained on the
-spot by `trainer.bootstrap.build_tokenizer`, so it needs no model download and no bootstrap run. Checks, in
-order, each failing loudly:
+Builds a random Qwen2 model (hidden 256, 4 layers on cuda; smaller on cpu; weights a bf16 value holds exactly)
+with a tokenizer trained on the spot by `trainer.bootstrap.build_tokenizer`, so it needs no model download and
+no bootstrap run. Checks, in order, each failing loudly:
   generate      HFEngine.generate, batched, n samples per prompt: shapes, finite log-probs <= 0, diverse
                 samples
   logprobs      the engine's behaviour log-probs against the trainer's own forward (`trainer.logprobs`) on its
@@ -14,9 +16,8 @@ order, each failing loudly:
   layout_sync   `grpoflow train` (a subprocess, as a user runs it) for 3 steps, synchronous: on cuda one GPU
                 with the engine colocated (vLLM when it imports: sleep / wake-up / weight sync every step), on
                 cpu the transformers engine. Per step: finite loss and gradient norm, staleness 0, step /
-                rollout / train / weight-sync times, and the engine-vs-trainer log-prob difference when the
-                trainer logs it (`sampling/sampling_logp_difference/mean`, checked against the engine
-                tolerance)
+                rollout / train / weight-sync times, and the engine-vs-trainer log-prob difference
+                (`sampling/sampling_logp_difference/mean`, checked against the engine tolerance)
   layout_async  the same, asynchronous: 2 trainer ranks + 1 rollout GPU (3+ GPUs; 1 + 1 on 2 GPUs; skipped on
                 one), on cpu 2 gloo trainer ranks + 1 rollout worker. Staleness 0 then 1 (one-step off-policy)
   vllm          (if vllm imports, cuda only) VLLMEngine on the saved model: same log-prob check at T != 1,
@@ -24,13 +25,27 @@ order, each failing loudly:
                 wake_up(["kv_cache"]) and the check again against the trained model
   lmdeploy      (if lmdeploy imports, cuda only) LMDeployEngine(backend="pytorch"; Ray executor), same checks
                 at T = 1
+  bf16_logps    the real `GRPOTrainer` in bf16 for 2 steps, the transformers engine colocated: the
+                engine-vs-trainer gap it logs (`sampling/sampling_logp_difference/mean`) at most the bf16
+                tolerance (0.03) on each step
+  bf16_masters  one trainer update (`GRPOTrainer.optimize`) at lr 1e-6 from the same weights and batch in bf16
+                and in fp32: AdamW steps fp32 weights in both, and the bf16 run's update (of its fp32 master
+                weights) is within 1e-2 of the fp32 one (relative, L1; L2, the sign disagreements and how
+                little of the bf16 module itself moved are reported beside it)
+  memory_plan   (cuda only) random models of Qwen2.5-0.5B's and -1.5B's public shapes, made on the GPU: the
+                peak `torch.cuda.max_memory_allocated` of two real trainer updates (bf16, fp32 masters, AdamW)
+                on the countdown recipe's micro-batch (one group of 8 x 256 + 1,024 tokens) against
+                `trainer.memory_plan.estimate`'s trainer parts of device 0 (all but kv_cache), within 15 %;
+                without that module the peaks are reported and the check says "skipped"
   train         the real `GRPOTrainer` (trainer/grpo.py) in this process for a few steps on the saved model,
                 with synthetic addition data and a reward that differs between completions (a random model
                 solves nothing): transformers rollout, dapo loss, held-out greedy evaluation, a checkpoint;
                 finite losses and gradient norms, finite weights, weights changed (the engines' weight-sync
                 checks load these)
-  deepspeed     (if deepspeed imports, cuda only) a ZeRO-2 engine around a fresh model, one policy-gradient
-                step through the trainer's forward
+  deepspeed     (if deepspeed is installed) `grpoflow train train.deepspeed=zero2` with one trainer rank for 3
+                steps, checked as the layouts are, and the checkpoint holding ZeRO's optimizer shards. On cpu
+                DeepSpeed's CPU accelerator builds its shm op on first use (about 2 minutes on 2 cores, then
+                cached in ~/.cache/torch_extensions)
 Prints a line per check (and per training step of the layouts), then one JSON line with the results and
 timings; writes the JSON to $OUT/smoke.json when OUT is set (or to --out), and exits non-zero when any check
 failed. Missing optional packages are reported as skipped; `--skip vllm,lmdeploy,deepspeed,layout_async,...`
@@ -44,6 +59,7 @@ GPU memory.
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import math
@@ -76,6 +92,34 @@ LAYOUT_STEPS = 3
 LOGP_DIFF = "sampling/sampling_logp_difference/mean"
 STEP_TIMES = ("timing/step_s", "timing/rollout_s", "timing/train_s", "timing/weight_sync_s", "timing/wait_s")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# bf16 training with fp32 master weights against fp32: one update at this learning rate, from the same weights
+# and batch; most of a bf16 weight's own update would round away at it (half an ulp at |w| ~ 0.02 is ~6e-5)
+MASTER_LR = 1e-6
+# |update(bf16 masters) - update(fp32)|_1 / |update(fp32)|_1 over all weights. L1: Adam's first step moves
+# each weight by ~lr times the sign of its gradient, so the two updates differ only where bf16 rounding flips
+# the sign of a near-zero gradient; a fraction f of flips is 2f in L1 but 2 sqrt(f) in L2 (0.08 at f = 0.16 %,
+# as measured on cpu), which would hide a correct run behind a few rounding flips. Without masters it is ~1.
+MASTER_TOLERANCE = 1e-2
+# the public shapes of Qwen2.5-0.5B and -1.5B (their config.json), for random models made here: no download
+QWEN_SHAPES = {
+    "qwen2.5-0.5b": dict(
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14
+    ),
+    "qwen2.5-1.5b": dict(
+        hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12
+    ),
+}
+QWEN_COMMON = dict(
+    vocab_size=151936,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+    max_position_embeddings=32768,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+)
+# the micro-batch of configs/countdown-qwen2.5-3b.yaml: one group of 8 completions, 256 + 1,024 tokens each
+MEMORY_BATCH = dict(micro_batch_size=8, max_prompt_length=256, max_completion_length=1024)
+MEMORY_TOLERANCE = 0.15  # |plan - measured| / measured, the trainer's parts of device 0
 
 
 class CheckFailed(AssertionError):
@@ -118,7 +162,8 @@ def build(args):
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    model = Qwen2ForCausalLM(config).to(args.device, DTYPES[args.dtype])
+    # weights a bf16 value can hold exactly, so that a bf16 and an fp32 trainer start from the same ones
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16).to(args.device, DTYPES[args.dtype])
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     rows = [
         {"prompt": [{"role": "user", "content": f"What is {7 * i} + {i * i}?" + " Think." * (i % 4)}]}
@@ -272,6 +317,36 @@ def prepared_data(ctx) -> Path:
 REWARD = f"{Path(__file__).resolve()}:scattered_reward"
 
 
+def trainer_recipe(ctx, args, name: str, *overrides: str):
+    """The recipe of a trainer run in this process: the saved model, the prepared data, the smoke's sizes, no
+    held-out evaluation, its run directory `name`; `overrides` last."""
+    from trainer.recipe import load_recipe
+
+    return load_recipe(
+        None,
+        [
+            f"model.name_or_path={saved_model(ctx)}",
+            f"model.dtype={args.dtype}",
+            f"data.out={prepared_data(ctx)}",
+            f"train.output_dir={Path(ctx['work']) / name}",
+            f"train.seed={args.seed}",
+            f"train.prompts_per_step={args.prompts}",
+            f"train.num_generations={args.n}",
+            f"train.micro_batch_size={args.micro}",
+            f"train.max_completion_length={args.max_tokens}",
+            f"train.temperature={args.temperature}",
+            "train.eval_heldout=0",
+            f"rewards=[{{name: {json.dumps(REWARD)}}}]",
+            *(["rollout.train_devices=[0]"] if args.device.startswith("cuda") else []),
+            *overrides,
+        ],
+    )
+
+
+def flat(tensors) -> torch.Tensor:
+    return torch.cat([t.detach().float().flatten().cpu() for t in tensors])
+
+
 def layouts(args) -> dict[str, tuple[str, list[str], str | None]]:
     """name -> (description, rollout overrides, reason to skip) of the layouts `grpoflow train` runs in."""
     if not args.device.startswith("cuda"):
@@ -407,9 +482,9 @@ def last_json(text: str) -> dict | None:
     return None
 
 
-def run_layout(ctx, args, name: str) -> dict:
-    """LAYOUT_STEPS steps of `grpoflow train` in layout `name`; checks and prints each step's metrics."""
-    description, overrides, _ = layouts(args)[name]
+def run_layout(ctx, args, name: str, description: str, overrides: list[str]) -> dict:
+    """LAYOUT_STEPS steps of `grpoflow train` with `overrides` (run directory `name`); checks and prints each
+    step's metrics."""
     recipe = layout_recipe(ctx, args, name, overrides)
     work = recipe.parent
     print(f"{name}: {description}", flush=True)
@@ -484,32 +559,19 @@ def run_train(ctx, args) -> dict:
     """TRAIN_STEPS steps of the real GRPOTrainer on the saved model; the trained model is kept for weight
     sync."""
     from trainer.grpo import GRPOTrainer
-    from trainer.recipe import load_recipe
 
-    work = Path(ctx["work"])
-    data = prepared_data(ctx)
-    recipe = load_recipe(
-        None,
-        [
-            f"model.name_or_path={saved_model(ctx)}",
-            f"model.dtype={args.dtype}",
-            f"data.out={data}",
-            f"train.output_dir={work / 'run'}",
-            f"train.max_steps={TRAIN_STEPS}",
-            f"train.seed={args.seed}",
-            f"train.prompts_per_step={args.prompts}",
-            f"train.num_generations={args.n}",
-            f"train.micro_batch_size={args.micro}",
-            f"train.max_completion_length={args.max_tokens}",
-            f"train.temperature={args.temperature}",
-            "train.learning_rate=1e-2",
-            "train.epsilon_high=0.28",
-            "train.loss_type=dapo",
-            "train.eval_heldout=8",
-            f"rewards=[{{name: {json.dumps(REWARD)}}}]",
-        ],
+    recipe = trainer_recipe(
+        ctx,
+        args,
+        "run",
+        f"train.max_steps={TRAIN_STEPS}",
+        "train.learning_rate=1e-2",
+        "train.epsilon_high=0.28",
+        "train.loss_type=dapo",
+        "train.eval_heldout=8",
     )
-    trainer = GRPOTrainer(recipe, saved_model(ctx), data, progress=False)  # on cuda when there is one
+    # on cuda when there is one
+    trainer = GRPOTrainer(recipe, saved_model(ctx), prepared_data(ctx), progress=False)
     sync(args.device)
     t0 = time.perf_counter()
     result = trainer.train()
@@ -545,43 +607,237 @@ def run_train(ctx, args) -> dict:
 
 
 def run_deepspeed(ctx, args) -> dict:
-    from trainer import loss as L
-    from trainer.deepspeed_setup import initialize, zero_config
-    from trainer.logprobs import completion_logps
+    """`grpoflow train train.deepspeed=zero2` with one trainer rank (the transformers engine, synchronous):
+    LAYOUT_STEPS steps through DeepSpeed's ZeRO optimizer, whose shards the checkpoint must hold."""
+    overrides = ["train.deepspeed=zero2", "rollout.engine=transformers", "rollout.async=false"]
+    if args.device.startswith("cuda"):
+        overrides.append("rollout.train_devices=[0]")
+    where = "GPU 0" if args.device.startswith("cuda") else "cpu (DeepSpeed's CPU accelerator, gloo)"
+    result = run_layout(ctx, args, "deepspeed", f"{where}, ZeRO-2, one trainer rank, synchronous", overrides)
+    run = Path(ctx["work"]) / "deepspeed" / "run"
+    shards = sorted(str(p.relative_to(run)) for p in run.glob("checkpoint-*/zero/**/*") if p.is_file())
+    check(bool(shards), f"no ZeRO optimizer shards under {run}/checkpoint-*/zero: did DeepSpeed train?")
+    return {**result, "zero_shards": shards}
 
-    model = type(ctx["model"])(ctx["model"].config).to(
-        args.device
-    )  # fresh fp32 weights; DeepSpeed casts them
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    mb = next(
-        micro_batches(
-            rollout_batch(ctx["prompts"], ctx["groups"]),
-            args.micro,
-            ctx["tokenizer"].pad_token_id,
-            args.device,
-        )
+
+def one_update(ctx, args, dtype: str, batch) -> dict:
+    """One update of the real trainer (`GRPOTrainer.optimize`) on `batch` at MASTER_LR from the saved model,
+    computing in `dtype`: the change of the weights AdamW steps (fp32 master weights under bf16) and the
+    fraction of the module's own weights (what the forward runs) that moved."""
+    from trainer.grpo import GRPOTrainer
+
+    recipe = trainer_recipe(
+        ctx,
+        args,
+        f"masters-{dtype}",
+        f"model.dtype={dtype}",
+        f"train.learning_rate={MASTER_LR}",
+        "train.max_steps=1",
     )
-    engine = initialize(
-        model,
-        optimizer,
-        zero_config(stage=2, micro_batch_size=mb.input_ids.shape[0], bf16=args.dtype == "bfloat16"),
+    trainer = GRPOTrainer(recipe, saved_model(ctx), prepared_data(ctx), progress=False)
+    trainer.setup()
+    stepped = [p for group in trainer.strategy.optimizer.param_groups for p in group["params"]]
+    check(
+        {p.dtype for p in stepped} == {torch.float32},
+        f"{dtype}: AdamW steps {sorted({str(p.dtype) for p in stepped})} weights, expected float32 only",
     )
-    before = {name: p.detach().float().clone() for name, p in engine.module.named_parameters()}
-    t0 = time.perf_counter()
-    logps, _ = completion_logps(
-        engine, mb, args.temperature
-    )  # the plain forward: DeepSpeed wraps `forward` only
-    advantages = torch.linspace(-1, 1, logps.shape[0], device=logps.device)
-    loss = L.masked_mean(-(logps * advantages[:, None]), mb.completion_mask)
-    engine.backward(loss)
-    engine.step()
+    before, module_before = flat(stepped), flat(trainer.model.parameters())
+    metrics = trainer.optimize(batch)
     sync(args.device)
-    check(math.isfinite(loss.item()), f"ZeRO-2 loss is {loss.item()}")
-    changed = sum(
-        int(not torch.equal(p.detach().float(), before[n])) for n, p in engine.module.named_parameters()
+    module_moved = (flat(trainer.model.parameters()) != module_before).float().mean().item()
+    return {"update": flat(stepped) - before, "module_moved": module_moved, "grad_norm": metrics["grad_norm"]}
+
+
+def run_bf16_masters(ctx, args) -> dict:
+    """bf16 training keeps fp32 master weights: one update at lr 1e-6 from the same weights and batch, in bf16
+    and in fp32; the two updates must agree within MASTER_TOLERANCE (relative, over all weights)."""
+    batch = rollout_batch(ctx["prompts"], ctx["groups"])
+    batch.advantages = torch.linspace(-1, 1, len(batch))  # every completion pulls, none of them by zero
+    bf16, fp32 = (one_update(ctx, args, dtype, batch) for dtype in ("bfloat16", "float32"))
+    reference = fp32["update"]
+    check(bool(reference.abs().max() > 0), "the fp32 update moved no weight")
+    difference = bf16["update"] - reference
+    relative = (difference.norm(1) / reference.norm(1)).item()
+    result = {
+        "learning_rate": MASTER_LR,
+        "weights": reference.numel(),
+        "relative_update_difference_l1": relative,
+        "tolerance": MASTER_TOLERANCE,
+        "relative_update_difference_l2": (difference.norm() / reference.norm()).item(),
+        "sign_disagreement_fraction": (bf16["update"].sign() != reference.sign()).float().mean().item(),
+        "update_norm_ratio": (bf16["update"].norm() / reference.norm()).item(),
+        "masters_moved_fraction": (bf16["update"] != 0).float().mean().item(),
+        "fp32_moved_fraction": (reference != 0).float().mean().item(),
+        # what the bf16 forward sees move: the masters' change rounded into bf16 (mostly lost at this rate)
+        "bf16_module_moved_fraction": bf16["module_moved"],
+        "grad_norm": {"bfloat16": bf16["grad_norm"], "float32": fp32["grad_norm"]},
+    }
+    check(
+        relative < MASTER_TOLERANCE,
+        f"bf16 update differs from the fp32 one by {relative:.3g} (relative, L1), above {MASTER_TOLERANCE}: "
+        f"{json.dumps(result)}",
     )
-    check(changed > 0, "no weight changed under ZeRO-2")
-    return {"loss": loss.item(), "changed_tensors": changed, "seconds": time.perf_counter() - t0}
+    return result
+
+
+def run_bf16_logps(ctx, args) -> dict:
+    """Two steps of the real trainer in bf16 with the transformers engine colocated (it generates with the
+    trainer's own module): the engine-vs-trainer log-prob gap the trainer logs each step
+    (`sampling/sampling_logp_difference/mean`, TRL's name), bounded by the bf16 engine tolerance."""
+    from trainer.grpo import GRPOTrainer
+
+    recipe = trainer_recipe(
+        ctx,
+        args,
+        "bf16-colocated",
+        "model.dtype=bfloat16",
+        "rollout.engine=transformers",
+        "rollout.colocate=true",
+        "rollout.async=false",
+        "train.max_steps=2",
+        "train.learning_rate=1e-4",
+    )
+    result = GRPOTrainer(recipe, saved_model(ctx), prepared_data(ctx), progress=False).train()
+    rows = [json.loads(line) for line in Path(result.metrics_path).read_text().splitlines()]
+    gaps = [r.get(LOGP_DIFF) for r in rows]
+    check(all(g is not None and math.isfinite(g) for g in gaps), f"{LOGP_DIFF} per step: {gaps}")
+    bound = TOLERANCE["bfloat16"][1]
+    check(max(gaps) <= bound, f"{LOGP_DIFF} per step {gaps}, above {bound} (bf16)")
+    return {
+        LOGP_DIFF: gaps,
+        "bound": bound,
+        "temperature": args.temperature,
+        "staleness": [r.get("staleness") for r in rows],
+        "s_per_step": result.seconds_per_step,
+    }
+
+
+def random_qwen(ctx, args, name: str, shape: dict) -> tuple[str, int]:
+    """A Qwen2.5 model of `shape` with random bf16 weights, made on the device and saved with the smoke's
+    tokenizer (its ids are a subset of the vocabulary); (path, parameter count)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = ctx["tokenizer"]
+    config = Qwen2Config(
+        **QWEN_COMMON,
+        **shape,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    with torch.device(args.device):  # initialised where it trains: seconds on a GPU
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    path = os.path.join(ctx["work"], name)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    count = sum(p.numel() for p in model.parameters())
+    del model
+    torch.cuda.empty_cache()
+    return path, count
+
+
+def full_length_batch(n: int, prompt_len: int, completion_len: int, vocab: int, seed: int):
+    """One GRPO group of `n` completions that all run to `completion_len` tokens: the longest micro-batch a
+    recipe with these lengths trains on."""
+    from trainer.rollout.base import Completion
+    from trainer.rollout.batch import RolloutBatch
+
+    generator = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, vocab, (prompt_len,), generator=generator).tolist()
+    completions = [
+        Completion(
+            torch.randint(3, vocab, (completion_len,), generator=generator).tolist(),
+            [-1.0] * completion_len,
+            "length",
+        )
+        for _ in range(n)
+    ]
+    return RolloutBatch([prompt] * n, completions, torch.linspace(-1, 1, n), torch.ones(n))
+
+
+def training_peak_gib(ctx, args, recipe, path: str) -> float:
+    """GiB of GPU memory the real trainer on `path` holds at its peak over two updates on a full-length batch
+    (the second runs its forward and backward beside Adam's states), less what this process held before."""
+    import gc
+
+    from trainer.grpo import GRPOTrainer
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    held = torch.cuda.memory_allocated()
+    trainer = GRPOTrainer(recipe, path, prepared_data(ctx), progress=False)
+    trainer.setup()
+    torch.cuda.reset_peak_memory_stats()  # loading's transient copies are not training
+    batch = full_length_batch(
+        recipe.train.micro_batch_size,
+        recipe.train.max_prompt_length,
+        recipe.train.max_completion_length,
+        len(ctx["tokenizer"]),
+        args.seed,
+    )
+    for _ in range(2):
+        trainer.optimize(batch)
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - held) / 2**30
+    del trainer
+    gc.collect()
+    torch.cuda.empty_cache()
+    return peak
+
+
+def run_memory_plan(ctx, args) -> dict:
+    """The memory plan (`trainer.memory_plan.estimate`) against the measured peak of real training, for random
+    models of Qwen2.5-0.5B's and -1.5B's shapes in bf16 (fp32 master weights, AdamW, no reference) on the
+    countdown recipe's micro-batch: the plan's trainer parts of device 0 (all but the engine's KV cache)
+    within MEMORY_TOLERANCE of `torch.cuda.max_memory_allocated`. Without the plan module the peaks are
+    still measured and reported."""
+    found = importlib.util.find_spec("trainer.memory_plan") is not None
+    memory_plan = importlib.import_module("trainer.memory_plan") if found else None
+    gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    models, errors = {}, []
+    for name, shape in QWEN_SHAPES.items():
+        path, params = random_qwen(ctx, args, name, shape)
+        recipe = trainer_recipe(
+            ctx,
+            args,
+            f"memory-{name}",
+            f"model.name_or_path={path}",
+            "model.dtype=bfloat16",
+            "rollout.engine=transformers",
+            "rollout.async=false",
+            "train.beta=0.0",
+            "train.prompts_per_step=1",
+            f"train.num_generations={MEMORY_BATCH['micro_batch_size']}",
+            *(f"train.{k}={v}" for k, v in MEMORY_BATCH.items()),
+        )
+        t0 = time.perf_counter()
+        entry = {"parameters": params, "measured_peak_gib": training_peak_gib(ctx, args, recipe, path)}
+        entry["seconds"] = time.perf_counter() - t0
+        if memory_plan is not None:
+            plan = memory_plan.estimate(recipe, gpus=1, gpu_memory_gib=gpu_gib)
+            parts = plan["devices"][0]["parts"]
+            planned = sum(v for k, v in parts.items() if k != "kv_cache")
+            error = (planned - entry["measured_peak_gib"]) / entry["measured_peak_gib"]
+            entry.update(
+                plan_parts_gib=parts, plan_trainer_gib=planned, relative_error=error, fits=plan["fits"]
+            )
+            if abs(error) > MEMORY_TOLERANCE:
+                errors.append(
+                    f"{name}: plan {planned:.2f} GiB vs measured {entry['measured_peak_gib']:.2f} GiB"
+                )
+        models[name] = entry
+        print(f"memory_plan: {name} {json.dumps(entry)}", flush=True)
+        shutil.rmtree(path, ignore_errors=True)
+    result = {
+        "gpu_memory_gib": gpu_gib,
+        "batch": MEMORY_BATCH,
+        "tolerance": MEMORY_TOLERANCE,
+        "models": models,
+    }
+    if memory_plan is None:
+        return {"skipped": "no trainer.memory_plan", **result}
+    check(not errors, f"memory plan off by more than {MEMORY_TOLERANCE:.0%}: {'; '.join(errors)}")
+    return result
 
 
 def run_engine(ctx, args, name: str) -> dict:
@@ -738,31 +994,24 @@ def main(argv=None) -> int:
     gpu_only = None if kind == "cuda" else "needs cuda"
     steps = [("generate", run_generate, None), ("logprobs", run_logprobs, None)]
     for name, (_, _, skip) in layouts(args).items():  # first: this process holds little GPU memory yet
-        steps.append((name, lambda c, a, n=name: run_layout(c, a, n), skip))
+        steps.append((name, lambda c, a, n=name: run_layout(c, a, n, *layouts(a)[n][:2]), skip))
     for name in ("vllm", "lmdeploy"):
         steps.append((name, lambda c, a, n=name: run_engine(c, a, n), optional(name, gpu_only)))
+    steps.append(("bf16_logps", run_bf16_logps, None))
+    steps.append(("bf16_masters", run_bf16_masters, None))
+    steps.append(
+        ("memory_plan", run_memory_plan, gpu_only and f"{gpu_only}: torch.cuda.max_memory_allocated")
+    )
     steps.append(("train", run_train, None))
     for name in ("vllm", "lmdeploy"):
         steps.append(
             (f"{name}_weight_sync", lambda c, a, n=name: run_engine_sync(c, a, n), optional(name, gpu_only))
         )
-    steps.append(
-        (
-            "deepspeed",
-            run_deepspeed,
-            optional(
-                "deepspeed",
-                None
-                if kind == "cuda"
-                else "cpu: DeepSpeed's CPU accelerator compiles its shm op first (minutes); "
-                "tests/test_deepspeed.py runs ZeRO on CPU",
-            ),
-        )
-    )
+    steps.append(("deepspeed", run_deepspeed, optional("deepspeed")))
 
     needs = {
         "logprobs": ("generate",),
-        "deepspeed": ("generate",),
+        "bf16_masters": ("generate",),
         "vllm": ("generate",),
         "lmdeploy": ("generate",),
         "vllm_weight_sync": ("vllm", "train"),
@@ -780,8 +1029,11 @@ def main(argv=None) -> int:
             continue
         t0 = time.perf_counter()
         try:
-            result["checks"][name] = {"ok": True, **fn(ctx, args)}
-            print(f"{name}: ok ({time.perf_counter() - t0:.0f} s)", flush=True)
+            figures = fn(ctx, args)
+            ok = None if "skipped" in figures else True  # ran, but what it compares with is missing
+            result["checks"][name] = {"ok": ok, **figures, "wall_s": time.perf_counter() - t0}
+            verdict = f"skipped, {figures['skipped']}" if ok is None else "ok"
+            print(f"{name}: {verdict} ({time.perf_counter() - t0:.0f} s)", flush=True)
         except Exception as e:  # noqa: BLE001 - every failure is reported, then the exit status says so
             result["checks"][name] = {
                 "ok": False,
