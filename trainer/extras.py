@@ -4,7 +4,7 @@ them.
 Asking for one that is not installed raises `MissingExtraError` (an `ImportError`, and a user error: exit 2)
 whose message names what needed it and the command that installs it. Each engine is its own extra: vLLM and
 LMDeploy pin torch versions that do not overlap (pyproject.toml says which), so they go in separate
-environments; `gpu` is vLLM + DeepSpeed.
+environments. There is no all-in-one `gpu` extra (pyproject.toml says why).
 """
 
 from __future__ import annotations

@@ -8,7 +8,10 @@ the pad token (the EOS token when a tokenizer has none) and left padding are dec
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -17,6 +20,7 @@ from data.manifest import MANIFEST, verify_output
 from data.progress import quiet_transformers_progress
 from trainer.recipe import ModelConfig
 
+log = logging.getLogger("grpoflow.model_loading")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
 
@@ -42,7 +46,7 @@ def load_model(
     cfg = cfg or ModelConfig()
     kwargs = {"dtype": DTYPES[cfg.dtype], "trust_remote_code": cfg.trust_remote_code}
     if cfg.attn_implementation:
-        kwargs["attn_implementation"] = cfg.attn_implementation
+        kwargs["attn_implementation"] = attention_implementation(cfg.attn_implementation)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=cfg.trust_remote_code)
         auto = AutoModelForImageTextToText if cfg.modality == "vision" else AutoModelForCausalLM
@@ -58,6 +62,30 @@ def load_model(
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return model.to(device), tokenizer
+
+
+# transformers' FlashAttention implementations and the package each imports; no grpoflow extra installs them
+FLASH_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
+
+
+@functools.cache  # one warning per process, however many models it loads
+def attention_implementation(requested: str) -> str:
+    """`requested`, or "sdpa" with a warning when it is a FlashAttention whose package is not installed.
+
+    flash-attn is compiled against the exact torch and CUDA of the machine (`pip install flash-attn
+    --no-build-isolation`: minutes of compilation, or a prebuilt wheel matching both), which an extra cannot
+    promise, so none installs it. PyTorch's own fused attention (sdpa) computes the same attention with what
+    is installed: a recipe written for a node with flash-attn still runs on one without."""
+    package = FLASH_PACKAGES.get(requested)
+    if package is None or importlib.util.find_spec(package) is not None:
+        return requested
+    log.warning(
+        "model.attn_implementation: %s needs the %r package, which is not installed here; using sdpa "
+        "(PyTorch's fused attention) instead (flash-attn: pip install flash-attn --no-build-isolation)",
+        requested,
+        package,
+    )
+    return "sdpa"
 
 
 def _vision_encoder(name_or_path: str, tokenizer, config, cfg: ModelConfig):

@@ -1,5 +1,5 @@
-"""Choosing a rollout engine from the recipe: transformers (any machine), vLLM or LMDeploy (the `[gpu]`
-extra).
+"""Choosing a rollout engine from the recipe: transformers (any machine), vLLM or LMDeploy (the `[vllm]` and
+`[lmdeploy]` extras, one environment each).
 
 The GPU engines are imported only when a recipe asks for them, so everything else runs on a machine
 without them. Asking for one that is not installed raises `trainer.extras.MissingExtraError`.

@@ -97,7 +97,8 @@ class LocalEngine:
     transformers' engine shares the trainer's module, so it always samples the current policy. vLLM / LMDeploy
     hold their own copy: it is refreshed when the policy has moved on. Colocated engines sleep while the
     trainer uses the devices: wake the weights, send the new ones, then wake the KV cache (so the cache is not
-    allocated while the weights are copied), and sleep again.
+    allocated while the weights are copied), and sleep again. At sleep level 2 the weights do not survive the
+    sleep, so each use sends them.
     """
 
     def __init__(self, engine, rollout: RolloutConfig, version: int):
@@ -117,7 +118,7 @@ class LocalEngine:
         if colocate:
             torch.cuda.empty_cache()  # the trainer's freed cached blocks back to the GPU: no OOM on waking
             self.engine.wake_up(["weights"])
-        if self.version != version:
+        if self._stale(version):
             load_policy(self.engine, model, version)
             self.version = version
         if colocate:
@@ -131,10 +132,18 @@ class LocalEngine:
     def follow(self, model, version: int) -> None:
         """On trainer ranks other than 0 when rank 0 alone brings a shared engine (a server) to `version`:
         take the part of its weight sync that needs every rank (ZeRO-3 gathers), send nothing."""
-        if not self.shares_weights and self.version != version:
+        if not self.shares_weights and self._stale(version):
             for _ in policy_tensors(model):
                 pass
             self.version = version
+
+    def _stale(self, version: int) -> bool:
+        """Whether the engine's weights must be sent before it generates with policy `version`. Sleep level
+        2 discards them, so every use after one sends them again, also at an unchanged version (held-out
+        evaluation at version 0, then step 0). Decided from the recipe, not from this rank's own sleeps, so
+        that all ranks decide alike (rank 0 alone evaluates, and under ZeRO-3 the sync's gather is
+        collective)."""
+        return (self.rollout.colocate and self.rollout.sleep_level >= 2) or self.version != version
 
 
 def trainer_rank_and_world() -> tuple[int, int]:

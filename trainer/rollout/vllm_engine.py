@@ -1,8 +1,8 @@
 """vLLM rollout engine in this process: `VLLMEngine` (a `vllm.LLM`); `vllm_server.py` holds the client of a
 running server (`VLLMServerEngine`).
 
-Both implement the `RolloutEngine` protocol of `base.py`. vLLM is the `[gpu]` extra: it is imported inside
-the constructor, and a missing install raises `MissingExtraError` naming `pip install '.[gpu]'`.
+Both implement the `RolloutEngine` protocol of `base.py`. vLLM is the `[vllm]` extra: it is imported inside
+the constructor, and a missing install raises `MissingExtraError` naming `pip install '.[vllm]'`.
 
 Behaviour log-probs. The loss wants log_softmax(logits / T) of each sampled token. vLLM's V1 sampler returns,
 by default, log-probs of the *raw* logits (before temperature, penalties and top-k/top-p; "raw_logprobs").
@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.metadata
+import inspect
 import logging
 import os
 from collections.abc import Iterable
@@ -45,11 +47,16 @@ log = logging.getLogger("grpoflow.rollout.vllm")
 FINISH_REASONS = ("stop", "length")
 
 
-def _load_weights(model, weights: list[tuple[str, torch.Tensor]]) -> int:
-    """Runs inside each vLLM worker (via `LLM.apply_model`) on a vLLM without `reload_weights`: the model's
-    own loader maps HF names (stacked qkv / gate-up projections) and shards for tensor parallelism."""
+# the keyword form of a worker's `reload_weights` that `update_weights` calls; vLLM 0.12 still had
+# `Worker.reload_weights(self)`, which reloads the checkpoint from disk and takes no tensors
+RELOAD_KEYWORDS = ("weights_iterator", "is_checkpoint_format")
+
+
+def _load_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Runs inside each vLLM worker (via `LLM.apply_model`) on a vLLM without the keyword `reload_weights`:
+    the model's own loader maps HF names (stacked qkv / gate-up projections) and shards for tensor
+    parallelism."""
     model.load_weights(weights)
-    return len(weights)
 
 
 def _reload_weights(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
@@ -57,15 +64,51 @@ def _reload_weights(worker, weights: list[tuple[str, torch.Tensor]]) -> None:
     worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
 
 
-def _has_reload_weights() -> bool:
-    """vLLM >= 0.3x reloads checkpoint-format weights layer by layer and re-runs each layer's post-load
-    processing (on CPU that repacks every linear weight for oneDNN, which `model.load_weights` cannot redo:
-    it fails with "'Parameter' object has no attribute 'weight_loader'")."""
+def _takes_keywords(method, names: tuple[str, ...]) -> bool:
+    params = inspect.signature(method).parameters.values()
+    return any(p.kind is p.VAR_KEYWORD for p in params) or set(names) <= {p.name for p in params}
+
+
+def reload_takes_tensors(worker) -> bool:
+    """Runs inside each vLLM worker: whether its `reload_weights` takes checkpoint-format tensors
+    (`RELOAD_KEYWORDS`), the worker's method and its model runner's alike (in vLLM 0.32 the worker's forwards
+    `*args, **kwargs` to the runner's, whose signature decides). That path reloads layer by layer
+    and re-runs each layer's post-load processing (on CPU that repacks every linear weight for oneDNN, which
+    `model.load_weights` cannot redo: it fails with "'Parameter' object has no attribute 'weight_loader'")."""
+    methods = [getattr(worker, "reload_weights", None)]
+    runner = getattr(worker, "model_runner", None)
+    if runner is not None:
+        methods.append(getattr(runner, "reload_weights", None))
+    return all(m is not None and _takes_keywords(m, RELOAD_KEYWORDS) for m in methods)
+
+
+def weight_load_path(workers_take_tensors: list[bool], llm, version: str) -> str:
+    """How `update_weights` loads tensors into this vLLM: "reload_weights" when every worker's takes them,
+    else "apply_model" (the model's own `load_weights` in each worker). Neither: RuntimeError naming the
+    version and the supported range, before any training."""
+    if workers_take_tensors and all(workers_take_tensors):
+        return "reload_weights"
+    if callable(getattr(llm, "apply_model", None)):
+        return "apply_model"
+    raise RuntimeError(
+        f"vLLM {version} offers no way grpoflow knows to load weights in place: neither a worker "
+        f"reload_weights({', '.join(k + '=' for k in RELOAD_KEYWORDS)}...) nor LLM.apply_model. "
+        f"Install a supported vLLM: {supported_vllm()}"
+    )
+
+
+def supported_vllm() -> str:
+    """The vLLM versions grpoflow's `vllm` extra declares in pyproject.toml (read from the installed
+    metadata, so that the range has one home)."""
     try:
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    except ImportError:
-        return False
-    return hasattr(GPUModelRunner, "reload_weights")
+        requirements = importlib.metadata.requires("grpoflow") or []
+    except importlib.metadata.PackageNotFoundError:
+        requirements = []
+    for req in requirements:
+        spec, _, marker = req.partition(";")
+        if spec.strip().startswith("vllm") and "vllm" in marker:
+            return f"{spec.strip()} (the [vllm] extra of pyproject.toml)"
+    return "the range of the [vllm] extra in pyproject.toml"
 
 
 def _platform():
@@ -119,14 +162,6 @@ def repeat_greedy(c: Completion, n: int) -> list[Completion]:
     ]
 
 
-def _attr_path(obj, path: str):
-    for name in path.split("."):
-        obj = getattr(obj, name, None)
-        if obj is None:
-            return None
-    return obj
-
-
 def _sampled_logprob(position, token: int) -> float:
     """The sampled token's entry of one position's logprobs ({token_id: Logprob} in vLLM's outputs)."""
     entry = position[token]
@@ -141,10 +176,12 @@ class VLLMEngine:
 
     `in_process=True` runs vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, what TRL's
     colocate mode gets from its external launcher): `update_weights` then hands the trainer's tensors to the
-    model's loader without a copy through the host. With `in_process=False`, or tensor parallelism, the
-    weights travel to the workers pickled; they are moved to CPU first, and VLLM_ALLOW_INSECURE_SERIALIZATION
-    is set (unless already set) because vLLM only ships a function to its workers with it. For large models
-    on separate devices prefer vLLM's NCCL weight-transfer engine (see `VLLMServerEngine`).
+    model's loader without a copy through the host, one by one as the trainer yields them (under ZeRO-3 a
+    gathered group at a time, never the whole model at once). With `in_process=False`, or tensor
+    parallelism, the weights travel to the workers pickled, all in one call; they are moved to CPU first,
+    and VLLM_ALLOW_INSECURE_SERIALIZATION is set (unless already set) because vLLM only ships a function to
+    its workers with it. For large models on separate devices prefer vLLM's NCCL weight-transfer engine
+    (see `VLLMServerEngine`).
 
     Sleep levels (vLLM's): 1 offloads weights to host memory and drops the KV cache; 2 drops both, so after
     `wake_up(["weights"])` the weights must be sent again with `update_weights` before generating, which
@@ -241,7 +278,10 @@ class VLLMEngine:
             raise
         self.sleep_enabled = enable_sleep_mode
         self._ships_weights = not in_process or tensor_parallel_size > 1
-        self._reload = _has_reload_weights()
+        # asked of the workers themselves: the runner class, and so its signature, depends on the platform
+        self.weight_load_path = weight_load_path(
+            self.llm.collective_rpc(reload_takes_tensors), self.llm, self.vllm_version
+        )
         self._asleep: set[str] = set()
         self._weights_lost = False
         self._warned_top_p = False
@@ -307,10 +347,15 @@ class VLLMEngine:
             raise RuntimeError(
                 "the vLLM weights are asleep; call wake_up(['weights']) before update_weights()"
             )
-        weights = [(name, t.detach()) for name, t in named_tensors]
+        # Lazily, in the trainer's order: under ZeRO-3 the tensors are gathered a group at a time, and an
+        # in-process engine loads each group before the next is gathered (no second whole copy of the model).
+        weights = ((name, t.detach()) for name, t in named_tensors)
         if self._ships_weights:
+            # pickled to the workers in one call: vLLM's layerwise reload wants each layer's tensors within
+            # one call (a layer it gets in part is processed with the rest missing), so here the whole model
+            # does pass through host memory
             weights = [(name, t.cpu()) for name, t in weights]
-        if self._reload:
+        if self.weight_load_path == "reload_weights":
             if (
                 self._ships_weights
             ):  # vLLM's msgpack sends tensors in kwargs as lists: ship a pickled function
@@ -319,17 +364,8 @@ class VLLMEngine:
                 self.llm.collective_rpc(
                     "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
                 )
-        elif hasattr(self.llm, "apply_model"):  # runs on every worker, in or out of process
+        else:  # runs on every worker, in or out of process
             self.llm.apply_model(functools.partial(_load_weights, weights=weights))
-        else:  # older vLLM: the model object itself, reachable in process only (what TRL and ms-swift used)
-            model = _attr_path(self.llm, "llm_engine.model_executor.driver_worker.model_runner.model")
-            if model is None:
-                raise RuntimeError(
-                    f"vLLM {self.vllm_version} offers neither reload_weights, LLM.apply_model nor "
-                    "llm_engine.model_executor.driver_worker.model_runner.model: no known way "
-                    "to load weights in place"
-                )
-            model.load_weights(weights)
         if hasattr(self.llm, "reset_prefix_cache"):  # cached prompt KV was computed with the old weights
             self.llm.reset_prefix_cache()
         self._weights_lost = False

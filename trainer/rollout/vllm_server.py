@@ -157,7 +157,7 @@ class VLLMServerEngine:
                 except ImportError as e:
                     raise MissingExtraError(
                         "weight sync to a vLLM server uses TRL's VLLMClient and vLLM's NCCL "
-                        "helpers on the trainer side: pip install '.[gpu]' trl"
+                        "helpers on the trainer side: pip install '.[vllm]' 'trl>=1.16'"
                     ) from e
             self._client = VLLMClient(
                 base_url=self.url, group_port=self.group_port, connection_timeout=self.timeout_s
