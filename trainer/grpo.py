@@ -64,7 +64,6 @@ from trainer.heldout import evaluate_greedy, write_samples
 from trainer.launch import distributed_exit
 from trainer.metrics import MetricsFile, TrainerCallback, TrainResult
 from trainer.model_loading import load_model
-from trainer.placement import trainer_device
 from trainer.plugins import load_plugin
 from trainer.recipe import Recipe
 from trainer.rewards import RewardRunner, accuracy_reward, format_reward, resolve_reward
@@ -113,9 +112,7 @@ class GRPOTrainer:
             state = load_trainer_state(self.checkpoint)
             self.start_step = state["step"]
             log.info("resuming from %s (step %d)", self.checkpoint, self.start_step)
-        device = trainer_device(
-            self.recipe.rollout
-        )  # this rank's GPU in the plan (trainer.placement), or cpu
+        device = self.strategy.device  # this rank's GPU in the plan (trainer.placement), or cpu
         # a resumed checkpoint was verified just now; the base model is verified when it is loaded
         self.model, self.tokenizer = load_model(
             str(self.checkpoint or self.model_path), self.recipe.model, device, verify=self.checkpoint is None

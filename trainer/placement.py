@@ -14,7 +14,8 @@ every GPU when unset). The plan:
   the rollout devices. Rank r computes on ordinal r = LOCAL_RANK, which is also the GPU vLLM's external
   launcher gives the rank's own engine. A rollout worker sees only its engine's GPUs (vLLM's single-process
   executor uses ordinal 0, a tensor-parallel one 0..tp-1). A lone trainer whose in-process engine has GPUs of
-  its own sees those first and its training GPU after them, for the same reason.
+  its own sees those first and its training GPU after them, for the same reason: its LOCAL_RANK 0 is then
+  the engine's GPU, so what trains is told the trainer's device (`Process.device`), never LOCAL_RANK's.
 Inside a process, a device's ordinal is its position in that process's CUDA_VISIBLE_DEVICES; the node's list
 travels in GRPOFLOW_GPUS so that every process computes the same plan. Without GPUs everything runs on the CPU
 (`train_devices` then only counts the trainer ranks) and no variable is set.

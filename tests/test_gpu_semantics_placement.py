@@ -1,0 +1,107 @@
+"""Where the trainer's pieces compute on a GPU node, checked on the CPU: the device DeepSpeed and the
+reference model get for a lone trainer whose in-process engine has a GPU of its own, the LMDeploy placements
+that are refused, and the shared run directory that several nodes need (two real gloo ranks).
+
+What CUDA itself decides cannot run here; where a test needs it, it emulates the one fact that matters (how
+many GPUs the plan counts, which ordinal DeepSpeed makes current) and says so in its name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from test_trainer import TINY
+
+from conftest import REPO_ROOT
+from trainer.launch import free_port
+
+_placement_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+# ---- a lone trainer under DeepSpeed, its in-process engine on a GPU of its own ----------------------------
+
+# Run as torchrun starts a lone trainer rank (LOCAL_RANK 0, CUDA_VISIBLE_DEVICES from the plan). Emulated:
+# the two GPUs the plan counts (torch.cuda.device_count, which the plan reads through NVML), the ordinal
+# DeepSpeed's accelerator makes current (recorded, then the CPU accelerator's own no-op), loading a model
+# onto a GPU (the device asked for is recorded, the model loaded on the CPU), and the recipe's vLLM engine
+# (the transformers engine stands in: setup only builds it). DeepSpeed's engine itself is real.
+_placement_LONE_TRAINER = """
+import dataclasses, json, sys
+import torch
+torch.cuda.device_count = lambda: 2
+from deepspeed.accelerator import get_accelerator
+import trainer.grpo as grpo
+from trainer.model_loading import load_model
+from trainer.placement import this_trainer
+from trainer.recipe import load_recipe
+from trainer.rollout.engines import make_engine
+
+accelerator, made_current, loaded = get_accelerator(), [], []
+cpu_set_device = accelerator.set_device
+accelerator.set_device = lambda index: made_current.append(index) or cpu_set_device(index)
+
+def load_on_cpu(path, cfg, device, **kwargs):
+    loaded.append(device)
+    return load_model(path, cfg, "cpu", **kwargs)
+
+grpo.load_model = load_on_cpu
+grpo.make_engine = lambda cfg, path, **kw: make_engine(
+    dataclasses.replace(cfg, engine="transformers"), path, device="cpu", **kw
+)
+recipe = load_recipe(sys.argv[1], sys.argv[4:])
+trainer = grpo.GRPOTrainer(recipe, sys.argv[2], sys.argv[3], progress=False)
+trainer.setup()
+_, me = this_trainer(recipe.rollout)
+print(json.dumps({"trainer": me.device, "engine": me.engine_device, "loaded": loaded,
+                  "deepspeed_current": made_current, "strategy": getattr(trainer.strategy, "device", None)}))
+"""
+
+
+def test_deepspeed_and_the_reference_use_the_lone_trainers_gpu_not_local_rank_0_emulated_two_gpus(
+    tmp_path, tiny_base, tiny_data
+):
+    """A lone trainer (LOCAL_RANK 0) whose vLLM engine has GPU 1 sees it first: CUDA_VISIBLE_DEVICES=1,0, the
+    engine on cuda:0, training on cuda:1. DeepSpeed makes ordinal `args.device_rank` current and moves the
+    policy there, else LOCAL_RANK (`DeepSpeedEngine._set_distributed_vars`): it must be told 1, where the
+    policy and the beta > 0 reference were loaded."""
+    overrides = [
+        f"bootstrap.out={tiny_base['path']}",
+        f"data.out={tiny_data}",
+        f"train.output_dir={tmp_path / 'run'}",
+        "train.eval_heldout=0",
+        "train.micro_batch_size=4",
+        "train.deepspeed=zero2",
+        "train.beta=0.04",
+        "rollout.engine=vllm",
+        "rollout.train_devices=[0]",
+        "rollout.rollout_devices=[1]",
+    ]
+    (tmp_path / "lone.py").write_text(_placement_LONE_TRAINER)
+    env = {k: v for k, v in os.environ.items() if k not in _placement_LAUNCHER_VARS}
+    env.update(
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        CUDA_VISIBLE_DEVICES="1,0",  # what `grpoflow train` starts this trainer with (the plan's mask)
+        GRPOFLOW_GPUS="0,1",
+        DS_ACCELERATOR="cpu",
+        PYTHONPATH=str(REPO_ROOT),
+    )
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "lone.py"), str(TINY), tiny_base["path"], str(tiny_data), *overrides],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (out["trainer"], out["engine"]) == ("cuda:1", "cuda:0")  # the plan
+    assert out["loaded"] == ["cuda:1", "cuda:1"]  # the policy, then the frozen reference
+    assert out["deepspeed_current"] == [1], out  # not LOCAL_RANK 0, the engine's GPU
+    assert out["strategy"] == "cuda:1"
