@@ -13,10 +13,14 @@ import os
 import subprocess
 import sys
 
+import pytest
 from test_trainer import TINY
 
 from conftest import REPO_ROOT
+from flows.cli import main
 from trainer.launch import free_port
+from trainer.placement import PlacementError, dry_run, plan
+from trainer.recipe import RolloutConfig
 
 _placement_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -105,3 +109,54 @@ def test_deepspeed_and_the_reference_use_the_lone_trainers_gpu_not_local_rank_0_
     assert out["loaded"] == ["cuda:1", "cuda:1"]  # the policy, then the frozen reference
     assert out["deepspeed_current"] == [1], out  # not LOCAL_RANK 0, the engine's GPU
     assert out["strategy"] == "cuda:1"
+
+
+# ---- LMDeploy: placed by its own Ray ----------------------------------------------------------------------
+
+
+def test_lmdeploy_is_planned_only_where_each_engine_sees_no_gpu_but_its_own():
+    """LMDeploy's Ray places its engine on any GPU its process sees: trainer ranks share theirs, so an
+    in-process engine per rank (colocated or not) is refused naming the fields; a rollout worker sees only its
+    engine's GPUs and a lone trainer its own, and those are planned."""
+    refused = {
+        "its 8 trainer ranks": RolloutConfig(engine="lmdeploy", colocate=True, num_engines=8),
+        "colocated LMDeploy engine": RolloutConfig(engine="lmdeploy", colocate=True, train_devices=[0]),
+        "its 2 trainer ranks": RolloutConfig(engine="lmdeploy", train_devices=[0, 1]),
+        "its 8 trainer ranks would": RolloutConfig(engine="lmdeploy"),
+    }
+    for reason, cfg in refused.items():
+        for planner in (plan, dry_run):
+            with pytest.raises(PlacementError) as info:
+                planner(cfg, 8)
+            message = str(info.value)
+            assert message.startswith("rollout.engine: lmdeploy") and reason in message, message
+            assert "rollout.async" in message and "rollout.train_devices" in message
+
+    workers = plan(
+        RolloutConfig(
+            engine="lmdeploy", async_=True, train_devices=[0, 1], rollout_devices=[2, 3], num_engines=2
+        ),
+        4,
+    )
+    assert [p.cuda_visible_devices for p in workers.workers] == ["2", "3"]
+    lone = plan(RolloutConfig(engine="lmdeploy", train_devices=[0], rollout_devices=[1]), 2)
+    assert (lone.trainers[0].device, lone.trainers[0].engine_device) == ("cuda:1", "cuda:0")
+    assert (
+        plan(RolloutConfig(engine="lmdeploy", train_devices=[0]), 8).trainers[0].cuda_visible_devices == "0"
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["rollout.engine=lmdeploy"],  # the recipe's own 8 colocated ranks
+        ["rollout.engine=lmdeploy", "rollout.colocate=false", "rollout.train_devices=[0, 1, 2, 3]"],
+    ],
+    ids=["colocated", "four-in-process-ranks"],
+)
+def test_dry_run_of_lmdeploy_on_several_ranks_exits_2_naming_rollout_engine(overrides, capsys):
+    recipe = str(REPO_ROOT / "configs" / "countdown-qwen2.5-3b.yaml")
+    args = ["train", "--config", recipe, "--dry-run", "--gpus", "8", "--json", *overrides]
+    assert main(args) == 2
+    error = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["error"]
+    assert error.startswith("rollout.engine: lmdeploy with") and "not supported yet" in error
