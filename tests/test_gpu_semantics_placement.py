@@ -160,3 +160,82 @@ def test_dry_run_of_lmdeploy_on_several_ranks_exits_2_naming_rollout_engine(over
     assert main(args) == 2
     error = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["error"]
     assert error.startswith("rollout.engine: lmdeploy with") and "not supported yet" in error
+
+
+# ---- several nodes: one shared run directory --------------------------------------------------------------
+
+# A trainer rank of `grpoflow train` up to the end of its setup, once per run directory in argv[4:6] with
+# {rank} filled in: one path for every rank, or one per rank as two hosts whose "same path" is each a local
+# disk. Both setups run in one process group (the second joins none: it is there already).
+_placement_SETUP = """
+import json, os, sys
+from pathlib import Path
+from trainer.grpo import GRPOTrainer
+from trainer.launch import leave_distributed
+from trainer.recipe import load_recipe
+from trainer.typed_config import ConfigError
+rank, answers = int(os.environ["RANK"]), []
+for output_dir in sys.argv[4:6]:
+    recipe = load_recipe(sys.argv[1], [*sys.argv[6:], f"train.output_dir={output_dir.format(rank=rank)}"])
+    trainer = GRPOTrainer(recipe, sys.argv[2], recipe.data.out, progress=False)
+    try:
+        trainer.setup()
+        answers.append({"refused": None, "world": trainer.world})
+    except ConfigError as e:
+        answers.append({"refused": str(e)})
+Path(sys.argv[3], f"rank{rank}.json").write_text(json.dumps(answers))
+leave_distributed()
+"""
+
+
+def test_ranks_start_in_a_shared_run_directory_and_are_refused_at_start_in_one_they_do_not_share(
+    tmp_path, tiny_base, tiny_data
+):
+    """Two real gloo trainer ranks set up twice: in one run directory (they start, and the check leaves no
+    file behind), then each in its own, emulating two hosts whose `train.output_dir` is the same path on
+    local disks: rank 1 cannot see the file rank 0 wrote, and both ranks stop before reading a checkpoint,
+    with one message naming the directory."""
+    (tmp_path / "setup.py").write_text(_placement_SETUP)
+    (tmp_path / "answers").mkdir()
+    shared, own = tmp_path / "run", tmp_path / "host{rank}" / "run"
+    overrides = [
+        f"bootstrap.out={tiny_base['path']}",
+        f"data.out={tiny_data}",
+        "rollout.train_devices=[0, 1]",
+    ]
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(tmp_path / "setup.py"),
+            str(TINY),
+            tiny_base["path"],
+            str(tmp_path / "answers"),
+            str(shared),
+            str(own),
+            *overrides,
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={k: v for k, v in os.environ.items() if k not in _placement_LAUNCHER_VARS},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (shared_0, own_0), (shared_1, own_1) = (
+        json.loads((tmp_path / "answers" / f"rank{r}.json").read_text()) for r in (0, 1)
+    )
+    assert shared_0 == shared_1 == {"refused": None, "world": 2}
+    assert not [p.name for p in shared.iterdir() if p.name.startswith(".shared")]
+
+    host0, host1 = tmp_path / "host0" / "run", tmp_path / "host1" / "run"
+    message = own_0["refused"]
+    assert message is not None and own_1["refused"] == message  # every rank stops, with one message
+    assert message.startswith(f"train.output_dir {host0} is not one directory shared by the trainer ranks")
+    blind = message.split(" there, and ")[1]  # the ranks that do not see rank 0's file
+    assert blind.startswith("rank 1 (") and f": {host1})" in blind and "rank 0" not in blind
+    assert not host1.exists()  # rank 1 made nothing on its own disk
+    assert not [p.name for p in host0.iterdir() if p.name.startswith(".shared")]  # the marker is removed

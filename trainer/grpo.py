@@ -53,6 +53,7 @@ from data.progress import Progress
 from trainer import loss as L
 from trainer.checkpoint import (
     check_resumable,
+    check_shared_run_dir,
     claim_run_dir,
     load_trainer_state,
     resume_checkpoint,
@@ -99,6 +100,7 @@ class GRPOTrainer:
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         self.strategy: TrainingStrategy = make_strategy(self.recipe)  # joins the trainer ranks' group, if any
+        check_shared_run_dir(self.output_dir, self.rank, self.world)  # before a rank reads a checkpoint there
         self.checkpoint = resume_checkpoint(self.output_dir, repair=self.rank == 0)
         self.start_step, state = 0, None
         if self.recipe.rollout.async_ and not torch.cuda.is_available():
