@@ -28,18 +28,26 @@ One run at a time writes a run directory (`claim_run_dir`): the process that tra
 the launcher of the ranks) holds `output_dir/.lock` from start to end (`data.dir_lock`); a second run on it
 is refused naming the holder. Holding it proves that no checkpoint is being written there, so the claim
 also removes what a killed writer left: `.checkpoint-<step>.tmp-*` (a checkpoint cut short), `.old-*` (one
-being replaced), `.latest.tmp-*` and DeepSpeed's `.zero-state-<step>` staging.
+being replaced), `.latest.tmp-*`, DeepSpeed's `.zero-state-<step>` staging and the marker below.
+
+Several nodes train in one run directory only when it is one filesystem that every node mounts at the same
+path: each trainer rank resumes from what it finds there, and ZeRO stages each rank's shard there.
+`check_shared_run_dir` refuses, at start and naming train.output_dir, a directory the ranks do not share.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import logging
 import os
 import random
 import re
 import shutil
+import socket
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -87,8 +95,14 @@ RESUMABLE_CHANGES = frozenset(
 _UNSET = object()
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 # What a writer killed mid-checkpoint leaves (`data.manifest.atomic_dir`, `_point_latest`, DeepSpeed's
-# staging)
-_LEFTOVER = re.compile(r"^\.(checkpoint-\d+\.(tmp|old)-.+|latest\.tmp-\d+|zero-state-\d+)$")
+# staging, the shared-directory check's marker)
+_LEFTOVER = re.compile(
+    r"^\.(checkpoint-\d+\.(tmp|old)-.+|latest\.tmp-\d+|zero-state-\d+|shared-check-[0-9a-f]{32})$"
+)
+SHARED_MARKER = ".shared-check-"  # + a fresh hex name: `check_shared_run_dir`'s file
+# the ranks reach the shared-directory check together, right after joining their process group: a minute
+# is slack, and the check never waits on a rank that is gone for as long as a weight sync may take
+SHARED_CHECK_TIMEOUT_S = 60.0
 log = logging.getLogger("grpoflow.train")
 
 
@@ -131,6 +145,56 @@ def remove_leftovers(output_dir: Path) -> list[Path]:
             path.unlink(missing_ok=True)
         log.warning("removed %s: left by a run that stopped while writing a checkpoint", path)
     return removed
+
+
+def check_shared_run_dir(
+    output_dir: Path, rank: int, world: int, timeout_s: float = SHARED_CHECK_TIMEOUT_S, grace_s: float = 2.0
+) -> None:
+    """Refuse (ConfigError naming train.output_dir) a run directory that the trainer ranks do not share.
+
+    Every rank resumes from the checkpoint it finds there, and under ZeRO each rank stages its optimizer
+    shard there for rank 0 to move into the checkpoint: on several nodes it must be one filesystem mounted at
+    the same path on each, which nothing else checks (a node-local disk at that path would train, then
+    resume each node from its own checkpoints or write checkpoints without the other nodes' shards). Rank 0
+    writes a file with a fresh name into it and every rank looks for that name (for up to `grace_s`, for
+    filesystems that show a new file late). Collective: every trainer rank calls it right after joining the
+    process group; its collectives run on a gloo group of their own, bounded by `timeout_s`."""
+    if world <= 1:
+        return
+    import torch.distributed as dist
+
+    output_dir = Path(output_dir)
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        # rank 0's file name, and why it could not write it (told to every rank: none waits for nothing)
+        told = [f"{SHARED_MARKER}{uuid.uuid4().hex}", None] if rank == 0 else [None, None]
+        if rank == 0:
+            try:
+                output_dir.mkdir(parents=True, exist_ok=True)
+                (output_dir / told[0]).write_text(f"{socket.gethostname()} {os.getpid()}\n")
+            except OSError as e:
+                told[1] = f"{type(e).__name__}: {e}"
+        dist.broadcast_object_list(told, src=0, group=group)
+        marker, deadline = output_dir / told[0], time.monotonic() + grace_s
+        while not (seen := marker.is_file()) and told[1] is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        answers = [None] * world
+        dist.all_gather_object(answers, (socket.gethostname(), str(output_dir), seen), group=group)
+    finally:
+        if rank == 0:
+            (output_dir / told[0]).unlink(missing_ok=True)
+        dist.destroy_process_group(group)
+    host0, dir0 = answers[0][0], answers[0][1]  # every rank says the same: rank 0's view first
+    if told[1] is not None:
+        raise ConfigError(f"train.output_dir: trainer rank 0 ({host0}) cannot write in {dir0}: {told[1]}")
+    blind = [f"rank {r} ({host}: {path})" for r, (host, path, seen) in enumerate(answers) if not seen]
+    if blind:
+        raise ConfigError(
+            f"train.output_dir {dir0} is not one directory shared by the trainer ranks: rank 0 "
+            f"({host0}) wrote {told[0]} there, and {', '.join(blind)} cannot see it. Every rank resumes "
+            "from the checkpoints there and stages its ZeRO optimizer shard there: set train.output_dir to "
+            "a path on a filesystem every node mounts at the same place (NFS, Lustre, ...)"
+        )
 
 
 def save_checkpoint(

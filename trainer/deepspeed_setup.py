@@ -21,6 +21,7 @@ accelerator and gloo (`DS_ACCELERATOR=cpu`, set here when no GPU is visible).
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -137,9 +138,11 @@ def initialize(
     optimizer: torch.optim.Optimizer,
     config: dict,
     lr_lambda: Callable[[int], float] | None = None,
+    device: str = "cpu",
 ):
-    """The DeepSpeed engine for `model` (its optimizer steps the LambdaLR `lr_lambda` at every update);
-    a single process without torchrun gets a world of one."""
+    """The DeepSpeed engine for `model` (its optimizer steps the LambdaLR `lr_lambda` at every update) on
+    `device`, the trainer rank's own in the placement plan; a single process without torchrun gets a world of
+    one."""
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     deepspeed = import_extra("deepspeed", "DeepSpeed ZeRO training")
@@ -152,7 +155,7 @@ def initialize(
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     scheduler = None if lr_lambda is None else (lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda))
     engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
+        args=device_args(device), model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
     )
     offload = getattr(
         engine.optimizer, "parameter_offload", None
@@ -160,6 +163,18 @@ def initialize(
     if offload is not None:
         _ZERO3_HOOKS[model] = offload
     return engine
+
+
+def device_args(device: str) -> argparse.Namespace | None:
+    """The `args` that make DeepSpeed's engine compute on `device`. DeepSpeed makes ordinal `args.device_rank`
+    the current device and moves the module there, else ordinal LOCAL_RANK (`DeepSpeedEngine.
+    _set_distributed_vars`, 0.19), and its ZeRO optimizer allocates on the current device. LOCAL_RANK is the
+    trainer's ordinal in most plans, but a lone trainer whose in-process engine has GPUs of its own sees those
+    first (`trainer.placement`): there LOCAL_RANK 0 is the engine's GPU."""
+    where = torch.device(device)
+    if where.type != "cuda" or where.index is None:
+        return None
+    return argparse.Namespace(device_rank=where.index)
 
 
 # --------------------------------------------------------------------------------------- checkpoints
@@ -299,6 +314,7 @@ def _gather_group(group: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, 
 
 __all__ = [
     "check_stage",
+    "device_args",
     "gathered",
     "initialize",
     "is_sharded",

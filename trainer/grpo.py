@@ -53,6 +53,7 @@ from data.progress import Progress
 from trainer import loss as L
 from trainer.checkpoint import (
     check_resumable,
+    check_shared_run_dir,
     claim_run_dir,
     load_trainer_state,
     resume_checkpoint,
@@ -65,7 +66,6 @@ from trainer.launch import distributed_exit
 from trainer.memory_plan import check_gpu_memory, engine_rollout
 from trainer.metrics import MetricsFile, TrainerCallback, TrainResult
 from trainer.model_loading import load_model
-from trainer.placement import trainer_device
 from trainer.plugins import load_plugin
 from trainer.recipe import Recipe
 from trainer.rewards import RewardRunner, accuracy_reward, format_reward, resolve_reward
@@ -101,6 +101,7 @@ class GRPOTrainer:
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         self.strategy: TrainingStrategy = make_strategy(self.recipe)  # joins the trainer ranks' group, if any
+        check_shared_run_dir(self.output_dir, self.rank, self.world)  # before a rank reads a checkpoint there
         self.checkpoint = resume_checkpoint(self.output_dir, repair=self.rank == 0)
         self.start_step, state = 0, None
         if self.recipe.rollout.async_ and not torch.cuda.is_available():
@@ -114,9 +115,7 @@ class GRPOTrainer:
             state = load_trainer_state(self.checkpoint)
             self.start_step = state["step"]
             log.info("resuming from %s (step %d)", self.checkpoint, self.start_step)
-        device = trainer_device(
-            self.recipe.rollout
-        )  # this rank's GPU in the plan (trainer.placement), or cpu
+        device = self.strategy.device  # this rank's GPU in the plan (trainer.placement), or cpu
         # a resumed checkpoint was verified just now; the base model is verified when it is loaded
         self.model, self.tokenizer = load_model(
             str(self.checkpoint or self.model_path), self.recipe.model, device, verify=self.checkpoint is None

@@ -15,7 +15,8 @@
 Multi-node: run the same `grpoflow train` command under your own launcher, e.g.
 `torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500
 -m flows.cli train ...`; the trainer picks its rank from the environment (`init_distributed`) and does not
-relaunch.
+relaunch. `train.output_dir` must then be one directory that every node mounts at the same path: the ranks
+check it as they start (`trainer.checkpoint.check_shared_run_dir`) and refuse one they do not share.
 """
 
 from __future__ import annotations

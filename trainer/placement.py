@@ -14,7 +14,10 @@ every GPU when unset). The plan:
   the rollout devices. Rank r computes on ordinal r = LOCAL_RANK, which is also the GPU vLLM's external
   launcher gives the rank's own engine. A rollout worker sees only its engine's GPUs (vLLM's single-process
   executor uses ordinal 0, a tensor-parallel one 0..tp-1). A lone trainer whose in-process engine has GPUs of
-  its own sees those first and its training GPU after them, for the same reason.
+  its own sees those first and its training GPU after them, for the same reason: its LOCAL_RANK 0 is then
+  the engine's GPU, so what trains is told the trainer's device (`Process.device`), never LOCAL_RANK's.
+LMDeploy's engine is placed by its own Ray, not by this plan: in-process on several trainer ranks, or
+colocated, it is refused (`_check_engine`) until that is handled.
 Inside a process, a device's ordinal is its position in that process's CUDA_VISIBLE_DEVICES; the node's list
 travels in GRPOFLOW_GPUS so that every process computes the same plan. Without GPUs everything runs on the CPU
 (`train_devices` then only counts the trainer ranks) and no variable is set.
@@ -113,11 +116,14 @@ def plan(cfg: RolloutConfig, gpus: int | Sequence[str], cpu_ranks: int | None = 
         else "in-process"
     )
     if not gpus:
-        return _cpu_plan(cfg, mode, cpu_ranks or max(1, len(cfg.train_devices)))
+        ranks = cpu_ranks or max(1, len(cfg.train_devices))
+        _check_engine(cfg, mode, ranks)
+        return _cpu_plan(cfg, mode, ranks)
     n, tp = len(gpus), cfg.tensor_parallel_size
     _check_ids(cfg, n)
     rollout = list(cfg.rollout_devices)
     train = list(cfg.train_devices) or [d for d in range(n) if cfg.colocate or d not in rollout]
+    _check_engine(cfg, mode, len(train))
     if not train:
         raise PlacementError(
             f"rollout.rollout_devices takes all {n} GPUs: none is left for training "
@@ -193,6 +199,36 @@ def _check_mode(cfg: RolloutConfig, mode: str, train: list[int], rollout: list[i
                 "trainer rank and one engine. Set rollout.async: true (rollout workers on those GPUs), "
                 "rollout.colocate: true, or rollout.server_url"
             )
+
+
+def _check_engine(cfg: RolloutConfig, mode: str, ranks: int) -> None:
+    """LMDeploy's engine is a Ray worker that LMDeploy places itself (no device is passed to it) on a GPU its
+    process sees. A rollout worker sees only its engine's GPUs and a lone trainer its own, but trainer ranks
+    share one CUDA_VISIBLE_DEVICES: each rank's engine could land on any rank's GPU. Colocated, the worker is
+    a second process on the trainer's GPU, asleep between rollouts, which nothing here handles. Both are
+    refused until they are handled (trainer/rollout/lmdeploy_engine.py)."""
+    if cfg.engine != "lmdeploy":
+        return
+    in_ranks = mode == "colocated" or (mode == "in-process" and not cfg.rollout_devices)
+    reasons = []
+    if in_ranks and ranks > 1:
+        reasons.append(
+            f"its {ranks} trainer ranks would each start an engine that LMDeploy's Ray places on any GPU the "
+            "ranks see (no device is passed to it), not on the rank's own"
+        )
+    if mode == "colocated":
+        reasons.append(
+            "a colocated LMDeploy engine (a Ray worker process sharing the trainer's GPU, asleep between "
+            "rollouts) is not handled"
+        )
+    if reasons:
+        where = "rollout.colocate: true" if mode == "colocated" else "an in-process engine per trainer rank"
+        raise PlacementError(
+            f"rollout.engine: lmdeploy with {where} is not supported yet: {'; '.join(reasons)}. Use "
+            "rollout.async: true with rollout.rollout_devices (each rollout worker sees only its engine's "
+            "GPUs), one trainer rank (one rollout.train_devices id) without rollout.colocate, or "
+            "rollout.engine: vllm"
+        )
 
 
 def _engine_here(cfg: RolloutConfig, mode: str) -> str | None:

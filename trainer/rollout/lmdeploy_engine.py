@@ -31,9 +31,11 @@ wheels):
   local Ray instance (`ray.init` by LMDeploy, its GPUs this process's CUDA_VISIBLE_DEVICES), and the
   IPC-shared tensors cross into it (the worker rebuilds them on its own current device). Ray puts the worker
   on a GPU this process sees: right for a rollout worker (it sees its engine's GPUs only) and a lone trainer;
-  several trainer ranks that see the same GPUs, each with its own colocated LMDeploy engine, are not placed
-  rank by rank (not handled yet). `update_params` blocks on the Ray workers; LMDeploy's own server calls it
-  from a worker thread too (a plain `def` FastAPI endpoint), so it is called from this thread.
+  several trainer ranks that see the same GPUs, each with its own in-process LMDeploy engine, would not be
+  placed rank by rank, and a colocated engine (a second process on the trainer's GPU) is not handled either:
+  `trainer.placement` refuses both, naming rollout.engine. `update_params` blocks on the Ray workers;
+  LMDeploy's own server calls it from a worker thread too (a plain `def` FastAPI endpoint), so it is called
+  from this thread.
   TurboMind's `update_params` is a layer-by-layer loader for engines built with `empty_init=True` (0.10 to
   0.12) and is not wired up from 0.15, so `update_weights` raises NotImplementedError for backend="turbomind".
 - `sleep(level)` / `wakeup(tags)` exist on the async engine from 0.10; `sleep` is a coroutine from 0.13,

@@ -12,6 +12,7 @@ facts; `precision` holds the fp32 master weights of the strategies that step tor
 from __future__ import annotations
 
 from trainer.launch import init_distributed
+from trainer.placement import trainer_device
 from trainer.recipe import Recipe
 from trainer.strategy.base import TrainingStrategy
 from trainer.strategy.ddp import DDPStrategy
@@ -27,9 +28,10 @@ def strategy_class(recipe: Recipe, world: int) -> type[TrainingStrategy]:
 
 
 def make_strategy(recipe: Recipe) -> TrainingStrategy:
-    """This process's strategy; joins the trainer ranks' process group first when launched as one of them."""
+    """This process's strategy on its device in the placement plan ("cpu" without GPUs); joins the trainer
+    ranks' process group first when launched as one of them."""
     rank, world = init_distributed(recipe.rollout.sync_timeout_s, recipe.rollout)
-    return strategy_class(recipe, world)(recipe, rank, world)
+    return strategy_class(recipe, world)(recipe, rank, world, device=trainer_device(recipe.rollout))
 
 
 def check_recipe(recipe: Recipe) -> None:

@@ -26,16 +26,17 @@ Write = Callable[[dict, Path | None], Path]
 
 
 class TrainingStrategy(ABC):
-    """One distributed mode of the trainer ranks. Rank facts are known from construction; `wrap` then takes
-    the plain policy module and builds its optimizer and schedule.
+    """One distributed mode of the trainer ranks. Rank facts (rank, world, the torch `device` the placement
+    plan gives this rank) are known from construction; `wrap` then takes the plain policy module, already on
+    `device`, and builds its optimizer and schedule.
 
     Attributes after `wrap`: `model` (the plain module: engines, checkpoints, weight syncs read it), `policy`
     (what the loss's forward runs through: the module itself or its wrapper), `optimizer`, `scheduler`."""
 
     share_prompts = False  # whether the policy forward may run each distinct prompt once (trainer.logprobs)
 
-    def __init__(self, recipe: Recipe, rank: int = 0, world: int = 1):
-        self.recipe, self.rank, self.world = recipe, rank, world
+    def __init__(self, recipe: Recipe, rank: int = 0, world: int = 1, device: str = "cpu"):
+        self.recipe, self.rank, self.world, self.device = recipe, rank, world, device
         self.model: torch.nn.Module | None = None
         self.policy: torch.nn.Module | None = None
 

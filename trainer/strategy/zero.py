@@ -40,9 +40,9 @@ class ZeroStrategy(TrainingStrategy):
         self, model: torch.nn.Module, make_optimizer: MakeOptimizer, lr_lambda: Callable[[int], float]
     ) -> None:
         self.model = model
-        # DeepSpeed's optimizer wraps ours (fp32 master weights) and steps our schedule
+        # DeepSpeed's optimizer wraps ours (fp32 master weights) and steps our schedule, on this rank's device
         self.engine = ds.initialize(
-            model, make_optimizer(model.parameters()), ds.trainer_config(self.recipe), lr_lambda
+            model, make_optimizer(model.parameters()), ds.trainer_config(self.recipe), lr_lambda, self.device
         )
         self.policy, self.optimizer = self.engine, self.engine.optimizer
         self.scheduler = self.engine.lr_scheduler
