@@ -233,3 +233,68 @@ def test_a_share_of_a_batch_samples_what_the_whole_batch_samples_for_its_prompts
     # the same call without `share` is another sample: the share's rows are not those of a batch of two
     alone = engine.generate(prompts[1:3], 3, sampling)
     assert [[c.token_ids for c in g] for g in alone] != [[c.token_ids for c in g] for g in share]
+
+
+# Held-out evaluation with a rollout server: rank 0 alone can generate (the others hold no client).
+_RANKS_SERVER_SCRIPT = """
+import json, sys, torch.distributed as dist
+from data.prepare import load_prepared
+from trainer.heldout import evaluate_greedy
+from trainer.launch import init_distributed, leave_distributed
+from trainer.model_loading import load_model
+from trainer.recipe import ModelConfig
+from trainer.rewards import accuracy_reward, format_reward
+from trainer.rollout.hf_engine import HFEngine
+rank, world = init_distributed(60)
+model, tokenizer = load_model(sys.argv[1], ModelConfig(dtype="float32"), "cpu", verify=False)
+engine = HFEngine(model.eval(), tokenizer) if rank == 0 else None  # the others cannot generate at all
+rows, waits = load_prepared(sys.argv[2], "heldout")[:6], []
+def gather(part):
+    waits.append(len(part[1]))  # how many rows this rank scored before this wait
+    out = [None] * world
+    dist.all_gather_object(out, part)
+    return out
+def evaluate(**shared):
+    return evaluate_greedy(engine, tokenizer, rows, accuracy_reward, format_reward, max_tokens=24,
+                           batch_size=2, max_prompt_length=64, return_samples=True, **shared)
+result = evaluate(rank=rank, world=world, gather=gather, alone=True)
+record = {"result": result, "waits": waits}
+if rank == 0:
+    record["one_process"] = evaluate()
+json.dump(record, open(f"{sys.argv[3]}/rank{rank}.json", "w"))
+leave_distributed()
+"""
+
+
+def test_with_a_rollout_server_rank_zero_evaluates_heldout_one_batch_per_wait_of_the_other_ranks(
+    tmp_path, tiny_base, tiny_data
+):
+    """In server mode only rank 0 talks to the server: it scores the held-out rows one batch at a time and
+    every rank gets the scores after each batch, so no rank waits on a collective for the whole evaluation;
+    the scores are one process's."""
+    (tmp_path / "server_heldout.py").write_text(_RANKS_SERVER_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(tmp_path / "server_heldout.py"),
+            tiny_base["path"],
+            str(tiny_data),
+            str(tmp_path),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    # 6 rows in batches of 2: three waits, after each of which rank 0 had scored one batch more
+    assert rank0["waits"] == [2, 2, 2] and rank1["waits"] == [0, 0, 0]
+    assert rank0["result"] == rank1["result"] == rank0["one_process"]
+    assert rank0["result"]["n"] == len(rank0["result"]["samples"]) == 6
