@@ -19,6 +19,9 @@ Features:
 - one process, DDP ranks or DeepSpeed ZeRO 1/2/3 (`train.deepspeed`), each a strategy (`trainer.strategy`)
   chosen once: it wraps the policy and optimizer, runs its forward, backward and update, saves and restores
   the optimizer state; fp32 master weights whenever the policy computes in bf16;
+- under several trainer ranks each generates and rewards its own share of a synchronous batch, and all
+  train on the one batch they exchange (the completions one process samples), through as many
+  micro-batches; the held-out evaluation is shared over the ranks the same way;
 - a non-finite loss or gradient norm stops the run before the update is applied; non-finite weights, or
   weights whose forward overflows, right after it (NonFiniteError naming the step); nothing of that step is
   saved.
