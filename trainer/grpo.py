@@ -19,6 +19,9 @@ Features:
 - one process, DDP ranks or DeepSpeed ZeRO 1/2/3 (`train.deepspeed`), each a strategy (`trainer.strategy`)
   chosen once: it wraps the policy and optimizer, runs its forward, backward and update, saves and restores
   the optimizer state; fp32 master weights whenever the policy computes in bf16;
+- under several trainer ranks each generates and rewards its own share of a synchronous batch, and all
+  train on the one batch they exchange (the completions one process samples), through as many
+  micro-batches; the held-out evaluation is shared over the ranks the same way;
 - a non-finite loss or gradient norm stops the run before the update is applied; non-finite weights, or
   weights whose forward overflows, right after it (NonFiniteError naming the step); nothing of that step is
   saved.
@@ -37,6 +40,7 @@ not stop training: those completions get no reward and are counted in `rewards/<
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -61,7 +65,7 @@ from trainer.checkpoint import (
     set_rng_state,
 )
 from trainer.divergence import NonFiniteError, stop_unless_finite, updated_policy_extremes
-from trainer.heldout import evaluate_greedy, write_samples
+from trainer.heldout import HELDOUT_BATCH_SIZE, evaluate_greedy, write_samples
 from trainer.launch import distributed_exit
 from trainer.memory_plan import check_gpu_memory, engine_rollout
 from trainer.metrics import MetricsFile, TrainerCallback, TrainResult
@@ -70,10 +74,10 @@ from trainer.plugins import load_plugin
 from trainer.recipe import Recipe
 from trainer.rewards import RewardRunner, accuracy_reward, format_reward, resolve_reward
 from trainer.rollout.batch import RolloutBatch
-from trainer.rollout.engines import make_engine
+from trainer.rollout.engines import make_engine, served_by_rank_zero
 from trainer.rollout.source import AsyncRollout, LocalEngine, RolloutSource, SyncRollout, step_prompts
 from trainer.rollout.worker_processes import cpu_threads_per_side
-from trainer.scoring import score_groups
+from trainer.scoring import reward_groups, score_groups, score_rewarded
 from trainer.strategy import TrainingStrategy, check_recipe, make_strategy
 from trainer.typed_config import ConfigError
 
@@ -88,9 +92,13 @@ class GRPOTrainer:
         data_dir: str | Path,
         callbacks: list[TrainerCallback] = (),
         progress: bool | None = None,
+        heldout_batch_size: int = HELDOUT_BATCH_SIZE,
     ):
+        """`heldout_batch_size`: held-out rows a trainer rank generates at once (its KV cache beside the
+        weights and the optimizer state)."""
         check_supported(recipe)
         self.recipe, self.cfg = recipe, recipe.train
+        self.heldout_batch_size = heldout_batch_size
         self.model_path, self.data_dir = model_path, Path(data_dir)
         self.callbacks, self.progress = list(callbacks), progress
         self.output_dir = Path(self.cfg.output_dir).resolve()
@@ -190,7 +198,7 @@ class GRPOTrainer:
         self.setup()
         cfg = self.cfg
         if self.heldout_before is None:
-            self.heldout_before = self._heldout_on_rank0()
+            self.heldout_before = self.evaluate_heldout()
             if self.rank == 0:
                 log.info("held-out before training: %s", _fmt(self.heldout_before))
         step_times, last = [], self.checkpoint
@@ -224,7 +232,7 @@ class GRPOTrainer:
                     )
                 if (step + 1) % cfg.save_steps == 0 or step + 1 == cfg.max_steps:
                     last = self.save(step + 1) or last  # every rank takes part; rank 0 writes the checkpoint
-        heldout_after = self._heldout_on_rank0()
+        heldout_after = self.evaluate_heldout()
         if self.rank != 0:
             return None
         log.info("held-out after training: %s", _fmt(heldout_after))
@@ -246,13 +254,13 @@ class GRPOTrainer:
         prompts = functools.partial(
             step_prompts, rows=self.train_rows, tokenizer=self.tokenizer, cfg=self.cfg
         )
-        score = functools.partial(score_groups, self.rewards, self.cfg)
         if not self.recipe.rollout.async_:
             return SyncRollout(
                 self.local_engine,
                 self.cfg,
                 prompts=prompts,
-                score=score,
+                reward=functools.partial(reward_groups, self.rewards, self.cfg),
+                score=functools.partial(score_rewarded, self.cfg),
                 policy=self.current_policy,
                 rank=self.rank,
                 world=self.world,
@@ -263,7 +271,7 @@ class GRPOTrainer:
             str(self.checkpoint or self.model_path),
             self.recipe.model,
             prompts=prompts,
-            score=score,
+            score=functools.partial(score_groups, self.rewards, self.cfg),
             policy=self.current_policy,
             rank=self.rank,
             world=self.world,
@@ -276,8 +284,9 @@ class GRPOTrainer:
     def optimize(self, batch: RolloutBatch) -> dict:
         """mu passes over the batch in micro-batches; one optimizer update per pass."""
         cfg, t0 = self.cfg, time.perf_counter()
-        # each rank takes its share of the sequences; the loss is normalised by totals over the whole batch
-        micro = self.strategy.shard(len(batch)).split(cfg.micro_batch_size)
+        # each rank takes its share of the sequences; the loss is normalised by totals over the whole batch.
+        # Every rank holds the same batch and runs as many micro-batches (a DDP / ZeRO backward is collective)
+        micro = self.strategy.micro_batches(len(batch), cfg.micro_batch_size)
         device = self.model.device
         micro_batches = [batch.micro_batch(idx, self.tokenizer.pad_token_id).to(device) for idx in micro]
         active = sum(
@@ -361,7 +370,8 @@ class GRPOTrainer:
             w = torch.cat(
                 [iw[mb.completion_mask > 0] for iw, mb in zip(is_weights, micro_batches, strict=True)]
             )
-            sums.update({"importance_ratio/min": w.min().item(), "importance_ratio/max": w.max().item()})
+            if w.numel():  # rank 0 logs them; another rank may hold stand-ins only (fewer rows than ranks)
+                sums.update({"importance_ratio/min": w.min().item(), "importance_ratio/max": w.max().item()})
         return {
             **sums,
             "entropy": entropy / totals["total_tokens"],
@@ -381,14 +391,27 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------------ eval and saving
     def evaluate_heldout(self, name: str | None = None) -> dict:
-        """The current policy's greedy held-out scores (`evaluate_greedy`); its answers go to the run
-        directory as `heldout/<name>.jsonl` (`write_samples`), named in the scores, for the plot and the
-        evaluation that follow training. `name`: `before` until the before-training scores exist, then
-        `after`."""
+        """The current policy's greedy held-out scores (`evaluate_greedy`), on every trainer rank.
+
+        The ranks share the rows, each generating its part with its own engine (the rollout engine where the
+        rank has one in process: vLLM / LMDeploy synchronous or colocated; else the policy itself) in batches
+        of `heldout_batch_size` rows, and exchange the scores after each batch: no rank waits on another for
+        longer than one batch. With a rollout server, rank 0 alone asks it, one batch at a time, while the
+        others wait a batch at a time. Every rank calls this (ZeRO-3 gathers the weights collectively).
+
+        Rank 0 writes the answers to the run directory as `heldout/<name>.jsonl` (`write_samples`), named in
+        the scores, for the plot and the evaluation that follow training; the other ranks return the scores
+        alone. `name`: `before` until the before-training scores exist, then `after`."""
         if not self.heldout_rows:
             return {}
         name = name or ("before" if self.heldout_before is None else "after")
-        with self.local_engine.holding(self.model, self.version) as engine:
+        alone = self.world > 1 and served_by_rank_zero(self.recipe.rollout)
+        if alone and self.rank != 0:  # rank 0 alone talks to the server; this rank takes part in the sync
+            self.local_engine.follow(self.model, self.version)
+            holding = contextlib.nullcontext(None)
+        else:
+            holding = self.local_engine.holding(self.model, self.version)
+        with holding as engine:
             result = evaluate_greedy(
                 engine,
                 self.tokenizer,
@@ -396,16 +419,17 @@ class GRPOTrainer:
                 accuracy_reward,
                 format_reward,
                 max_tokens=self.cfg.max_completion_length,
+                batch_size=self.heldout_batch_size,
                 max_prompt_length=self.cfg.max_prompt_length,
                 return_samples=True,
+                rank=self.rank,
+                world=self.world,
+                gather=self.strategy.all_gather_objects,
+                alone=alone,
             )
+        if self.rank != 0:
+            return {k: v for k, v in result.items() if k != "samples"}
         return write_samples(self.output_dir, name, result)
-
-    def _heldout_on_rank0(self) -> dict | None:
-        """Rank 0 evaluates (None elsewhere); under ZeRO-3 every rank first gathers the whole policy with
-        it."""
-        with self.strategy.whole_weights():
-            return self.evaluate_heldout() if self.rank == 0 else None
 
     def save(self, step: int) -> Path | None:
         """Checkpoint `step`; every rank calls this (the strategy adds its optimizer state, rank 0 writes)."""

@@ -2,7 +2,8 @@
 
 `evaluate_greedy` is the one held-out scorer: the bootstrap (is the base model in its target band?), training
 (before and after), the pipeline's held-out evaluation and `grpoflow eval`'s `heldout_accuracy` all score
-through it, with the same reward functions as training, so "accuracy" means one thing everywhere.
+through it, with the same reward functions as training, so "accuracy" means one thing everywhere. Under
+several trainer ranks they share the rows, each generating its part with its own engine.
 
 Training keeps the answers it scored in its run directory (`write_samples`: `heldout/before.jsonl`,
 `heldout/after.jsonl`, named with their sha256 in the scores it returns), so that what comes after it (the
@@ -18,7 +19,9 @@ from pathlib import Path
 
 from data.manifest import sha256_file, write_jsonl_atomic
 from trainer.prompts import columns_of, encode_prompts
-from trainer.rollout.base import SamplingParams
+from trainer.rollout.base import SamplingParams, contiguous_shares
+
+HELDOUT_BATCH_SIZE = 256  # rows a process generates at once unless its caller sizes it (e.g. to its memory)
 
 
 def evaluate_greedy(
@@ -28,31 +31,53 @@ def evaluate_greedy(
     accuracy_fn: Callable,
     format_fn: Callable | None = None,
     max_tokens: int = 64,
-    batch_size: int = 256,
+    batch_size: int = HELDOUT_BATCH_SIZE,
     max_prompt_length: int | None = None,
     return_samples: bool = False,
+    *,
+    rank: int = 0,
+    world: int = 1,
+    gather: Callable[[object], list] | None = None,
+    alone: bool = False,
 ) -> dict:
     """Greedy-decode every row once; return accuracy, format_rate and mean_length (tokens), and with
-    `return_samples` each row's `samples` entry (id, completion, answer, correct)."""
-    correct = formatted = length = 0.0
-    samples = []
+    `return_samples` each row's `samples` entry (id, completion, answer, correct).
+
+    Shared by `world` processes (trainer ranks, each calling with its `rank` and its own engine): the rows go
+    in rounds of `batch_size` rows per process, each process generating its consecutive part of a round;
+    `gather(part)` (every process's part, in rank order: `all_gather_object`) follows each round, so no
+    process waits on another for longer than one batch's generation, and each returns the scores of all rows,
+    the same as one process generating them in the same batches. `alone`: rank 0 generates every round by
+    itself (the others' `engine` cannot generate: a rollout server that rank 0 alone drives)."""
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    for start in range(0, len(rows), batch_size):
-        chunk = rows[start : start + batch_size]
-        prompts = encode_prompts(tokenizer, chunk, max_prompt_length)
-        outs = [g[0] for g in engine.generate(prompts, 1, greedy)]
+
+    def score(chunk: list[dict]) -> tuple[tuple[float, float, float], list[dict]]:
+        """(correct, formatted, completion tokens) summed over `chunk`, generated at once, and its samples."""
+        if not chunk:
+            return (0.0, 0.0, 0.0), []
+        outs = [g[0] for g in engine.generate(encode_prompts(tokenizer, chunk, max_prompt_length), 1, greedy)]
         texts = [c.text for c in outs]
         cols = columns_of(chunk)
         acc = accuracy_fn([r["prompt"] for r in chunk], texts, **cols)
         fmt = format_fn([r["prompt"] for r in chunk], texts, **cols) if format_fn else [0.0] * len(chunk)
-        correct += sum(a or 0.0 for a in acc)
-        formatted += sum(f or 0.0 for f in fmt)
-        length += sum(len(c.token_ids) for c in outs)
-        if return_samples:
-            samples += [
-                {"id": r.get("id"), "completion": t, "answer": r.get("answer"), "correct": a}
-                for r, t, a in zip(chunk, texts, acc, strict=False)
-            ]
+        sums = (sum(a or 0.0 for a in acc), sum(f or 0.0 for f in fmt), sum(len(c.token_ids) for c in outs))
+        if not return_samples:
+            return sums, []
+        return sums, [
+            {"id": r.get("id"), "completion": t, "answer": r.get("answer"), "correct": a}
+            for r, t, a in zip(chunk, texts, acc, strict=False)
+        ]
+
+    correct = formatted = length = 0.0
+    samples = []
+    per_round = batch_size if alone or world == 1 else batch_size * world
+    for start in range(0, len(rows), per_round):
+        chunk = rows[start : start + per_round]
+        lo, hi = (0, len(chunk)) if alone or world == 1 else contiguous_shares(len(chunk), world)[rank]
+        part = score(chunk[lo:hi] if rank == 0 or not alone else [])
+        for sums, scored in gather(part) if world > 1 else [part]:
+            correct, formatted, length = correct + sums[0], formatted + sums[1], length + sums[2]
+            samples += scored
     n = max(len(rows), 1)
     result = {
         "accuracy": correct / n,

@@ -142,9 +142,9 @@ def plan(cfg: RolloutConfig, gpus: int | Sequence[str], cpu_ranks: int | None = 
         if tp > 1 and len(train) > 1:
             raise PlacementError(
                 f"rollout.tensor_parallel_size {tp} with in-process engines on {len(train)} trainer "
-                "ranks is not supported: the ranks of one engine must generate together, and the "
-                "held-out evaluation runs on rank 0 alone. Use tensor_parallel_size 1, or rollout "
-                "workers (rollout.async with rollout_devices)"
+                "ranks is not supported: the ranks of one engine would have to generate the same "
+                "prompts together, while each rank generates its own share. Use tensor_parallel_size 1, "
+                "or rollout workers (rollout.async with rollout_devices)"
             )
         if mode == "colocated" and cfg.num_engines != len(engines):
             raise PlacementError(

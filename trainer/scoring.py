@@ -1,9 +1,10 @@
 """Scoring generated groups: rewards -> group-relative advantages -> loss mask -> the batch's metrics.
 
 Synchronous and asynchronous rollout both end here, so a batch is scored the same way wherever it was
-generated. Completions whose reward is missing (a reward function raised or timed out) stay out of the loss;
-so do, when the recipe asks, groups whose rewards all match (DAPO's dynamic sampling) and completions cut off
-at `max_completion_length`.
+generated. The rewards (`reward_groups`) may be computed share by share (each trainer rank its own) and the
+whole batch then scored from them (`score_rewarded`). Completions whose reward is missing (a reward function
+raised or timed out) stay out of the loss; so do, when the recipe asks, groups whose rewards all match (DAPO's
+dynamic sampling) and completions cut off at `max_completion_length`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from trainer import loss as L
 from trainer.prompts import columns_of
 from trainer.recipe import TrainConfig
-from trainer.rewards import RewardRunner
+from trainer.rewards import RewardResult, RewardRunner
 from trainer.rollout.batch import RolloutBatch
 
 
@@ -31,16 +32,36 @@ def score_groups(
 ) -> tuple[RolloutBatch, dict]:
     """The scored batch of `groups` (one group of `cfg.num_generations` completions per row of `rows`), and
     `metrics` with the reward, advantage and completion-length figures added."""
-    G = cfg.num_generations
-    completions = [c for g in groups for c in g]
     t1 = time.perf_counter()
+    result = reward_groups(rewards, cfg, rows, groups)
+    return score_rewarded(cfg, prompt_ids, groups, result, metrics, started=t1)
+
+
+def reward_groups(rewards: RewardRunner, cfg: TrainConfig, rows: list[dict], groups: list) -> RewardResult:
+    """The rewards of every completion of `groups`, in order (a batch's or one trainer rank's share of it)."""
+    G = cfg.num_generations
     expanded = [r for r in rows for _ in range(G)]
-    result = rewards(
+    completions = [c for g in groups for c in g]
+    return rewards(
         [r["prompt"] for r in expanded],
         [c.text for c in completions],
         completion_ids=[c.token_ids for c in completions],
         **columns_of(expanded),
     )
+
+
+def score_rewarded(
+    cfg: TrainConfig,
+    prompt_ids: list[list[int]],
+    groups: list,
+    result: RewardResult,
+    metrics: dict,
+    started: float | None = None,
+) -> tuple[RolloutBatch, dict]:
+    """`score_groups` from the batch's rewards `result` (`reward_groups`); `started`: when scoring began
+    (`timing/reward_s` counts from there; when None, `metrics` holds it already)."""
+    G = cfg.num_generations
+    completions = [c for g in groups for c in g]
     total = torch.tensor([math.nan if r is None else r for r in result.total])
     advantages, valid, stats = L.group_advantages(total, G, cfg.scale_rewards)
     loss_mask = valid.clone()
@@ -61,9 +82,10 @@ def score_groups(
         "completions/min_length": min(lengths),
         "completions/max_length": max(lengths),
         "completions/clipped_ratio": truncated.float().mean().item(),
-        "timing/reward_s": time.perf_counter() - t1,
         "reward_errors": float(sum(result.errors.values())),
     }
+    if started is not None:
+        metrics["timing/reward_s"] = time.perf_counter() - started
     batch = RolloutBatch(
         [p for p in prompt_ids for _ in range(G)],
         completions,
@@ -75,4 +97,4 @@ def score_groups(
     return batch, metrics
 
 
-__all__ = ["score_groups"]
+__all__ = ["reward_groups", "score_groups", "score_rewarded"]

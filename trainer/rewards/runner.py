@@ -55,6 +55,16 @@ class RewardResult:
     def metrics(self) -> dict[str, float]:
         return reward_metrics(self)
 
+    @classmethod
+    def concat(cls, parts: Sequence[RewardResult]) -> RewardResult:
+        """The rewards of consecutive parts of one batch (each trainer rank's share) as one batch's."""
+        names = list(parts[0].per_function) if parts else []
+        return cls(
+            {name: [v for part in parts for v in part.per_function[name]] for name in names},
+            [v for part in parts for v in part.total],
+            {name: sum(part.errors.get(name, 0) for part in parts) for name in names},
+        )
+
 
 def reward_metrics(result: RewardResult) -> dict[str, float]:
     """`rewards/<fn>/mean`, `rewards/<fn>/std` (sample std, 0.0 for a single value) over the non-None values,

@@ -24,6 +24,26 @@ class SamplingParams:
     ignore_eos: bool = (
         False  # decode max_tokens tokens whatever is sampled (benchmarks and load tests, as in vLLM)
     )
+    # (first prompt, prompts in the whole batch) when a call generates one share of a larger batch (each
+    # trainer rank its own): the engine samples these prompts exactly as it would inside the whole batch
+    share: tuple[int, int] | None = None
+
+    @property
+    def first_prompt(self) -> int:
+        """The index in the whole batch of this call's first prompt."""
+        return self.share[0] if self.share is not None else 0
+
+
+def contiguous_shares(n: int, parts: int) -> list[tuple[int, int]]:
+    """`n` items cut into `parts` consecutive (start, end) slices whose sizes differ by at most one, the
+    larger first."""
+    base, extra = divmod(n, parts)
+    out, lo = [], 0
+    for i in range(parts):
+        hi = lo + base + (1 if i < extra else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
 
 
 @dataclass

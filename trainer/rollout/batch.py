@@ -65,7 +65,13 @@ class RolloutBatch:
         return sum(len(p) + len(c.token_ids) for p, c in zip(self.prompt_ids, self.completions, strict=True))
 
     def micro_batch(self, index: torch.Tensor, pad_id: int) -> MicroBatch:
-        """Padded tensors for the completions at `index`, trimmed to this micro-batch's longest rows."""
+        """Padded tensors for the completions at `index`, trimmed to this micro-batch's longest rows.
+
+        An empty `index` gives a stand-in: the batch's first row with none of its tokens in the loss, for a
+        trainer rank that has run out of rows while the others still run collective backward passes."""
+        if len(index) == 0:
+            stand_in = self.micro_batch(torch.zeros(1, dtype=torch.long), pad_id)
+            return dataclasses.replace(stand_in, completion_mask=torch.zeros_like(stand_in.completion_mask))
         rows = index.tolist()
         p_len = max(len(self.prompt_ids[i]) for i in rows)
         c_len = max(max(len(self.completions[i].token_ids) for i in rows), 1)

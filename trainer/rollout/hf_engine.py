@@ -34,8 +34,16 @@ def left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, 
     return ids.to(device), mask.to(device)
 
 
-def sample_next(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None):
-    """Sample one token per row; return (tokens, their log-probs under log_softmax(logits / T))."""
+def sample_next(
+    logits: torch.Tensor,
+    sampling: SamplingParams,
+    generator: torch.Generator | None,
+    rows: tuple[int, int] | None = None,
+):
+    """Sample one token per row; return (tokens, their log-probs under log_softmax(logits / T)).
+
+    `rows` (first row, rows in the whole batch): these rows are a slice of a larger batch, and each is sampled
+    with the random numbers it would get there."""
     logits = logits.float()
     if sampling.temperature <= 0:
         logp = torch.log_softmax(logits, dim=-1)
@@ -49,7 +57,12 @@ def sample_next(logits: torch.Tensor, sampling: SamplingParams, generator: torch
         drop = (sorted_p.cumsum(-1) - sorted_p) >= sampling.top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    # torch.multinomial's own draw for one sample, argmax(p / q) with q ~ Exp(1) (the exponential race),
+    # written out so that a slice of a batch can take its rows of the whole batch's noise
+    first, total = rows if rows is not None else (0, probs.shape[0])
+    noise = torch.empty((total, probs.shape[1]), dtype=probs.dtype, device=probs.device)
+    noise = noise.exponential_(1, generator=generator)[first : first + probs.shape[0]]
+    tokens = (probs / noise).argmax(dim=-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
@@ -120,6 +133,8 @@ class Decoding:
 
         model, device = engine.model, engine.device
         self.engine, self.n, self.sampling, self.num_prompts = engine, n, sampling, len(prompts)
+        # one share of a larger batch: its rows sample the random numbers they would get in the whole batch
+        self.share_rows = None if sampling.share is None else (sampling.share[0] * n, sampling.share[1] * n)
         self.generator = None
         if sampling.seed is not None:
             self.generator = torch.Generator(device=device).manual_seed(sampling.seed)
@@ -172,7 +187,7 @@ class Decoding:
             if self.done:
                 return
             t, done = self.t, self.done_rows
-            tok, logp = sample_next(self.logits, sampling, self.generator)
+            tok, logp = sample_next(self.logits, sampling, self.generator, self.share_rows)
             tok = torch.where(done, engine.pad_id, tok)
             self.tokens_out[:, t] = tok
             self.logps_out[:, t] = torch.where(done, 0.0, logp)

@@ -265,7 +265,8 @@ class LMDeployEngine:
         greedy = sampling.temperature <= 0
         per_prompt = 1 if greedy else n
         requests = []
-        for p, ids in enumerate(prompts):
+        # seeded per prompt by its index in the whole batch: a share of it samples what the batch would
+        for p, ids in enumerate(prompts, start=sampling.first_prompt):
             for j in range(per_prompt):
                 seed = None if sampling.seed is None else sampling.seed + p * per_prompt + j
                 requests.append((ids, self._gen_config(sampling, seed)))

@@ -21,13 +21,15 @@ import functools
 import random
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
 from trainer.deepspeed_setup import whole_parameters
 from trainer.prompts import encode_prompts
 from trainer.recipe import ModelConfig, RolloutConfig, TrainConfig
-from trainer.rollout.base import SamplingParams
+from trainer.rewards import RewardResult
+from trainer.rollout.base import SamplingParams, contiguous_shares
 from trainer.rollout.batch import RolloutBatch
 from trainer.rollout.engines import load_policy, policy_tensors, served_by_rank_zero, shares_weights
 from trainer.rollout.weight_sync import sync_tensors
@@ -157,9 +159,16 @@ def trainer_rank_and_world() -> tuple[int, int]:
 class SyncRollout(RolloutSource):
     """Generate each batch when it is asked for, with the policy being trained.
 
-    Each trainer rank generates with its own engine, except with a rollout server: rank 0 alone brings the
-    server up to date and asks it for the batch, which it hands to the other ranks.
-    `policy()` returns the trainer's (model, policy version) at the time of asking."""
+    Each trainer rank generates its own share of the prompts (consecutive, `contiguous_shares`) with its own
+    engine, sampled exactly as the whole batch would sample them (`SamplingParams.share`), and rewards it;
+    the ranks then exchange their shares, so every rank holds the same whole batch (the same micro-batch
+    count, the same loss totals) and generation is not repeated on every rank. With a rollout server, rank 0
+    alone brings the server up to date and asks it for the whole batch, which it hands to the other ranks;
+    each still rewards its share.
+
+    `reward(rows, groups)` rewards one share (`scoring.reward_groups`), `score(prompt_ids, groups, rewards,
+    metrics)` scores the whole batch from them (`scoring.score_rewarded`); `policy()` returns the trainer's
+    (model, policy version) at the time of asking."""
 
     def __init__(
         self,
@@ -167,12 +176,14 @@ class SyncRollout(RolloutSource):
         cfg: TrainConfig,
         *,
         prompts: Callable[[int], StepPrompts],
-        score: Score,
+        reward: Callable[[list[dict], list], RewardResult],
+        score: Callable[..., tuple[RolloutBatch, dict]],
         policy: Callable,
         rank: int | None = None,
         world: int | None = None,
     ):
-        self.engine, self.cfg, self.prompts, self.score, self.policy = engine, cfg, prompts, score, policy
+        self.engine, self.cfg, self.prompts, self.policy = engine, cfg, prompts, policy
+        self.reward, self.score = reward, score
         self.rank, self.world = (
             (rank, world) if rank is not None and world is not None else trainer_rank_and_world()
         )
@@ -180,18 +191,44 @@ class SyncRollout(RolloutSource):
 
     def next(self, step: int) -> tuple[RolloutBatch, dict]:
         rows, prompt_ids, sampling = self.prompts(step)
+        lo, hi = contiguous_shares(len(prompt_ids), self.world)[self.rank]
         t0 = time.perf_counter()
-        groups = None
-        if self.rank == 0 or not self.shared:
-            with self.engine.holding(*self.policy()) as engine:
-                groups = engine.generate(prompt_ids, self.cfg.num_generations, sampling)
-        else:
-            self.engine.follow(*self.policy())
         if self.shared:
+            groups = None
+            if self.rank == 0:
+                with self.engine.holding(*self.policy()) as engine:
+                    groups = engine.generate(prompt_ids, self.cfg.num_generations, sampling)
+            else:
+                self.engine.follow(*self.policy())
             shared = [groups]
             torch.distributed.broadcast_object_list(shared, src=0)
-            groups = shared[0]
-        return self.score(rows, prompt_ids, groups, {"timing/rollout_s": time.perf_counter() - t0})
+            groups = shared[0][lo:hi]
+        else:
+            share = replace(sampling, share=(lo, len(prompt_ids))) if self.world > 1 else sampling
+            with self.engine.holding(*self.policy()) as engine:  # every rank: ZeRO-3 gathers collectively
+                groups = (
+                    engine.generate(prompt_ids[lo:hi], self.cfg.num_generations, share) if hi > lo else []
+                )
+        t1 = time.perf_counter()
+        part = (
+            groups,
+            self.reward(rows[lo:hi], groups) if groups else None,
+            t1 - t0,
+            time.perf_counter() - t1,
+        )
+        parts = [part]
+        if self.world > 1:  # every rank gets every share, in prompt order
+            parts = [None] * self.world
+            torch.distributed.all_gather_object(parts, part)
+        groups = [g for p in parts for g in p[0]]
+        rewards = RewardResult.concat([p[1] for p in parts if p[1] is not None])
+        t2 = time.perf_counter()
+        batch, metrics = self.score(
+            prompt_ids, groups, rewards, {"timing/rollout_s": max(p[2] for p in parts)}
+        )
+        # the slowest rank's rewards held the step up, then every rank scored the whole batch
+        metrics["timing/reward_s"] = max(p[3] for p in parts) + time.perf_counter() - t2
+        return batch, metrics
 
 
 class AsyncRollout(RolloutSource):

@@ -319,7 +319,9 @@ class VLLMEngine:
             self._warned_top_p = True
         greedy = sampling.temperature <= 0
         per_prompt = 1 if greedy else n  # greedy samples are all the same: generate one, repeat it
-        params = [self._params(sampling, per_prompt, p) for p in range(len(prompts))]
+        # seeded per prompt by its index in the whole batch: a share of it samples what the batch would
+        first = sampling.first_prompt
+        params = [self._params(sampling, per_prompt, first + p) for p in range(len(prompts))]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         groups = []
         for out in outputs:

@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 
 from trainer.launch import free_port
 from trainer.recipe import ModelConfig, RolloutConfig
-from trainer.rollout.base import SamplingParams
+from trainer.rollout.base import SamplingParams, contiguous_shares
 
 
 class RolloutWorkerError(RuntimeError):
@@ -304,7 +304,7 @@ class RolloutWorkers:
         two shards the same completions)."""
         self._check_alive()
         for k, (q, (lo, hi)) in enumerate(
-            zip(self.commands, _shard(len(prompts), len(self.procs)), strict=True)
+            zip(self.commands, contiguous_shares(len(prompts), len(self.procs)), strict=True)
         ):
             q.put(
                 ("generate", (step, prompts[lo:hi], n, replace(sampling, seed=shard_seed(sampling.seed, k))))
@@ -360,16 +360,6 @@ def shard_seed(seed: int | None, shard: int) -> int | None:
     """The sampling seed of shard `shard`: the batch's own for the first (one worker samples as before), the
     others moved by multiples of 2**32, beyond any step's seed."""
     return None if seed is None else seed + (shard << 32)
-
-
-def _shard(n: int, parts: int) -> list[tuple[int, int]]:
-    base, extra = divmod(n, parts)
-    out, lo = [], 0
-    for i in range(parts):
-        hi = lo + base + (1 if i < extra else 0)
-        out.append((lo, hi))
-        lo = hi
-    return out
 
 
 def cpu_threads_per_side(num_workers: int) -> int:

@@ -8,6 +8,7 @@ single process, DDP and DeepSpeed ZeRO; a new mode (FSDP2, say) is one new subcl
 from __future__ import annotations
 
 import contextlib
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -54,6 +55,15 @@ class TrainingStrategy(ABC):
         the whole batch's totals, so the ranks' shares add up to the single-process loss."""
         return torch.arange(size)[self.rank :: self.world]
 
+    def micro_batches(self, size: int, micro_batch_size: int) -> list[torch.Tensor]:
+        """This rank's rows (`shard`) of a batch of `size`, cut into micro-batches of `micro_batch_size`, as
+        many on every rank: each backward of DDP and ZeRO is collective, so a rank with fewer rows than
+        another pads its list with empty ones (`RolloutBatch.micro_batch` makes them a stand-in with no
+        loss)."""
+        mine = list(self.shard(size).split(micro_batch_size))
+        most = math.ceil(math.ceil(size / self.world) / micro_batch_size)  # rank 0's share is the largest
+        return mine + [torch.zeros(0, dtype=torch.long)] * (most - len(mine))
+
     def logps(
         self, mb: MicroBatch, temperature: float, model: torch.nn.Module | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,6 +92,14 @@ class TrainingStrategy(ABC):
         if self.world > 1:
             torch.distributed.all_reduce(values)
         return values
+
+    def all_gather_objects(self, obj: object) -> list:
+        """Every trainer rank's `obj`, in rank order (pickled: small results such as scores)."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        torch.distributed.all_gather_object(out, obj)
+        return out
 
     # ------------------------------------------------------------------------------- weights and state
     def whole_weights(self) -> contextlib.AbstractContextManager:
