@@ -129,6 +129,35 @@ def test_memory_plan_parts_by_hand_for_1e9_parameters_in_bf16_zero2_over_six_ran
     )
 
 
+def test_heldout_batch_is_what_the_kv_cache_fits_beside_the_training_state():
+    from trainer.heldout import HELDOUT_BATCH_SIZE
+    from trainer.memory_plan import estimate, heldout_rows
+
+    recipe = load_recipe(
+        None,
+        [
+            "model.dtype=bfloat16",
+            "train.deepspeed=zero2",
+            "train.beta=0.001",
+            "train.max_prompt_length=100",
+            "train.max_completion_length=156",
+            "rollout.engine=vllm",
+            "rollout.async=true",
+            "rollout.train_devices=[0,1,2,3,4,5]",
+            "rollout.rollout_devices=[6,7]",
+            "rollout.num_engines=2",
+        ],
+    )
+    shape = _memory_shape()
+    memory = estimate(recipe, gpus=8, gpu_memory_gib=12.0, shape=shape)
+    # what stays on a trainer GPU once training began: weights 2e9, gradients 3e9, masters 4e9/6, Adam 8e9/6,
+    # reference 2e9 = 9e9 bytes; left of 12 GiB beside the 2 GiB reserve: 10 x 2^30 - 9e9 = 1,737,418,240;
+    # one row's KV cache: 256 tokens x 2 (K, V) x 16 layers x 512 x 2 bytes = 8,388,608 -> 207 rows
+    assert heldout_rows(recipe, memory, shape) == 207
+    assert heldout_rows(recipe, estimate(recipe, gpus=8, gpu_memory_gib=80.0, shape=shape), shape) == 256
+    assert heldout_rows(recipe, None) == HELDOUT_BATCH_SIZE  # a CPU run: not sized by a plan
+
+
 def test_activation_estimate_covers_what_autograd_keeps_for_a_small_qwen2_in_bf16():
     """The estimate against a measurement: every tensor autograd saves for backward (saved-tensor hooks,
     parameters left out) in the trainer's log-prob forward of a small Qwen2, plus the logits it returns."""

@@ -67,7 +67,7 @@ from trainer.checkpoint import (
 from trainer.divergence import NonFiniteError, stop_unless_finite, updated_policy_extremes
 from trainer.heldout import HELDOUT_BATCH_SIZE, evaluate_greedy, write_samples
 from trainer.launch import distributed_exit
-from trainer.memory_plan import check_gpu_memory, engine_rollout
+from trainer.memory_plan import check_gpu_memory, engine_rollout, heldout_rows
 from trainer.metrics import MetricsFile, TrainerCallback, TrainResult
 from trainer.model_loading import load_model
 from trainer.plugins import load_plugin
@@ -474,11 +474,12 @@ def check_supported(recipe: Recipe) -> None:
     check_recipe(recipe)  # and what the distributed mode cannot train
 
 
-def prepare_inputs(recipe: Recipe) -> str:
+def prepare_inputs(recipe: Recipe, memory_checked: bool = False) -> str:
     """Prepared data and base model (both cached); returns the model path. On GPUs the recipe's memory plan
-    must fit them first (`memory_plan.check_gpu_memory`)."""
+    must fit them first (`memory_plan.check_gpu_memory`, unless the caller has `memory_checked`)."""
     check_supported(recipe)
-    check_gpu_memory(recipe)
+    if not memory_checked:
+        check_gpu_memory(recipe)
     from data.manifest import MANIFEST
     from data.prepare import prepare
     from trainer.bootstrap import resolve_base_model
@@ -490,8 +491,16 @@ def prepare_inputs(recipe: Recipe) -> str:
 
 def train_recipe(recipe: Recipe, callbacks: list[TrainerCallback] = (), progress: bool | None = None) -> dict:
     """Prepare data and base model if missing (both cached), train in the claimed run directory, summarise."""
-    model_path = prepare_inputs(recipe)
-    trainer = GRPOTrainer(recipe, model_path, recipe.data.out, callbacks, progress)
+    memory = check_gpu_memory(recipe)  # before anything loads; None on CPU
+    model_path = prepare_inputs(recipe, memory_checked=True)
+    trainer = GRPOTrainer(
+        recipe,
+        model_path,
+        recipe.data.out,
+        callbacks,
+        progress,
+        heldout_batch_size=heldout_rows(recipe, memory),
+    )
     with claim_run_dir(recipe.train.output_dir), distributed_exit():
         result = trainer.train()
     return result.summary() if result is not None else None

@@ -29,6 +29,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from trainer.heldout import HELDOUT_BATCH_SIZE
 from trainer.placement import plan, planned_node
 from trainer.recipe import ENGINE_ALONE_UTILIZATION, Recipe, RolloutConfig
 from trainer.typed_config import ConfigError
@@ -556,6 +557,25 @@ def check_gpu_memory(recipe: Recipe) -> dict | None:
     return memory
 
 
+def heldout_rows(recipe: Recipe, memory: dict | None, shape: ModelShape | None = None) -> int:
+    """Held-out rows a trainer rank generates at once: as many as the KV cache of one greedy row (prompt and
+    completion at their maximum lengths) fits in what the plan leaves on a trainer GPU once
+    training has begun (weights, gradients, masters, Adam states and reference stay; activations do not),
+    at most HELDOUT_BATCH_SIZE and at least 1. `memory`: the plan (`estimate`); None (a CPU run) gives
+    HELDOUT_BATCH_SIZE."""
+    trainers = [d for d in (memory or {}).get("devices", []) if d["role"] in ("trainer", "colocated")]
+    if not trainers:
+        return HELDOUT_BATCH_SIZE
+    shape = shape or model_shape(recipe)
+    cfg = recipe.train
+    a = DTYPE_BYTES[compute_dtype(recipe, shape)]
+    per_row = (cfg.max_prompt_length + cfg.max_completion_length) * 2 * shape.layers * shape.kv_width * a
+    parts = trainer_parts(recipe, shape, len(trainers))  # unrounded: the plan shows GiB to 3 decimals
+    resident = sum(v for k, v in parts.items() if k not in ("activations", "kv_cache"))
+    free = (memory["gpu_memory_gib"] - RESERVED_GIB) * GIB - resident
+    return max(1, min(HELDOUT_BATCH_SIZE, int(free // per_row)))
+
+
 def engine_rollout(recipe: Recipe) -> RolloutConfig:
     """The recipe's rollout settings with the engine's share resolved from the memory plan when unset, for
     this node's GPUs at their real size (on CPU, where vLLM sizes its cache by VLLM_CPU_KVCACHE_SPACE
@@ -584,6 +604,7 @@ __all__ = [
     "engine_rollout",
     "engine_utilization",
     "estimate",
+    "heldout_rows",
     "model_shape",
     "refuse_unless_fits",
     "trainer_parts",
