@@ -298,35 +298,3 @@ def test_with_a_rollout_server_rank_zero_evaluates_heldout_one_batch_per_wait_of
     assert rank0["waits"] == [2, 2, 2] and rank1["waits"] == [0, 0, 0]
     assert rank0["result"] == rank1["result"] == rank0["one_process"]
     assert rank0["result"]["n"] == len(rank0["result"]["samples"]) == 6
-
-
-def test_vllm_samples_a_share_of_a_batch_as_the_whole_batch_does(tiny_base, tiny_data, monkeypatch):
-    """vLLM (its CPU build) seeds each prompt by its index in the whole batch: prompts 2..3 of a batch of 4,
-    asked for alone with `share`, get the completions they get in the whole batch, as a rank's share does."""
-    from conftest import require_vllm
-
-    require_vllm("`make test-vllm` runs this test in .venv-vllm")
-    from trainer.model_loading import load_model
-    from trainer.prompts import encode_prompts
-    from trainer.recipe import ModelConfig, RolloutConfig
-    from trainer.rollout.engines import make_engine
-
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-    _, tokenizer = load_model(tiny_base["path"], ModelConfig(dtype="float32"), "cpu", verify=False)
-    prompts = encode_prompts(tokenizer, load_prepared(tiny_data, "heldout")[:4], 64)
-    engine = make_engine(
-        RolloutConfig(engine="vllm", enforce_eager=True),
-        tiny_base["path"],
-        model_cfg=ModelConfig(dtype="float32"),
-        seed=0,
-        max_model_len=96,
-    )
-    sampling = SamplingParams(max_tokens=12, temperature=1.0, seed=11)
-    whole = engine.generate(prompts, 3, sampling)
-    share = engine.generate(
-        prompts[2:], 3, SamplingParams(max_tokens=12, temperature=1.0, seed=11, share=(2, 4))
-    )
-    assert [[c.token_ids for c in g] for g in share] == [[c.token_ids for c in g] for g in whole[2:]]
-    # without `share` the two prompts take the seeds of a batch's first two: another sample
-    alone = engine.generate(prompts[2:], 3, sampling)
-    assert [[c.token_ids for c in g] for g in alone] != [[c.token_ids for c in g] for g in share]

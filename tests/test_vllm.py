@@ -263,6 +263,22 @@ def test_a_seeded_batch_over_the_batched_token_budget_generates_and_repeats(engi
     assert token_ids(other) != token_ids(first)
 
 
+@IN_PROCESS_ENGINE
+def test_a_share_of_a_batch_samples_what_the_whole_batch_samples_for_its_prompts(engine, policy, prompts):
+    """vLLM seeds each prompt by its index in the whole batch: prompts 2..3 of a batch of 4, asked for alone
+    with `share` (as a trainer rank asks for its share of a synchronous batch), get the completions they get
+    in the whole batch."""
+    engine.update_weights(policy[0].state_dict().items(), 21)
+    sampling = SamplingParams(max_tokens=12, temperature=1.0, seed=11)
+    whole = engine.generate(prompts[:4], 3, sampling)
+    share = engine.generate(
+        prompts[2:4], 3, SamplingParams(max_tokens=12, temperature=1.0, seed=11, share=(2, 4))
+    )
+    assert token_ids(share) == token_ids(whole[2:])
+    # without `share` the two prompts take the seeds of a batch's first two: another sample
+    assert token_ids(engine.generate(prompts[2:4], 3, sampling)) != token_ids(share)
+
+
 # ---- training with vLLM rollouts ---------------------------------------------------------------------------
 
 
