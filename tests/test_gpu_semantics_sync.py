@@ -37,18 +37,23 @@ def _sync_overrides(tmp_path: Path, tiny_base: dict, data: Path, *more: str) -> 
     ]
 
 
-# One update of a fixed batch from the same weights: the module's weights rounded to bf16 first (a no-op for a
-# bf16 module), so that a float32 run starts where the bf16 one does. Writes what the trainer holds before and
-# after the update, in float32 by parameter name: what the optimizer steps (fp32 copies of a bf16 module), and
-# what float32 AdamW makes of float32 copies of those weights with the same gradients.
+# One update of one batch (the first run makes it) from the same weights: the module's weights rounded to bf16
+# first (a no-op for a bf16 module), so that a float32 run starts where the bf16 one does. Writes what the
+# trainer holds before and after the update, in float32 by parameter name: what the optimizer steps (fp32
+# copies of a bf16 module), and what float32 AdamW makes of float32 copies of those weights with the same
+# gradients.
 _SYNC_STEP_SCRIPT = """
-import sys, torch
+import os, sys, torch
 from trainer.grpo import GRPOTrainer
 from trainer.recipe import load_recipe
 config, model_path, batch_path, out = sys.argv[1:5]
 recipe = load_recipe(config, sys.argv[5:])
 trainer = GRPOTrainer(recipe, model_path, recipe.data.out, progress=False)
 trainer.setup()
+if not os.path.exists(batch_path):  # the first run's batch, advantages weighing every row, for every run
+    batch, _ = trainer.rollout_source().next(0)
+    batch.advantages = torch.linspace(-1, 1, len(batch))
+    torch.save(batch, batch_path)
 with torch.no_grad():
     for p in trainer.model.parameters():
         p.copy_(p.to(torch.bfloat16))
@@ -111,19 +116,12 @@ def test_bf16_step_at_small_learning_rate_moves_the_weights_as_float32_single_pr
 ):
     """lr 1e-6 is below half a bf16 ulp of most weights: stepped in bf16, 1.2 % of them moved at all."""
     overrides = _sync_overrides(tmp_path, tiny_base, tiny_data)
-    # one batch for every run: generated once by the float32 policy, with advantages that weigh every row
-    maker = GRPOTrainer(load_recipe(_SYNC_TINY, overrides), tiny_base["path"], tiny_data, progress=False)
-    maker.setup()
-    batch, _ = maker.rollout_source().next(0)
-    batch.advantages = torch.linspace(-1, 1, len(batch))
-    torch.save(batch, tmp_path / "batch.pt")
-    del maker
 
     def updates(ranks: int, *more: str) -> tuple[dict, dict]:
         held = _sync_step(tmp_path, tiny_base["path"], tmp_path / "batch.pt", ranks, *more, *overrides)
         return {n: h["update"] for n, h in held.items()}, {n: h["float32_step"] for n, h in held.items()}
 
-    float32_run, _ = updates(1)
+    float32_run, _ = updates(1)  # generates the batch every run trains on
     assert _sync_moved_2d(float32_run) > 0.99  # Adam's first step moves every weight with a gradient by ~lr
     for ranks in (1, 2):
         update, float32_step = updates(ranks, "model.dtype=bfloat16")
@@ -240,17 +238,16 @@ def test_async_run_logs_the_bytes_of_each_weight_sync_beside_its_time(tmp_path, 
         config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
     )
     kv = config["num_key_value_heads"] * h // config["num_attention_heads"]
-    per_layer = (
-        (h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * inner + 2 * h
-    )  # attention (q/k/v biases), mlp, norms
-    embeddings = vocab * h * (1 if config["tie_word_embeddings"] else 2)
-    float32_bytes = 4 * (embeddings + layers * per_layer + h)
+    # Qwen2: q/k/v projections with biases, o without, gate/up/down, two norms per layer; a final norm
+    per_layer = (h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * inner + 2 * h
+    embeddings = vocab * h * (1 if config["tie_word_embeddings"] else 2)  # a tied lm_head is sent once
+    float32_bytes = 4 * (embeddings + layers * per_layer + h)  # the tiny model: 893,568 x 4 = 3,574,272
 
     recipe = load_recipe(
         _SYNC_TINY, _sync_overrides(tmp_path, tiny_base, tiny_data, "rollout.async=true", "train.max_steps=2")
     )
     result = GRPOTrainer(recipe, tiny_base["path"], tiny_data, progress=False).train()
     rows = [json.loads(line) for line in Path(result.metrics_path).read_text().splitlines()]
-    # batch 1 was asked for while batch 0 trained, from version 0 the workers hold: the first sync is after it
+    # step 1's next batch is asked for from the version the workers start with (no sync); step 2's after one
     assert [r["weight_sync/bytes"] for r in rows] == [0, float32_bytes]
     assert rows[1]["timing/weight_sync_s"] > 0
