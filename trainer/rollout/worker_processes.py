@@ -165,7 +165,8 @@ def _worker_main(spec: WorkerSpec, commands, results) -> None:
                     receive_weights(sync_order(model), group, device=spec.sync_device)
                     load_policy(engine, model, version)
                 else:
-                    _stream_to_engine(engine, receive_stream(layout, group, spec.sync_device), version)
+                    stream = receive_stream(layout, group, spec.sync_device)
+                    _stream_to_engine(engine, stream, spec.device, version)
                 results.put(("synced", spec.rank, time.perf_counter() - started))
             elif kind == "generate":
                 step, prompts, n, sampling = payload
@@ -182,10 +183,11 @@ def _worker_main(spec: WorkerSpec, commands, results) -> None:
         results.put(("error", spec.rank, traceback.format_exc()))
 
 
-def _stream_to_engine(engine, stream: Iterator[tuple[str, torch.Tensor]], version: int) -> None:
-    """Hand the received tensors to an engine with a copy of its own, then take what it left unread: each
-    bucket is a collective the trainer waits on, and a tensor the engine skipped would stay stale."""
-    engine.update_weights(stream, version)
+def _stream_to_engine(engine, stream: Iterator[tuple[str, torch.Tensor]], device: str, version: int) -> None:
+    """Hand the received tensors to an engine with a copy of its own, on its `device` (LMDeploy loads from
+    CUDA tensors alone, also when gloo brought them through host memory), then take what it left unread:
+    each bucket is a collective the trainer waits on, and a tensor the engine skipped would stay stale."""
+    engine.update_weights(((name, t.to(device)) for name, t in stream), version)
     unread = [name for name, _ in stream]
     if unread:
         raise RuntimeError(
