@@ -48,9 +48,9 @@ def test_weight_sync_delivers_bit_identical_weights(tiny_base):
         before = workers.worker_weights(1)
         ours = dict(sync_order(model))
         assert not all(torch.equal(before[n], ours[n]) for n in ours)
-        seconds = workers.sync_weights(model, version=7)
+        sync = workers.sync_weights(model, version=7)
         after = workers.worker_weights(1)
-        assert after.keys() == ours.keys() and seconds > 0
+        assert after.keys() == ours.keys() and sync.seconds > 0
         for name, tensor in ours.items():
             assert torch.equal(after[name], tensor), name
     finally:

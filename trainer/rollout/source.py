@@ -257,6 +257,7 @@ class AsyncRollout(RolloutSource):
         from trainer.placement import this_trainer
 
         placed = this_trainer(rollout)[0].workers  # each on its engine's GPUs, or the CPU
+        trainer_device = next(policy()[0].parameters()).device  # where the weights are sent from
         self.workers = RolloutWorkers(
             model_path,
             model_cfg=model,
@@ -269,6 +270,7 @@ class AsyncRollout(RolloutSource):
             max_model_len=cfg.max_prompt_length + cfg.max_completion_length,
             seed=cfg.seed,
             cuda_visible_devices=[w.cuda_visible_devices for w in placed],
+            trainer_device=str(trainer_device),
         )
 
     def start(self, step: int) -> None:
@@ -293,7 +295,7 @@ class AsyncRollout(RolloutSource):
         if self.overlap:
             return
         if self.workers is not None:
-            metrics["timing/weight_sync_s"] = self._sync_and_submit(step + 1)
+            metrics.update(self._sync_and_submit(step + 1))
         else:
             self._follow()
 
@@ -315,15 +317,17 @@ class AsyncRollout(RolloutSource):
         self.inflight = (rows, prompt_ids)
         self.workers.submit(step, prompt_ids, self.cfg.num_generations, sampling)
 
-    def _sync_and_submit(self, next_step: int) -> float:
-        """Send the current weights (unless the workers hold them already), then request `next_step`."""
-        seconds = 0.0
+    def _sync_and_submit(self, next_step: int) -> dict:
+        """Send the current weights (unless the workers hold them already), then request `next_step`; the
+        sync's metrics."""
+        metrics = {"timing/weight_sync_s": 0.0, "weight_sync/bytes": 0}
         model, version = self.policy()
         if version != self.synced_version:
-            seconds = self.workers.sync_weights(model, version)
+            sync = self.workers.sync_weights(model, version)
+            metrics = {"timing/weight_sync_s": sync.seconds, "weight_sync/bytes": sync.bytes}
             self.synced_version = version
         self._submit(next_step)
-        return seconds
+        return metrics
 
     def _follow(self) -> None:
         """On trainer ranks other than 0, at the moments rank 0 syncs the workers: take the part of the sync
@@ -347,9 +351,10 @@ class AsyncRollout(RolloutSource):
             "timing/wait_s": time.perf_counter() - t0,
             "timing/rollout_s": busy,
             "timing/weight_sync_s": 0.0,
+            "weight_sync/bytes": 0,
         }
         if self.overlap:
-            metrics["timing/weight_sync_s"] = self._sync_and_submit(step + 1)
+            metrics.update(self._sync_and_submit(step + 1))
         return self.score(rows, prompt_ids, groups, metrics)
 
 

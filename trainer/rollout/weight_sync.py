@@ -1,48 +1,101 @@
 """Weight sync from trainer rank 0 to rollout engines over a dedicated torch.distributed group.
 
-Parameters travel in flat buckets (one broadcast per bucket, not per tensor) over gloo on CPU or NCCL on
-GPU; the receiving side copies each bucket back into its own parameters in the same order. Every
-collective runs under the group's timeout, so a dead peer fails the sync instead of hanging it.
-Under ZeRO-3 the caller passes parameters gathered a group of layers at a time; this module only sees
-(name, tensor) pairs in a fixed order.
+Parameters travel in flat buckets (one broadcast per bucket, not per tensor). `choose_transport` decides how:
+GPU to GPU over NCCL when every member holds its tensors on a CUDA device (the way vLLM's NCCL weight-transfer
+engine and TRL's vLLM client send them), else gloo through host memory. A receiver with a module of its own
+(the transformers engine) copies each bucket back into its parameters in the same order; one without (vLLM,
+LMDeploy: the engine holds its own copy) gets the tensors' `sync_layout` with the sync and hands the received
+buckets to its engine as they arrive (`receive_stream`), so no second copy of the model is held anywhere.
+Every collective runs under the group's timeout (NCCL's as well as gloo's), so a dead or stuck peer fails
+the sync with a `WeightSyncError` instead of hanging it. Under ZeRO-3 the caller passes parameters gathered a
+group of layers at a time; this module only sees (name, tensor) pairs in a fixed order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 BUCKET_BYTES = 64 << 20
+# what `sync_layout` gives per tensor: every name it is saved under, its dtype and its whole shape
+Layout = list[tuple[tuple[str, ...], torch.dtype, tuple[int, ...]]]
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync did not complete within its timeout, or a member of its group failed."""
+
+
+@dataclass(frozen=True)
+class Transport:
+    """How the weights travel: the group's backend and, per member (rank 0 the trainer, then each rollout
+    engine), the device its tensors are sent from or received into."""
+
+    backend: str
+    devices: tuple[str, ...]
+
+
+def choose_transport(devices: Sequence[str]) -> Transport:
+    """NCCL, each member on its own device, when every member (the trainer first, then each engine) computes
+    on a CUDA device: the weights go GPU to GPU. Otherwise gloo, with every member staging its tensors in
+    host memory (gloo is the CPU path; one CPU member is enough to need it)."""
+    devices = tuple(str(d) for d in devices)
+    if devices and all(d.startswith("cuda") for d in devices):
+        return Transport("nccl", devices)
+    return Transport("gloo", ("cpu",) * len(devices))
 
 
 class SyncGroup:
     """A process group of its own (never the default one): trainer ranks under torchrun keep theirs.
 
-    Rank 0 is the trainer and hosts the rendezvous store; ranks 1..N are rollout engines.
+    Rank 0 is the trainer and hosts the rendezvous store; ranks 1..N are rollout engines. `timeout_s`
+    (`rollout.sync_timeout_s`) bounds the rendezvous and every broadcast, on either backend.
     """
 
     def __init__(
         self, host: str, port: int, rank: int, world_size: int, timeout_s: float, backend: str = "gloo"
     ):
-        timeout = timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout)
-        if backend == "nccl":
-            self.pg = dist.ProcessGroupNCCL(self.store, rank, world_size)
-        else:
-            self.pg = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.backend, self.timeout_s = rank, world_size, backend, timeout_s
+        self.timeout = timedelta(seconds=timeout_s)
+        try:
+            self.store = dist.TCPStore(host, port, world_size, rank == 0, timeout=self.timeout)
+            self.pg = _process_group(backend, self.store, rank, world_size, self.timeout)
+        except RuntimeError as e:  # the store's "1/2 clients joined" names neither the sync nor the field
+            raise self._error("forming its group", e) from e
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
-        self.pg.broadcast([tensor], opts).wait()
+        try:
+            # an explicit timeout makes NCCL's wait block this thread and raise when it passes, as gloo's does
+            self.pg.broadcast([tensor], opts).wait(self.timeout)
+        except RuntimeError as e:
+            raise self._error(f"broadcasting {tensor.numel() * tensor.element_size()} bytes", e) from e
+
+    def _error(self, what: str, cause: Exception) -> WeightSyncError:
+        return WeightSyncError(
+            f"weight sync ({self.backend}, rank {self.rank} of {self.world_size}): {what} failed or took "
+            f"longer than rollout.sync_timeout_s={self.timeout_s:g}: {type(cause).__name__}: {cause}"
+        )
+
+
+def _process_group(backend: str, store, rank: int, world_size: int, timeout: timedelta):
+    """The backend's process group with `timeout` on its collectives (torch's own `new_group` sets NCCL's
+    through its options; the constructor alone would keep NCCL's default of 10 minutes)."""
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    raise ValueError(f"weight sync backend must be nccl or gloo, got {backend!r}")
 
 
 def buckets(
-    named: list[tuple[str, torch.Tensor]], bucket_bytes: int
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     bucket, size = [], 0
     for name, t in named:
@@ -73,26 +126,54 @@ def broadcast_weights(
     return sent
 
 
+def _receive_buckets(
+    named: Iterable[tuple[str, torch.Tensor]], group: SyncGroup, src: int, bucket_bytes: int, device
+) -> Iterator[tuple[list[tuple[str, torch.Tensor]], torch.Tensor]]:
+    """Each bucket of `named` (tensors giving shapes and dtypes only) with the flat tensor received for it."""
+    for bucket in buckets(named, bucket_bytes):
+        flat = torch.empty(
+            sum(t.numel() for _, t in bucket),
+            dtype=bucket[0][1].dtype,
+            device=bucket[0][1].device if device is None else device,
+        )
+        group.broadcast(flat, src)
+        yield bucket, flat
+
+
 @torch.no_grad()
 def receive_weights(
     named: Iterable[tuple[str, torch.Tensor]],
     group: SyncGroup,
     src: int = 0,
     bucket_bytes: int = BUCKET_BYTES,
+    device: str | None = None,
 ) -> int:
-    """Receiver side: the same (name, tensor) order as the sender; tensors are overwritten in place."""
+    """Receiver side: the same (name, tensor) order as the sender; tensors are overwritten in place. `device`:
+    where the buckets arrive (the transport's; None: each bucket's tensors' own device)."""
     received = 0
-    for bucket in buckets(list(named), bucket_bytes):
-        flat = torch.empty(
-            sum(t.numel() for _, t in bucket), dtype=bucket[0][1].dtype, device=bucket[0][1].device
-        )
-        group.broadcast(flat, src)
+    for bucket, flat in _receive_buckets(list(named), group, src, bucket_bytes, device):
         offset = 0
         for _, t in bucket:
             t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
         received += flat.numel() * flat.element_size()
     return received
+
+
+def receive_stream(
+    layout: Layout, group: SyncGroup, device: str, src: int = 0, bucket_bytes: int = BUCKET_BYTES
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Receiver side without a module to receive into: (name, tensor) for every name of `layout` (the sender's
+    `sync_layout`), received bucket by bucket on `device` as the iteration reaches it. Iterate it to the end:
+    each bucket is a collective the sender takes part in."""
+    shapes = [(names, torch.empty(shape, dtype=dtype, device="meta")) for names, dtype, shape in layout]
+    for bucket, flat in _receive_buckets(shapes, group, src, bucket_bytes, device):
+        offset = 0
+        for names, t in bucket:
+            view = flat[offset : offset + t.numel()].view(t.shape)
+            offset += t.numel()
+            for name in names:  # a tied tensor once on the wire, under each of its names for the engine
+                yield name, view
 
 
 def _unique_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
@@ -107,6 +188,19 @@ def _unique_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
 def sync_order(model) -> list[tuple[str, torch.Tensor]]:
     """The tensors that define the policy, in a fixed order both sides agree on (tied weights once)."""
     return [(name, p.data) for name, p in _unique_parameters(model)]
+
+
+def sync_layout(model) -> Layout:
+    """For each tensor of `sync_order`, in its order: every name the module holds it under (vLLM keeps its own
+    copy of a tied `lm_head`, which must be sent under its name too), its dtype and its whole shape (ZeRO-3
+    keeps that in `ds_shape`, its parameters being shards)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [
+        (tuple(names[id(p)]), p.dtype, tuple(getattr(p, "ds_shape", p.shape)))
+        for _, p in _unique_parameters(model)
+    ]
 
 
 def sync_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:

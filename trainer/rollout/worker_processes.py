@@ -1,19 +1,22 @@
 """Rollout engines in their own processes, fed by the trainer: the asynchronous half of GRPO.
 
-The trainer (rank 0) and each rollout worker (ranks 1..N) share a dedicated gloo (CPU) or NCCL (GPU)
-process group used only for weight sync. Requests and results travel over multiprocessing queues. A
-worker handles one command at a time, so a weight sync always lands between two generations: a
-generation never sees weights change in its middle. Every wait is bounded by `sync_timeout_s`, and a
-worker that dies makes the trainer fail with a message naming it instead of hanging.
+The trainer (rank 0) and each rollout worker (ranks 1..N) share a dedicated process group used only for weight
+sync: NCCL, GPU to GPU, when the trainer and every worker compute on GPUs, else gloo through host memory
+(`weight_sync.choose_transport`). Requests and results travel over multiprocessing queues. A worker handles
+one command at a time, so a weight sync always lands between two generations: a generation never sees weights
+change in its middle. Every wait is bounded by `sync_timeout_s`, and a worker that dies makes the trainer fail
+with a message naming it instead of hanging.
 
 Prompts of one batch are sharded across the workers (data-parallel engines) and the results are put
 back in prompt order.
 
 Each worker is started with its engine's CUDA_VISIBLE_DEVICES (`trainer.placement`) and computes on its
 ordinal 0, where vLLM's single-process executor looks; torchrun's rank variables are not passed on (a worker
-is no trainer rank). The worker's receiving copy of the policy is the engine's own model for the
-transformers engine (on its GPU, NCCL sync); vLLM gets the weights through a copy in host memory (gloo
-sync), so that the GPU is the engine's alone when it measures its memory (`receive_device`).
+is no trainer rank). The transformers engine generates with the worker's own module, which the weights are
+received into. vLLM and LMDeploy hold their own copy: the worker keeps none, and hands the buckets to the
+engine as they arrive (`weight_sync.receive_stream`), on its GPU under NCCL (as vLLM's NCCL weight-transfer
+engine and TRL's vLLM client do), so no host copy of the model is made at each sync; vLLM measures the GPU's
+free memory when it starts, before any of them.
 """
 
 from __future__ import annotations
@@ -39,6 +42,15 @@ class RolloutWorkerError(RuntimeError):
     """A rollout worker died, timed out or failed; the message names it."""
 
 
+@dataclass(frozen=True)
+class WeightSync:
+    """One weight sync as the trainer saw it: its wall time and the bytes it broadcast (once for all
+    workers)."""
+
+    seconds: float
+    bytes: int
+
+
 @dataclass(kw_only=True)
 class WorkerSpec:
     """What one rollout worker process is started with (pickled to the spawned process)."""
@@ -56,7 +68,8 @@ class WorkerSpec:
     max_model_len: int | None = None
     seed: int = 0
     cuda_visible_devices: str | None = None  # what the worker is started with (None: the trainer's)
-    backend: str = "gloo"  # of the sync group, the same for all its members (`sync_backend`)
+    backend: str = "gloo"  # of the sync group, the same for all its members (`choose_transport`)
+    sync_device: str = "cpu"  # where this worker receives the weights (`choose_transport`)
 
 
 # torchrun's variables for its own ranks: a rollout worker is not one (vLLM would read them as its own)
@@ -104,37 +117,25 @@ def _set_environment(values: dict[str, str | None]) -> None:
             os.environ[name] = value
 
 
-def receive_device(rollout: RolloutConfig | None, device: str) -> str:
-    """Where a worker keeps the policy copy it receives weights into: the worker's device, except for vLLM,
-    which measures the GPU's free memory against gpu_memory_utilization x all of it when it starts (a policy
-    copy there first makes that check fail) and reloads weights from host memory as well. (The transformers
-    engine generates with this copy; LMDeploy takes its weights through CUDA IPC, from the GPU.)"""
-    return "cpu" if rollout is not None and rollout.engine == "vllm" else device
-
-
-def sync_backend(rollout: RolloutConfig | None, devices: list[str]) -> str:
-    """NCCL when every worker receives on a GPU, else gloo (which also carries the trainer's CUDA tensors)."""
-    return "nccl" if all(receive_device(rollout, d).startswith("cuda") for d in devices) else "gloo"
-
-
 def _worker_main(spec: WorkerSpec, commands, results) -> None:
-    """A rollout worker: load the policy, then serve 'sync' / 'generate' / 'weights' / 'stop' commands.
+    """A rollout worker: build its engine, then serve 'sync' / 'generate' / 'weights' / 'stop' commands.
 
     The transformers engine generates with the very module the weights are received into. vLLM and LMDeploy
-    hold their own copy: the received weights are handed to the engine's own update path."""
+    hold their own copy: the received weights are handed to the engine's own update path as they arrive."""
     from trainer.model_loading import load_model
     from trainer.rollout.engines import load_policy, make_engine
-    from trainer.rollout.weight_sync import SyncGroup, receive_weights, sync_order
+    from trainer.rollout.weight_sync import SyncGroup, receive_stream, receive_weights, sync_order
 
     torch.set_num_threads(spec.threads)
     try:
+        if spec.backend == "nccl":  # NCCL binds this process to the device it is current on
+            torch.cuda.set_device(spec.sync_device)
         group = SyncGroup("127.0.0.1", spec.port, spec.rank, spec.world_size, spec.timeout_s, spec.backend)
-        # the trainer verified this checkpoint before it started the workers
-        model, tokenizer = load_model(
-            spec.model_path, spec.model_cfg, receive_device(spec.rollout, spec.device), verify=False
-        )
-        model.eval()
         rollout = spec.rollout or RolloutConfig()
+        model = tokenizer = None
+        if rollout.engine == "transformers":  # the trainer verified this checkpoint before it started us
+            model, tokenizer = load_model(spec.model_path, spec.model_cfg, spec.device, verify=False)
+            model.eval()
         engine = make_engine(
             rollout,
             spec.model_path,
@@ -158,9 +159,14 @@ def _worker_main(spec: WorkerSpec, commands, results) -> None:
             if kind == "stop":
                 break
             if kind == "sync":
+                version, layout = payload
                 started = time.perf_counter()
-                receive_weights(sync_order(model), group)
-                load_policy(engine, model, payload)
+                if model is not None:
+                    receive_weights(sync_order(model), group, device=spec.sync_device)
+                    load_policy(engine, model, version)
+                else:
+                    stream = receive_stream(layout, group, spec.sync_device)
+                    _stream_to_engine(engine, stream, spec.device, version)
                 results.put(("synced", spec.rank, time.perf_counter() - started))
             elif kind == "generate":
                 step, prompts, n, sampling = payload
@@ -168,11 +174,25 @@ def _worker_main(spec: WorkerSpec, commands, results) -> None:
                 out = engine.generate(prompts, n, sampling)
                 results.put(("generated", spec.rank, (step, out, time.perf_counter() - started)))
             elif kind == "weights":  # for checks: the worker's weights as it holds them
+                if model is None:
+                    raise RuntimeError(f"the {rollout.engine} engine's worker keeps no module to read back")
                 results.put(
                     ("weights", spec.rank, {n: t.detach().cpu().clone() for n, t in sync_order(model)})
                 )
     except Exception:  # noqa: BLE001 - reported to the trainer, which fails with it
         results.put(("error", spec.rank, traceback.format_exc()))
+
+
+def _stream_to_engine(engine, stream: Iterator[tuple[str, torch.Tensor]], device: str, version: int) -> None:
+    """Hand the received tensors to an engine with a copy of its own, on its `device` (LMDeploy loads from
+    CUDA tensors alone, also when gloo brought them through host memory), then take what it left unread:
+    each bucket is a collective the trainer waits on, and a tensor the engine skipped would stay stale."""
+    engine.update_weights(((name, t.to(device)) for name, t in stream), version)
+    unread = [name for name, _ in stream]
+    if unread:
+        raise RuntimeError(
+            f"the engine took the weight sync without reading {len(unread)} tensors: {unread[:3]}"
+        )
 
 
 class RolloutWorkers:
@@ -192,11 +212,12 @@ class RolloutWorkers:
         max_model_len: int | None = None,
         seed: int = 0,
         cuda_visible_devices: list[str | None] | None = None,
+        trainer_device: str = "cpu",
     ):
         """`model_cfg`: the recipe's model settings (`ModelConfig()`'s defaults when None). `devices[k]` is
         worker k+1's device as it sees it, started with `cuda_visible_devices[k]` (None: the trainer's own;
-        see `trainer.placement`)."""
-        from trainer.rollout.weight_sync import SyncGroup
+        see `trainer.placement`). `trainer_device`: where the weights `sync_weights` sends are."""
+        from trainer.rollout.weight_sync import SyncGroup, choose_transport
 
         self.timeout_s = timeout_s
         devices = devices or ["cpu"] * num_engines
@@ -205,7 +226,7 @@ class RolloutWorkers:
             raise ValueError(f"{len(devices)} worker devices but {len(masks)} CUDA_VISIBLE_DEVICES values")
         world = len(devices) + 1
         port = free_port()
-        self.backend = sync_backend(rollout, devices)
+        self.transport = choose_transport([trainer_device, *devices])
         ctx = mp.get_context("spawn")
         self.results = ctx.Queue()
         self.commands, self.procs = [], []
@@ -225,7 +246,8 @@ class RolloutWorkers:
                 max_model_len=max_model_len,
                 seed=seed,
                 cuda_visible_devices=mask,
-                backend=self.backend,
+                backend=self.transport.backend,
+                sync_device=self.transport.devices[rank],
             )
             p = ctx.Process(
                 target=_worker_main, args=(spec, q, self.results), name=f"rollout-worker-{rank}", daemon=True
@@ -234,7 +256,7 @@ class RolloutWorkers:
                 p.start()
             self.commands.append(q)
             self.procs.append(p)
-        self.group = SyncGroup("127.0.0.1", port, 0, world, timeout_s, self.backend)
+        self.group = SyncGroup("127.0.0.1", port, 0, world, timeout_s, self.transport.backend)
         self._pending: dict[int, dict] = {}
         self.busy_s = 0.0
         for _ in self.procs:
@@ -322,24 +344,24 @@ class RolloutWorkers:
         parts = self._pending.pop(step)
         return [g for rank in sorted(parts) for g in parts[rank]]
 
-    def sync_weights(self, model, version: int) -> float:
+    def sync_weights(self, model, version: int) -> WeightSync:
         """Broadcast the trainer's weights to every worker; they apply them between two generations."""
-        from trainer.rollout.weight_sync import broadcast_weights, sync_tensors
+        from trainer.rollout.weight_sync import broadcast_weights, sync_layout, sync_tensors
 
         self._check_alive()
         started = time.perf_counter()
+        layout = sync_layout(model)  # for workers without a module of their own to receive into
         for q in self.commands:
-            q.put(("sync", version))
-        named = sync_tensors(model)
-        if self.backend == "gloo":  # the workers receive in host memory: send from there
-            named = ((name, t.detach().cpu()) for name, t in named)
+            q.put(("sync", (version, layout)))
+        device = self.transport.devices[0]
+        named = ((name, t.detach().to(device)) for name, t in sync_tensors(model))  # gloo: host memory
         try:
-            broadcast_weights(named, self.group)
+            sent = broadcast_weights(named, self.group)
         except RuntimeError as e:
             raise self._named_failure(f"the weight sync to version {version}", e) from e
         for _ in self.procs:
             self._expect("synced")
-        return time.perf_counter() - started
+        return WeightSync(time.perf_counter() - started, sent)
 
     def worker_weights(self, rank: int = 1) -> dict[str, torch.Tensor]:
         self.commands[rank - 1].put(("weights", None))
