@@ -187,6 +187,21 @@ def clean_env(extra: dict | None = None) -> dict:
     return env
 
 
+def torchrun(script: Path, *args, ranks: int, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`script args` run by `ranks` local processes under torchrun (`--standalone`), as `grpoflow train`
+    launches trainer ranks; this process's own rank variables are kept out of theirs."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    return subprocess.run(
+        [sys.executable, *launcher, str(script), *map(str, args)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
 def grpoflow_run(
     *args: str,
     env: dict | None = None,

@@ -36,7 +36,7 @@ import tomllib
 import torch
 from test_trainer import TINY
 
-from conftest import REPO_ROOT, clean_env
+from conftest import REPO_ROOT, clean_env, torchrun
 from data.prepare import load_prepared
 from flows.cli import main
 from trainer.grpo import GRPOTrainer
@@ -117,16 +117,7 @@ def _sync_step(
     """The update of `batch` by `ranks` trainer processes (gloo DDP when 2), launched as torchrun does."""
     script, out = tmp_path / "one_step.py", tmp_path / f"update-{len(list(tmp_path.glob('update-*')))}.pt"
     script.write_text(_SYNC_STEP_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
-    proc = subprocess.run(
-        [sys.executable, *launcher, str(script), str(_SYNC_TINY), model, str(batch), str(out), *overrides],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
+    proc = torchrun(script, _SYNC_TINY, model, batch, out, *overrides, ranks=ranks)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out)
 
@@ -981,27 +972,16 @@ def _ranks_run(tmp_path: Path, tiny_base: dict, tiny_data: Path, ranks: int) -> 
         "rollout.sync_timeout_s=60",  # a rank left waiting on a collective fails in a minute, not ten
         f"rewards=[{{name: '{plugin}:uneven'}}]",
     ]
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     try:
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                f"--nproc_per_node={ranks}",
-                str(script),
-                str(_RANKS_TINY),
-                tiny_base["path"],
-                str(out),
-                str(_RANKS_HELDOUT_BATCH),
-                *overrides,
-            ],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
+        proc = torchrun(
+            script,
+            _RANKS_TINY,
+            tiny_base["path"],
+            out,
+            _RANKS_HELDOUT_BATCH,
+            *overrides,
+            ranks=ranks,
             timeout=400,
-            env=env,
         )
         returncode, stderr = proc.returncode, proc.stderr
     except subprocess.TimeoutExpired as e:
@@ -1138,24 +1118,8 @@ def test_with_a_rollout_server_rank_zero_evaluates_heldout_one_batch_per_wait_of
     every rank gets the scores after each batch, so no rank waits on a collective for the whole evaluation;
     the scores are one process's."""
     (tmp_path / "server_heldout.py").write_text(_RANKS_SERVER_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(tmp_path / "server_heldout.py"),
-            tiny_base["path"],
-            str(tiny_data),
-            str(tmp_path),
-        ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
+    proc = torchrun(
+        tmp_path / "server_heldout.py", tiny_base["path"], tiny_data, tmp_path, ranks=2, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
@@ -1349,26 +1313,15 @@ def test_ranks_start_in_a_shared_run_directory_and_are_refused_at_start_in_one_t
         f"data.out={tiny_data}",
         "rollout.train_devices=[0, 1]",
     ]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(tmp_path / "setup.py"),
-            str(TINY),
-            tiny_base["path"],
-            str(tmp_path / "answers"),
-            str(shared),
-            str(own),
-            *overrides,
-        ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={k: v for k, v in os.environ.items() if k not in _placement_LAUNCHER_VARS},
+    proc = torchrun(
+        tmp_path / "setup.py",
+        TINY,
+        tiny_base["path"],
+        tmp_path / "answers",
+        shared,
+        own,
+        *overrides,
+        ranks=2,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (shared_0, own_0), (shared_1, own_1) = (
