@@ -24,6 +24,17 @@ SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# The property-based tests (hypothesis): the same examples on every run (derandomize), so that CI is
+# reproducible and a failure reruns as it failed; no example database written into the repository; no
+# per-example deadline (a shared 2-core runner is no clock). Each property states its own number of examples
+# where 200 would cost too much.
+# An environment made before hypothesis joined the dev extra (a vLLM one) still runs its own tests.
+if importlib.util.find_spec("hypothesis") is not None:
+    from hypothesis import settings
+
+    settings.register_profile("ci", max_examples=200, deadline=None, derandomize=True, database=None)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
 
 def shared(*parts: str) -> Path:
     """A path in the reference data; a test that needs what is not there fails, naming it (a skip would hide
