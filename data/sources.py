@@ -10,6 +10,9 @@ each with its location for error messages:
 - `hub:openai/gsm8k[train] row 17`, `synthetic:addition row 17`.
 Every number counts from 1.
 
+Text files (JSON, CSV) are UTF-8, with or without a byte-order mark, or UTF-16 / UTF-32 with one; CRLF line
+ends are read like LF. A CSV row with more cells than its header has columns is a bad record.
+
 How a spec is read, in this order:
 1. `synthetic`, `synthetic:addition`, `synthetic:countdown`: `data.synthetic.generate(rows, seed, kind)`.
 2. `hub:<id>`: a hub dataset, whatever is on disk.
@@ -30,6 +33,7 @@ five times with backoff (about 25 s here) before it gives up, and we want one cl
 
 from __future__ import annotations
 
+import codecs
 import csv
 import json
 import os
@@ -41,6 +45,7 @@ from urllib.parse import urlparse
 from data.errors import DataError, short_repr
 from data.manifest import MANIFEST, sha256_file
 from data.reachability import probe_tcp
+from data.text import SURROGATE_PROBLEM, unpaired_surrogate
 
 # Read by huggingface_hub when it is first imported; only defaults, a user's own setting wins.
 os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "5")
@@ -177,72 +182,152 @@ def read_file(path: Path) -> Iterator[Record]:
     return _read_json(path)
 
 
+# Byte-order marks and the encodings they name, longest first: UTF-32-LE's begins with UTF-16-LE's. The
+# codecs named drop the mark. PowerShell 5 writes UTF-16 with a mark (`> rows.jsonl`), Excel and Notepad
+# write UTF-8 with one.
+_BOMS = (
+    (codecs.BOM_UTF32_LE, "utf-32"),
+    (codecs.BOM_UTF32_BE, "utf-32"),
+    (codecs.BOM_UTF8, "utf-8-sig"),
+    (codecs.BOM_UTF16_LE, "utf-16"),
+    (codecs.BOM_UTF16_BE, "utf-16"),
+)
+_BOM = "\ufeff"
+# csv's default field limit (128 KiB) would refuse a long worked solution that JSON lines read; this is the
+# largest the csv module takes on every platform (a C long).
+_CSV_FIELD_CHARACTERS = 2**31 - 1
+
+
+def _encoding(path: Path) -> str:
+    """The text encoding of a file: the one its byte-order mark names, else UTF-8."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    return next((name for bom, name in _BOMS if head.startswith(bom)), "utf-8")
+
+
 def _read_json(path: Path) -> Iterator[Record]:
     base = path.resolve().parent
+    encoding = _encoding(path)
+    if path.suffix.lower() == ".json" and _is_array(path, encoding):
+        try:
+            items = json.loads(path.read_bytes().decode(encoding).removeprefix(_BOM))
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except UnicodeDecodeError:
+            raise DataError(_undecodable(path, encoding)) from None
+        except (ValueError, RecursionError) as e:
+            raise DataError(f"{path}: not readable JSON ({_unreadable(e)})") from None
+        for i, item in enumerate(items, 1):
+            yield _as_record(f"{path} row {i}", item, base)
+        return
+    for lineno, text in _lines(path, encoding):
+        where = f"{path}:{lineno}"
+        if isinstance(text, UnicodeDecodeError):
+            yield Record(where, None, base, f"not UTF-8 text ({text.reason})", "invalid JSON")
+            continue
+        # `cat a.jsonl b.jsonl` of files saved with a mark puts one at the start of a later line
+        text = text.removeprefix(_BOM)
+        if not text.strip():
+            continue
+        try:
+            item = json.loads(text)
+        except json.JSONDecodeError as e:
+            yield Record(where, None, base, f"not valid JSON ({e.msg} at column {e.colno})", "invalid JSON")
+            continue
+        except (ValueError, RecursionError) as e:
+            yield Record(where, None, base, f"not readable JSON ({_unreadable(e)})", "invalid JSON")
+            continue
+        yield _as_record(where, item, base)
+
+
+def _is_array(path: Path, encoding: str) -> bool:
+    """Whether a `.json` file holds one JSON array (else it is read as JSON lines)."""
     with open(path, "rb") as f:
-        if path.suffix.lower() == ".json" and f.read(4096).lstrip().startswith(b"["):
-            f.seek(0)
-            try:
-                items = json.load(f)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-            for i, item in enumerate(items, 1):
-                yield _as_record(f"{path} row {i}", item, base)
-            return
-        f.seek(0)
-        # Bytes, decoded line by line, so that one bad line is one bad record with its line number.
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                item = json.loads(line.decode("utf-8"))
-            except UnicodeDecodeError as e:
-                yield Record(where, None, base, f"not UTF-8 text ({e.reason})", "invalid JSON")
-                continue
-            except json.JSONDecodeError as e:
-                yield Record(
-                    where, None, base, f"not valid JSON ({e.msg} at column {e.colno})", "invalid JSON"
-                )
-                continue
-            yield _as_record(where, item, base)
+        head = f.read(4096).decode(encoding, errors="ignore")  # a character cut at the end is no matter
+    return head.removeprefix(_BOM).lstrip().startswith("[")
+
+
+def _lines(path: Path, encoding: str) -> Iterator[tuple[int, str | UnicodeDecodeError]]:
+    """(line number, text) of each line; in UTF-8 a line that does not decode is that line's error, so that
+    one bad line is one bad record."""
+    if encoding in ("utf-8", "utf-8-sig"):
+        with open(path, "rb") as f:
+            for lineno, line in enumerate(f, 1):
+                try:
+                    yield lineno, line.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    yield lineno, e
+        return
+    # UTF-16/32: a newline is not one byte, so the file is decoded as a whole stream; lines end only at
+    # "\n" (JSON text holds no raw "\r" or U+2028 that could end one)
+    try:
+        with open(path, encoding=encoding, newline="\n") as f:
+            for lineno, line in enumerate(f, 1):
+                yield lineno, line
+    except UnicodeDecodeError:
+        raise DataError(_undecodable(path, encoding)) from None
+
+
+def _unreadable(e: Exception) -> str:
+    if isinstance(e, RecursionError):
+        return "nested deeper than the JSON reader goes"
+    # an integer of more digits than Python converts: "Exceeds the limit (4300 digits) for integer string
+    # conversion: value has 5000 digits; use sys.set_int_max_str_digits() ..." up to its first colon
+    return str(e).split(":")[0][:120]
 
 
 def _as_record(where: str, item: object, base: Path | None) -> Record:
-    if isinstance(item, dict):
-        return Record(where, item, base)
-    return Record(where, None, base, f"expected a JSON object, got {type(item).__name__}", "not an object")
+    if not isinstance(item, dict):
+        got = type(item).__name__
+        return Record(where, None, base, f"expected a JSON object, got {got}", "not an object")
+    if (field_name := unpaired_surrogate(item)) is not None:
+        return Record(where, None, base, f"field '{field_name}': {SURROGATE_PROBLEM}", "invalid text")
+    return Record(where, item, base)
 
 
 def _read_csv(path: Path) -> Iterator[Record]:
     base = path.resolve().parent
+    encoding = _encoding(path)
+    csv.field_size_limit(max(csv.field_size_limit(), _CSV_FIELD_CHARACTERS))
     # utf-8-sig: a byte-order mark (Excel writes one) is not part of the first column's name
-    with open(path, encoding="utf-8-sig", newline="") as f:
+    with open(path, encoding="utf-8-sig" if encoding == "utf-8" else encoding, newline="") as f:
         rows = csv.DictReader(f)
         i = 0
         try:
             for i, row in enumerate(rows, 1):
-                yield Record(f"{path} row {i}", dict(row), base)
+                where = f"{path} row {i}"
+                if None in row:  # cells past the header's columns: DictReader would set them aside unseen
+                    cells = len(rows.fieldnames) + len(row[None])
+                    yield Record(
+                        where,
+                        None,
+                        base,
+                        f"{cells} cells, but the header names {len(rows.fieldnames)} columns",
+                        "extra cells",
+                    )
+                    continue
+                yield Record(where, dict(row), base)
         except UnicodeDecodeError:  # the rest of the file cannot be read: no row-level recovery
-            raise DataError(_not_utf8(path)) from None
+            raise DataError(_undecodable(path, encoding)) from None
         except csv.Error as e:
             raise DataError(f"{path} row {i + 1}: not valid CSV ({e})") from None
 
 
-def _not_utf8(path: Path) -> str:
-    """Where a text file stops being UTF-8: its line and byte (the decoder only saw one read block)."""
+def _undecodable(path: Path, encoding: str) -> str:
+    """Where a text file stops being text in `encoding`: its line and byte (the decoder only saw one read
+    block)."""
     data = path.read_bytes()
     try:
-        data.decode("utf-8")
+        data.decode(encoding)
     except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
+        line = data[: e.start].decode(encoding, errors="replace").count("\n") + 1
+        name = {"utf-8-sig": "UTF-8"}.get(encoding, encoding.upper())
+        hint = " (it may be Latin-1 or Windows-1252)" if encoding == "utf-8" else ""
         return (
-            f"{path}:{line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}: {e.reason}); "
-            "save the file as UTF-8 (it may be Latin-1 or Windows-1252)"
+            f"{path}:{line}: not {name} text (byte 0x{data[e.start]:02x} at offset {e.start}: {e.reason}); "
+            f"save the file as UTF-8{hint}"
         )
-    return f"{path}: not UTF-8 text"
+    return f"{path}: not {encoding.upper()} text"
 
 
 def _read_parquet(path: Path) -> Iterator[Record]:

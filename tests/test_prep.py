@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from fractions import Fraction
@@ -18,6 +19,8 @@ from itertools import permutations
 from pathlib import Path
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from conftest import grpoflow_run, last_json, loopback_http, one_line_error
 from data import images
@@ -820,3 +823,119 @@ def test_a_full_disk_is_reported_as_disk_full_and_leaves_nothing_behind(tmp_path
     assert f"disk full (no space left on device) writing: {out}" in line
     assert last_json(proc)["exit_code"] == 1
     assert re.search(r"^LEFT:$", proc.stderr, re.M), proc.stderr[-500:]  # no half-written directory left
+
+
+# --- every source format and encoding, generated (hypothesis) ---
+
+# Text a row may hold: any character UTF-8 carries (controls, NUL, quotes, commas, CR, U+2028, astral
+# planes), and now and then a field past csv's default limit of 128 KiB.
+_TEXT = st.text(st.characters(codec="utf-8"), max_size=30)
+_HUGE = st.integers(131_073, 160_000).map(lambda n: ("long " * n)[:n])
+_PROBLEM = st.integers(0, 9).flatmap(lambda k: _HUGE if k == 0 else _TEXT).filter(str.strip)
+_ROWS = st.lists(
+    st.fixed_dictionaries(
+        {"problem": _PROBLEM, "answer": st.text("0123456789abcxyz-/.", min_size=1, max_size=6)}
+    ),
+    min_size=1,
+    max_size=4,
+    unique_by=lambda row: row["problem"].strip(),
+)
+_FORMATS = ("jsonl", "json", "csv", "parquet")
+# what the reader must read: UTF-8 with and without a byte-order mark, UTF-16 and UTF-32 with one
+_ENCODINGS = ("utf-8", "utf-8-sig", "utf-16", "utf-32")
+
+
+def _source_bytes(rows: list[dict], fmt: str, encoding: str, crlf: bool, ascii_only: bool) -> bytes:
+    """`rows` as the file a user's tool would write: JSON lines, a JSON array, CSV or Parquet."""
+    end = "\r\n" if crlf else "\n"
+    if fmt == "parquet":
+        import io
+
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        buffer = io.BytesIO()
+        pq.write_table(pa.Table.from_pylist(rows), buffer)
+        return buffer.getvalue()
+    if fmt == "csv":
+        import csv
+        import io
+
+        text = io.StringIO()
+        writer = csv.DictWriter(text, ["problem", "answer"], lineterminator=end)
+        writer.writeheader()
+        writer.writerows(rows)
+        return text.getvalue().encode(encoding)
+    if fmt == "json":  # an indented array; json.dumps escapes every newline inside a string
+        text = json.dumps(rows, ensure_ascii=ascii_only, indent=1).replace("\n", end) + end
+    else:
+        text = "".join(json.dumps(row, ensure_ascii=ascii_only) + end for row in rows)
+    return text.encode(encoding)
+
+
+def _prepared(rows: list[dict]) -> list[tuple[str, str]]:
+    return [(row["problem"].strip(), row["answer"]) for row in rows]
+
+
+def _read_back(out: Path) -> list[tuple[str, str]]:
+    return [(user_text(row), row["answer"]) for row in load_prepared(out, "train")]
+
+
+@given(
+    rows=_ROWS,
+    fmt=st.sampled_from(_FORMATS),
+    encoding=st.sampled_from(_ENCODINGS),
+    crlf=st.booleans(),
+    ascii_only=st.booleans(),
+)
+def test_generated_rows_are_read_alike_in_every_format_and_encoding(rows, fmt, encoding, crlf, ascii_only):
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / f"rows.{fmt}"
+        source.write_bytes(_source_bytes(rows, fmt, encoding, crlf, ascii_only))
+        result = prepare("math", str(source), Path(tmp) / "out", heldout=0)
+        assert result["dropped"] == {}
+        assert _read_back(Path(tmp) / "out") == _prepared(rows)
+
+
+# Lines no reader may crash on: a number past Python's 4300-digit limit, nesting past the recursion limit,
+# a lone surrogate escape (no UTF-8 file can hold it), bytes that are not UTF-8, a row with an extra cell.
+_HOSTILE = (
+    b'{"problem": "x", "answer": ' + b"9" * 5000 + b"}",
+    b"[" * 100_000,
+    b'{"problem": "\\ud800 alone", "answer": "1"}',
+    b"\xff\xfe not text",
+    b"extra,cells,here",
+    b'"an open quote',
+    b"\x00",
+)
+_VALID = [{"problem": "What is 1 + 1?", "answer": "2"}, {"problem": "What is 2 + 3?", "answer": "5"}]
+
+
+@settings(max_examples=100)
+@given(
+    rows=_ROWS,
+    fmt=st.sampled_from(_FORMATS),
+    garbage=st.one_of(st.sampled_from(_HOSTILE), st.binary(min_size=1, max_size=40)),
+    skip_invalid=st.booleans(),
+)
+@example(rows=_VALID, fmt="jsonl", garbage=_HOSTILE[0], skip_invalid=False)
+@example(rows=_VALID, fmt="jsonl", garbage=_HOSTILE[1], skip_invalid=False)
+@example(rows=_VALID, fmt="jsonl", garbage=_HOSTILE[2], skip_invalid=False)
+@example(rows=_VALID, fmt="json", garbage=_HOSTILE[0], skip_invalid=True)
+@example(rows=_VALID, fmt="csv", garbage=_HOSTILE[4], skip_invalid=False)
+def test_trailing_garbage_is_refused_naming_the_file_and_loses_no_valid_row(rows, fmt, garbage, skip_invalid):
+    """Whatever follows the valid rows: the run stops with a DataError naming the file (and the line or row
+    where it can), or every valid row is kept, in order, and what is dropped is counted."""
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / f"rows.{fmt}"
+        source.write_bytes(_source_bytes(rows, fmt, "utf-8", False, True) + garbage + b"\n")
+        try:
+            result = prepare("math", str(source), Path(tmp) / "out", heldout=0, skip_invalid=skip_invalid)
+        except DataError as e:
+            assert str(source) in str(e), e
+            if fmt != "parquet":  # a damaged Parquet footer has no row to name
+                assert re.search(rf"{re.escape(str(source))}(:\d+| row \d+)", str(e)), e
+            return
+        kept = _read_back(Path(tmp) / "out")
+        assert kept[: len(rows)] == _prepared(rows)
+        assert skip_invalid or not result["dropped"]
