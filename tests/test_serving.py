@@ -23,6 +23,8 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from memorised_model import completion, eval_overrides, evaluated_problems, reviews, text_of
 
 from conftest import REPO_ROOT, shared
@@ -657,6 +659,94 @@ def test_limits_and_bad_fields_are_400_naming_the_field(limited_server, field):
     status, reply = call_json(port, "POST", path, body, AUTH)
     assert status == 400, reply
     assert reply["error"]["param"] == field and reply["error"]["message"].startswith(field), reply
+
+
+# Generated request fields: every field the server reads, set to values at and past the edges of its type
+# (tiny, huge, negative, non-finite, wrong type, text that is no character); the rest of the body stays a
+# cheap valid request (2 tokens). The answer is 200, or a 4xx naming one of the fields set, never a 5xx.
+_NUMBERS = st.one_of(
+    st.sampled_from([0, -1, 1, 2, 2**31, 2**63 - 1, 2**63, -(2**63), -(2**63) - 1, 2**64, 10**30, 10**400]),
+    st.integers(),
+    st.floats(),  # NaN and infinities included, sent as JSON's NaN / Infinity
+    st.sampled_from([0.0, -0.0, 5e-324, 1e-5, 1e-300, 1e300, 1.7976931348623157e308, 0.5, 1.0, 1.0000001]),
+)
+_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    _NUMBERS,
+    st.text(max_size=12),
+    st.sampled_from(["", "1", "\ud800", "\x00", "x" * 50_000]),
+)
+_VALUES = st.one_of(
+    _SCALARS,
+    st.lists(_SCALARS, max_size=3),
+    st.lists(st.lists(st.integers(), max_size=2), max_size=2),
+    st.dictionaries(st.text(max_size=4), _SCALARS, max_size=2),
+)
+_MESSAGES = st.one_of(
+    _VALUES,
+    st.lists(
+        st.fixed_dictionaries(
+            {"role": st.one_of(st.sampled_from(["user", "assistant"]), _SCALARS), "content": _VALUES}
+        ),
+        max_size=3,
+    ),
+)
+_SAMPLING = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "seed", "stop", "stream")
+_ENDPOINTS = {
+    "/v1/completions": ({"prompt": "1+1"}, ("prompt", *_SAMPLING, "ignore_eos", "model")),
+    "/v1/chat/completions": (
+        {"messages": [{"role": "user", "content": "1+1"}]},
+        ("messages", *_SAMPLING, "ignore_eos", "model"),
+    ),
+}
+
+
+def _cheap(body: dict) -> dict:
+    """A valid mid-range token budget is no edge: it becomes 2 tokens, so that an example costs little."""
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if isinstance(value, int | float) and not isinstance(value, bool) and 2 < value <= 1000:
+            body[name] = 2
+    return body
+
+
+@pytest.mark.parametrize("path", list(_ENDPOINTS))
+@settings(max_examples=150)
+@given(data=st.data())
+def test_generated_request_fields_get_200_or_a_4xx_naming_the_field(limited_server, path, data):
+    port, _ = limited_server
+    base, fields = _ENDPOINTS[path]
+    chosen = data.draw(st.lists(st.sampled_from(fields), min_size=1, max_size=2, unique=True), "fields")
+    body = {**base, "max_tokens": 2, "max_completion_tokens": 2}
+    for name in chosen:
+        body[name] = data.draw(_MESSAGES if name == "messages" else _VALUES, name)
+    raw = json.dumps(_cheap(body), allow_nan=True).encode()
+    status, reply = call_json(port, "POST", path, raw, AUTH)
+    assert status == 200 or 400 <= status < 500, (status, reply)
+    if status != 200:
+        param = reply["error"]["param"]
+        assert param in chosen or (status == 413 and param == "body"), reply
+        assert param in reply["error"]["message"], reply
+
+
+@pytest.mark.parametrize(
+    "path, field, value",
+    [
+        ("/v1/completions", "prompt", "1+1 \ud800"),
+        ("/v1/completions", "model", "\udfff"),
+        ("/v1/completions", "stop", ["\ud800"]),
+        ("/v1/chat/completions", "messages", [{"role": "user", "content": "\ud800"}]),
+    ],
+)
+def test_text_with_a_lone_surrogate_escape_is_400_naming_its_field(limited_server, path, field, value):
+    """JSON's `\\ud800` escape is valid JSON but no character: refused where it is read, not a 500 from the
+    tokenizer or from writing the reply."""
+    port, _ = limited_server
+    base = _ENDPOINTS[path][0]
+    status, reply = call_json(port, "POST", path, {**base, "max_tokens": 2, field: value}, AUTH)
+    assert status == 400 and reply["error"]["param"] == field, (status, reply)
+    assert "unpaired surrogate" in reply["error"]["message"], reply
 
 
 def test_a_stop_string_over_the_length_limit_and_a_prompt_filling_the_context_are_400(limited_server):

@@ -26,6 +26,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import threading
 import time
 import uuid
@@ -35,6 +36,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import ClientDisconnect
 
+from data.text import SURROGATE_PROBLEM, unpaired_surrogate
 from evaluation.serving.guards import ServerLimits
 from evaluation.serving.scheduler import Job, Scheduler
 from trainer.prompts import encode_prompts
@@ -191,6 +193,9 @@ class _Parser:
             ) from None
         if not isinstance(data, dict):
             raise ApiError(400, f"body: expected a JSON object, got {type(data).__name__}", "body")
+        if (where := unpaired_surrogate(data)) is not None:  # the tokenizer or the reply would fail on it
+            field = re.split(r"[.\[]", where, maxsplit=1)[0]
+            raise ApiError(400, f"{where}: {SURROGATE_PROBLEM}", field if field in data else "body")
         try:
             req = (ChatRequest if kind == "chat" else CompletionRequest).model_validate(data)
         except ValidationError as e:
