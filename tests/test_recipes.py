@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import REPO_ROOT, grpoflow_run, one_line_error
 from trainer.recipe import Recipe, load_recipe
@@ -475,3 +477,97 @@ def test_recipe_input_errors_are_exit_2_naming_file_and_field(override, message,
     )
     line = one_line_error(proc, "eval")
     assert message in line and "configs/tiny-cpu.yaml + overrides" in line
+
+
+# ==========================================================================================================
+# Generated overrides: applied, or refused naming the key (ConfigError; exit 2 from the CLI), never a crash
+# ==========================================================================================================
+
+
+def _recipe_keys(cls=None, prefix: str = "") -> dict[str, object]:
+    """Every dotted key of the recipe and its type: its sections, and each field of each (nested sections
+    included)."""
+    import dataclasses
+    import typing
+
+    from trainer.typed_config import yaml_key
+
+    cls = cls or Recipe
+    keys = {}
+    for f in dataclasses.fields(cls):
+        key, tp = prefix + yaml_key(f), typing.get_type_hints(cls)[f.name]
+        keys[key] = tp
+        if dataclasses.is_dataclass(tp):
+            keys |= _recipe_keys(tp, key + ".")
+    return keys
+
+
+# Values as a user types them (read as YAML): numbers at and past every edge, non-finite ones, other YAML
+# types, YAML a recipe never holds, and text.
+_OVERRIDE_VALUES = st.one_of(
+    st.sampled_from(
+        [
+            *("0", "-1", "1", "2", "-0.0", "1e-320", "5e-324", "1e308", "1.8e308", "1e999", "-1e999"),
+            *(".nan", ".inf", "-.inf", "nan", "inf", "9" * 400, "-" + "9" * 400, "9" * 5000, "2e64"),
+            *(str(2**63), str(2**64), "0x1F", "0o17", "1_000", "true", "no", "null", "~", ""),
+            *("[]", "{}", "[1, 2]", "[.nan]", "[" + "9" * 400 + "]", "{a: 1}", "{? [1]: 2}", "[" * 5000),
+            *("!!binary aGk=", "!!python/name:os.system", "2024-01-01", "&a [*a]", "'quoted'", "{"),
+            *('"\\ud800"', "a: b: c", "- x", "=", "1=2"),
+        ]
+    ),
+    st.integers().map(str),
+    st.floats().map(repr),
+    st.text(max_size=20),
+)
+_OVERRIDE_KEYS = st.one_of(
+    st.sampled_from(list(_recipe_keys())),
+    st.sampled_from(["", ".", "train.", ".train", "train..seed", "no_such_section.x", "train.seed.x"]),
+)
+
+
+@given(key=_OVERRIDE_KEYS, value=_OVERRIDE_VALUES)
+def test_generated_overrides_are_applied_or_refused_naming_the_key(key, value):
+    try:
+        recipe = load_recipe(REPO_ROOT / "configs" / "tiny-cpu.yaml", [f"{key}={value}"])
+    except ConfigError as e:
+        # the key, or the part of it that is wrong (an unknown section), or "empty key"
+        assert "empty key" in str(e) or any(f"{part}" in str(e) for part in key.split(".") if part), str(e)
+        return
+    if _recipe_keys().get(key) in (str, str | None) and _reads_as_number(value):
+        # a text field takes the text typed, not the number YAML reads in it ("1.10" is not "1.1")
+        assert _dotted(recipe.to_dict(), key) == value.strip()
+
+
+def _reads_as_number(text: str) -> bool:
+    import yaml
+
+    try:
+        value = yaml.safe_load(text)
+    except (yaml.YAMLError, ValueError):
+        return False
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _dotted(data: dict, key: str):
+    for part in key.split("."):
+        data = data[part]
+    return data
+
+
+# each example is a whole `grpoflow train --dry-run`: the recipe, its placement and its memory plan
+@settings(max_examples=60)
+@given(key=st.sampled_from(list(_recipe_keys())), value=_OVERRIDE_VALUES)
+def test_generated_overrides_of_train_dry_run_exit_0_or_2_naming_the_key(key, value):
+    import contextlib
+    import io
+
+    from flows.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["train", "--dry-run", "--json", f"{key}={value}"])
+    assert code in (0, 2), err.getvalue()[-3000:]
+    if code == 2:
+        assert "Traceback" not in err.getvalue(), err.getvalue()[-3000:]
+        error = json.loads(out.getvalue().strip().splitlines()[-1])["error"]
+        assert key in error or key.rsplit(".", 1)[-1] in error or "memory plan" in error, error

@@ -72,7 +72,9 @@ def build(cls: type, data: Any, source: str = "<config>", prefix: str = ""):
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{_where(source, prefix or '<top level>')}: expected a mapping, got {_show(data)}")
+        raise ConfigError(
+            f"{_where(source, prefix[:-1] or '<top level>')}: expected a mapping, got {_show(data)}"
+        )
     fields = {yaml_key(f): f for f in dataclasses.fields(cls) if f.init}
     unknown = [k for k in data if k not in fields]
     if unknown:
@@ -152,8 +154,22 @@ def _key_text(key: Any) -> str:
     return short_repr(key)
 
 
+@dataclasses.dataclass(frozen=True)
+class _TypedNumber:
+    """A number as an override typed it: a text field takes the text (`1.10`, `0x1F`, `1e3`), any other
+    field the number YAML reads."""
+
+    value: int | float
+    text: str
+
+
 def _coerce(tp: Any, value: Any, source: str, key: str, finite: bool = True):
     origin, args = get_origin(tp), get_args(tp)
+    if isinstance(value, _TypedNumber):
+        text_only = tp is str or (origin in (Union, types.UnionType) and set(args) <= {str, type(None)})
+        if text_only:
+            return value.text
+        value = value.value
     if tp is Any:
         if finite:  # free-form values (a reward's args) are numbers for someone too
             _refuse_nonfinite(value, source, key)
@@ -201,9 +217,16 @@ def _coerce(tp: Any, value: Any, source: str, key: str, finite: bool = True):
             return int(value)
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if finite and not math.isfinite(value):
+            try:
+                number = float(value)
+            except OverflowError:  # an integer past the largest float (about 1.8e308)
+                raise ConfigError(
+                    f"{_where(source, key)}: must be a finite number, got {short_repr(value)}, past the "
+                    "largest float"
+                ) from None
+            if finite and not math.isfinite(number):
                 raise ConfigError(f"{_where(source, key)}: must be a finite number, got {value!r}")
-            return float(value)
+            return number
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -245,12 +268,15 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {short_repr(text)}: empty key")
     value = safe_load(raw, f"override {short_repr(key)}") if raw.strip() else ""
+    as_text = value if isinstance(value, str) else raw.strip()  # what a text field gets: quotes are YAML's
     # YAML reads 1e-4 as a string (it wants 1.0e-4); people type 1e-4.
     if isinstance(value, str):
         try:
             value = float(value) if any(c in value.lower() for c in ".e") else value
         except ValueError:
             pass
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and str(value) != as_text:
+        value = _TypedNumber(value, as_text)  # "1.10" stays "1.10" where a text field takes it
     return key.split("."), value
 
 
