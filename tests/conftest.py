@@ -127,6 +127,20 @@ def plain_eval(tiny_base, tmp_path_factory):
     return evaluate_known_problems(tiny_base["path"], shared(), tmp_path_factory.mktemp("eval") / "plain")
 
 
+def registrable_copy(model: str | Path, base: str | Path, dst: Path) -> Path:
+    """A copy of `model` with the manifest registration reads (the base model's, with `model`'s files): the
+    memorising model as a version to register."""
+    from data.manifest import combined_sha256, file_hashes, read_manifest, write_json_atomic
+
+    shutil.copytree(model, dst)
+    (dst / "manifest.json").unlink(missing_ok=True)
+    files = file_hashes(dst)
+    write_json_atomic(
+        dst / "manifest.json", {**read_manifest(base), "files": files, "sha256": combined_sha256(files)}
+    )
+    return dst
+
+
 @contextmanager
 def loopback_http(handler: type[BaseHTTPRequestHandler]) -> Iterator[ThreadingHTTPServer]:
     """A real HTTP server on 127.0.0.1 (a free port) serving `handler` in daemon threads, shut down on

@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from memorised_model import evaluated_problems, reasoning
+from memorised_model import eval_overrides, evaluated_problems, reasoning
 
-from conftest import REPO_ROOT, URL_SECRET, grpoflow_run, one_line_error, shared
+from conftest import REPO_ROOT, URL_SECRET, grpoflow_run, one_line_error, registrable_copy, shared
 from evaluation.compare import Row, compare, gate, load_samples, markdown_table, paired_bootstrap
 
 BENCH = "aime24"
@@ -491,6 +491,82 @@ def test_regression_eval_flow_returns_the_verdict_under_prefect(memorised_eval, 
     assert diffs == {"math_500": pytest.approx(-0.4), "aime24": -0.5} and Path(result["plot"]).is_file()
 
 
+def test_a_failing_gate_with_promote_leaves_the_champion_where_it_was(
+    memorised_eval, plain_eval, memorising_model, tiny_base, tmp_path
+):
+    """`grpoflow gate --promote`, then the regression-eval flow with `promote` as its deployment runs it
+    (`fail_on_regression`), on a candidate worse than the champion: exit 1, then a Failed `Regression` state;
+    the `champion` alias stays on the version it was on and no comparison run is tagged `promoted`."""
+    from mlflow import MlflowClient
+
+    from tasks import tracking
+    from tasks.comparison import WORK_DIR_TAG
+    from tasks.evaluation import ModelRef, record_evaluation
+    from trainer.recipe import load_recipe
+
+    state, name = tmp_path / "state", "champion-tiny"
+    overrides = [*eval_overrides(shared()), f"eval.out={tmp_path / 'eval'}"]
+    uri = f"sqlite:///{state / 'mlflow.db'}"
+    client = MlflowClient(uri, registry_uri=uri)
+    experiment_id = tracking.ensure_experiment(client, "grpoflow", str(state / "mlartifacts"))
+    # version 1 the memorising model, version 2 the plain one, each recorded with the session's evaluation of
+    # it (made with these settings), which the gate reuses
+    memorising = registrable_copy(memorising_model, tiny_base["path"], tmp_path / "memorising")
+    settings = load_recipe(None, overrides).eval
+    for version, (model, evaluated) in enumerate(
+        [(memorising, memorised_eval), (Path(tiny_base["path"]), plain_eval)], start=1
+    ):
+        assert register(client, experiment_id, model, name) == str(version)
+        ref = ModelRef(f"models:/{name}/{version}", None, None, name, str(version))
+        run_id = record_evaluation(
+            client, experiment_id, ref, dict(evaluated.scores), settings, evaluated.report_json
+        )
+        client.set_tag(run_id, WORK_DIR_TAG, str(evaluated.work_dir))
+    client.set_registered_model_alias(name, "champion", "1")
+    champion, candidate = f"models:/{name}@champion", f"models:/{name}/2"
+
+    def champion_and_promoted_runs() -> tuple[str, list[str]]:
+        runs = client.search_runs([experiment_id])
+        version = str(client.get_model_version_by_alias(name, "champion").version)
+        return version, [r.info.run_id for r in runs if "promoted" in r.data.tags]
+
+    gate = ("gate", "--candidate", candidate, "--baseline", champion, "--promote", *overrides, "--json")
+    proc = grpoflow(*gate, state=state)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    result = last_json(proc)
+    assert result["baseline"]["reused"] and result["candidate"]["reused"]
+    assert result["passed"] is False and [r["benchmark"] for r in result["gate"]["failing"]] == ["math_500"]
+    assert result["promoted"] is None and "champion ->" not in proc.stdout
+    assert champion_and_promoted_runs() == ("1", [])
+
+    # the flow's gate: the same steps under real Prefect (an ephemeral API under the state dir)
+    script = (
+        "import json, sys\n"
+        "from tasks.services import configure\n"
+        "s = configure(sys.argv[1])\n"
+        "from flows.regression_eval import regression_eval\n"
+        "from trainer.recipe import load_recipe\n"
+        "recipe = load_recipe(None, sys.argv[4:]).to_dict()\n"
+        "state = regression_eval(sys.argv[2], sys.argv[3], 0.02, True, recipe, s.flow_parameters(), "
+        "fail_on_regression=True, return_state=True)\n"
+        "print(json.dumps({'failed': state.is_failed(), 'name': state.name, 'message': state.message}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(state), candidate, champion, *overrides],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    verdict = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert verdict["failed"] and verdict["name"] == "Regression", verdict
+    assert verdict["message"].startswith(f"regression: {candidate} is worse than {champion}"), verdict
+    assert champion_and_promoted_runs() == ("1", [])
+
+
 # --- versions evaluated on their held-out split (eval.benchmarks: []) ---------------------------------------
 
 
@@ -511,19 +587,6 @@ def heldout_data(out: Path) -> Path:
     source.write_text("".join(json.dumps(r) + "\n" for r in rows))
     prepare("synthetic", str(source), out, system_prompt="none")
     return out
-
-
-def registrable_copy(model: str, base: str, dst: Path) -> Path:
-    """A copy of `model` with the manifest registration reads (the base model's, with `model`'s files)."""
-    from data.manifest import combined_sha256, file_hashes, read_manifest, write_json_atomic
-
-    shutil.copytree(model, dst)
-    (dst / "manifest.json").unlink(missing_ok=True)
-    files = file_hashes(dst)
-    write_json_atomic(
-        dst / "manifest.json", {**read_manifest(base), "files": files, "sha256": combined_sha256(files)}
-    )
-    return dst
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO_ROOT, shared, stop_group
+from conftest import REPO_ROOT, registrable_copy, shared, stop_group
 from data.manifest import read_manifest, verify_output
 
 NAME = "reg-tiny"
@@ -186,23 +186,30 @@ def test_a_model_uploaded_by_an_attempt_that_died_before_its_version_is_reused(s
     assert tree_bytes(artifacts) == before and len(client.search_logged_models([experiment])) == 1
 
 
-def test_evaluation_metrics_are_numbers_linked_to_the_model_and_equal_the_report(store, checkpoint, tmp_path):
-    from conftest import shared
+def test_evaluation_metrics_are_numbers_linked_to_the_model_and_equal_the_report(
+    store, memorising_model, tiny_base, tmp_path
+):
+    """The memorising model registered, downloaded from the registry and evaluated on MATH-500: its known
+    score (right on 4 of the 10 problems) and the thinking metrics of its answers are the version's linked
+    metrics, equal to the report's."""
+    from memorised_model import MAX_TOKENS, evaluated_problems, reasoning
+    from transformers import AutoTokenizer
+
     from evaluation import run_evalscope
     from tasks.evaluation import record_evaluation, resolve_model
     from tasks.registry import model_id_of
     from trainer.recipe import EvalConfig
 
     client, experiment, _ = store
-    register(client, experiment, checkpoint)
+    memorising = registrable_copy(memorising_model, tiny_base["path"], tmp_path / "memorising")
+    register(client, experiment, memorising)
     ref = resolve_model(f"models:/{NAME}/1", client, tmp_path / "cache")  # downloaded from the registry
-    assert ref.local_path.endswith("v1/model") and read_manifest(ref.local_path)["left_out"] == [
-        "trainer_state.pt"
-    ]
+    assert ref.local_path.endswith("v1/model")
+    assert read_manifest(ref.local_path)["sha256"] == read_manifest(memorising)["sha256"]
     settings = EvalConfig(
         benchmarks=["math_500"],
         limit=2,
-        max_tokens=16,
+        max_tokens=MAX_TOKENS,
         local_paths={"math_500": str(shared("math_500"))},
         out=str(tmp_path / "eval"),
     )
@@ -221,16 +228,26 @@ def test_evaluation_metrics_are_numbers_linked_to_the_model_and_equal_the_report
     linked = {
         m.key: m for m in client.get_logged_model(model_id_of(client.get_model_version(NAME, "1"))).metrics
     }
-    assert (
-        linked["math_500"].value == report["scores"]["math_500"] and linked["heldout_accuracy"].value == 0.375
-    )
+    # EvalScope's limit is per subset: 2 problems from each of MATH-500's 5 levels, 4 of them memorised
+    right = [p for p in evaluated_problems(shared()) if p.benchmark == "math_500" and p.memorised]
+    assert linked["math_500"].value == report["scores"]["math_500"] == len(right) / 10 == 0.4
+    assert linked["heldout_accuracy"].value == 0.375
     assert all(m.run_id == run_id for m in linked.values())
     thinking = {k: m.value for k, m in linked.items() if k.startswith("thinking/")}
-    # EvalScope's limit is per subset: 2 problems from each of MATH-500's 5 levels
     assert thinking["thinking/samples"] == result.num_samples["math_500"] == 10 == thinking["thinking/graded"]
-    assert thinking["thinking/reasoning_tokens"] > 0
+    assert thinking["thinking/correct"] == len(right) and thinking["thinking/accuracy"] == 0.4
+    assert thinking["thinking/evalscope_accuracy"] == 0.4
+    # where it is right its reasoning is the one it was taught: the answer in the second of three paragraphs,
+    # so every right answer came before the reasoning ended, and first-correct plus reflection tokens is the
+    # taught reasoning's length
+    tokenizer = AutoTokenizer.from_pretrained(ref.local_path)
+    lengths = [len(tokenizer.encode(reasoning(p.answer), add_special_tokens=False)) for p in right]
+    taught = sum(lengths) / len(lengths)
+    assert thinking["thinking/overthinking/samples"] == len(right)
+    first, reflection = thinking["thinking/first_correct_tokens"], thinking["thinking/reflection_tokens"]
+    assert 0 < first < taught and first + reflection == pytest.approx(taught)
     assert client.get_run(run_id).data.metrics == {k: m.value for k, m in linked.items()}
-    assert client.get_model_version(NAME, "1").tags["eval.math_500"] == f"{report['scores']['math_500']:.4f}"
+    assert client.get_model_version(NAME, "1").tags["eval.math_500"] == "0.4000"
 
 
 def test_training_metrics_reach_mlflow_under_trls_names_with_steps(store):

@@ -8,7 +8,8 @@ Elsewhere, without vLLM, the module is skipped with that reason, unless GRPOFLOW
 
 What runs: one in-process engine (`VLLMEngine`, in this process); `grpoflow train` with `rollout.engine=vllm`
 synchronous (learning), colocated and asynchronous (a rollout worker killed); a vLLM server fed by the
-checkpoint-reload weight sync; `grpoflow serve-model` and `grpoflow eval --serve` on vLLM's server.
+checkpoint-reload weight sync; `grpoflow serve-model` and `grpoflow eval --serve` on vLLM's server, checked by
+value on the memorising model (`memorised_model`), whose answers and scores are known problem by problem.
 """
 
 from __future__ import annotations
@@ -455,7 +456,7 @@ def test_train_through_a_vllm_server_syncs_the_final_weights(
 
 
 @contextmanager
-def serve_model_vllm(checkpoint: str):
+def serve_model_vllm(checkpoint: str, *args: str, env: dict | None = None):
     proc = grpoflow(
         "serve-model",
         checkpoint,
@@ -463,7 +464,9 @@ def serve_model_vllm(checkpoint: str):
         "vllm",
         "--max-batch-size",
         "4",
+        *args,
         "--json",
+        env=None if env is None else {**os.environ, **env},
         start_new_session=True,
     )
     try:
@@ -476,34 +479,75 @@ def serve_model_vllm(checkpoint: str):
             proc.communicate()
 
 
-def test_serve_model_with_vllm_answers_openai_requests_and_stops_cleanly(tiny_base, policy):
-    from openai import OpenAI
+def post_status(url: str, body: dict, headers: dict) -> int:
+    """The HTTP status of a JSON POST to `url` (straight to loopback, never through a proxy)."""
+    import urllib.error
+    import urllib.request
 
-    with serve_model_vllm(tiny_base["path"]) as (proc, ready):
-        assert ready["engine"] == "vllm" and ready["model"] == "tiny-base"
-        client = OpenAI(base_url=ready["url"], api_key="EMPTY", max_retries=0, timeout=120)
-        assert [m.id for m in client.models.list().data] == ["tiny-base"]
-        reply = client.chat.completions.create(
-            model="tiny-base",
-            max_tokens=16,
-            temperature=0,
-            messages=[{"role": "user", "content": "What is 12 + 7?"}],
-        )
-        assert reply.choices[0].message.content and reply.usage.completion_tokens <= 16
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json", **headers}, method="POST"
+    )
+    try:
+        with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=120) as reply:
+            return reply.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_serve_model_with_vllm_answers_what_the_model_memorised_and_requires_its_api_key(memorising_model):
+    """`grpoflow serve-model --engine vllm --api-key-env VAR` on the memorising model: a request without the
+    key, or with another, is refused with 401; with it, greedy replies are the memorised completions, word
+    for word, ended by the model's EOS; SIGTERM stops it cleanly."""
+    from memorised_model import MAX_TOKENS, completion, evaluated_problems
+    from openai import OpenAI
+    from transformers import AutoTokenizer
+
+    key_var, key = "GRPOFLOW_TEST_VLLM_KEY", "sk-vllm-3f9c2a7e51"
+    name = Path(memorising_model).name
+    tokenizer = AutoTokenizer.from_pretrained(memorising_model)
+    memorised = [p for p in evaluated_problems(shared()) if p.memorised]
+    with serve_model_vllm(memorising_model, "--api-key-env", key_var, env={key_var: key}) as (proc, ready):
+        assert ready["engine"] == "vllm" and ready["model"] == name
+        body = {"model": name, "max_tokens": 4, "messages": [{"role": "user", "content": "1+1"}]}
+        for headers in ({}, {"Authorization": "Bearer EMPTY"}, {"Authorization": f"Bearer {key}x"}):
+            assert post_status(ready["url"] + "/chat/completions", body, headers) == 401, headers
+        keyed = {"Authorization": f"Bearer {key}"}
+        assert post_status(ready["url"] + "/chat/completions", body, keyed) == 200
+        client = OpenAI(base_url=ready["url"], api_key=key, max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == [name]
+        for p in memorised:
+            reply = client.chat.completions.create(
+                model=name,
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                messages=[{"role": "user", "content": p.prompt}],
+            )
+            choice = reply.choices[0]
+            assert (choice.message.content, choice.finish_reason) == (completion(p.answer), "stop"), p.key
+            taught = len(tokenizer.encode(completion(p.answer), add_special_tokens=False))
+            assert reply.usage.completion_tokens == taught + 1  # and its EOS
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
     assert json.loads(out.strip().splitlines()[-1])["exit_code"] in (0, -signal.SIGTERM)
+    assert key not in out + err
 
 
-def test_eval_serve_scores_through_a_vllm_server(tiny_base, tmp_path):
+def test_eval_serve_through_a_vllm_server_scores_like_a_direct_run(
+    memorising_model, memorised_eval, tmp_path
+):
+    """`grpoflow eval --serve --serve-engine vllm` on the memorising model, with the settings of the session's
+    direct evaluation of it (`memorised_model.eval_overrides`): the same scores and the same verdict on every
+    problem, right exactly where it memorised the answer."""
+    from memorised_model import completion, eval_overrides, evaluated_problems, reviews, text_of
+
+    from evaluation import load_result
+    from evaluation.evalscope_reports import review_score
+
     proc = grpoflow(
         "eval",
-        tiny_base["path"],
-        "eval.limit=1",
-        "eval.max_tokens=16",
-        "eval.benchmarks=[aime24]",
-        f"eval.local_paths={{aime24: {shared('aime24')}}}",
+        memorising_model,
+        *eval_overrides(shared()),
         f"eval.out={tmp_path / 'eval'}",
         f"data.out={tmp_path / 'no-prepared-data'}",
         "--serve",
@@ -518,7 +562,17 @@ def test_eval_serve_scores_through_a_vllm_server(tiny_base, tmp_path):
     out, err = proc.communicate(timeout=1500)
     assert proc.returncode == 0, err[-4000:]
     result = json.loads(out.strip().splitlines()[-1])
-    assert result["served_by"] == "vllm" and result["num_samples"] == {"aime24": 1}
-    assert 0.0 <= result["scores"]["aime24"] <= 1.0
+    assert result["served_by"] == "vllm" and result["num_samples"] == memorised_eval.num_samples
+    assert result["scores"] == memorised_eval.scores == {"math_500": 0.4, "aime24": 0.5}
     report = json.loads(Path(result["report"]).read_text())
     assert report["eval_type"] == "openai_api" and report["api_url"].startswith("http://127.0.0.1:")
+
+    through_vllm, direct = reviews(load_result(result["work_dir"])), reviews(memorised_eval)
+    verdicts = {k: review_score(r) for k, r in through_vllm.items()}
+    assert verdicts == {k: review_score(r) for k, r in direct.items()}
+    problems = evaluated_problems(shared())
+    assert verdicts == {(p.benchmark, p.key): float(p.memorised) for p in problems}
+    for p in problems:
+        if p.memorised:
+            answers = {text_of(r[p.benchmark, p.key]["messages"][-1]) for r in (through_vllm, direct)}
+            assert answers == {completion(p.answer)}
