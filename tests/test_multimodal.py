@@ -361,7 +361,7 @@ def test_a_short_vision_training_run_changes_the_weights_and_keeps_the_ratio_exa
     # pass, moved on the second
     assert [first for first, _ in loss_ratios] == [True, True, False, False] * 2
     for first, ratio in loss_ratios:
-        assert torch.equal(ratio, torch.ones_like(ratio)) == first, (first, ratio)
+        assert torch.equal(ratio, torch.ones_like(ratio)) == first, (first, (ratio - 1).abs().max())
     rows = [json.loads(line) for line in Path(result.metrics_path).read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert all("rewards/counting/mean" in r and "rewards/format/mean" in r for r in rows)
