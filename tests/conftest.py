@@ -67,6 +67,25 @@ def require_vllm(how_to_run: str) -> None:
     pytest.skip(f"vLLM is not installed here: {how_to_run}", allow_module_level=True)
 
 
+@pytest.fixture
+def loss_ratios(monkeypatch) -> list[tuple]:
+    """(first pass?, ratio) for every call the trainer makes to the real `trainer.loss.per_token_loss`, in
+    order. A call is its micro-batch's first pass when its old log-probs tensor was not passed before: the
+    trainer keeps pass one's detached log-probs and passes that same tensor on every later pass."""
+    from trainer import loss
+
+    calls, seen, real = [], [], loss.per_token_loss
+
+    def recording(logps, old_logps, *args, **kwargs):
+        per_token, stats = real(logps, old_logps, *args, **kwargs)
+        calls.append((not any(old_logps is s for s in seen), stats["ratio"]))
+        seen.append(old_logps)
+        return per_token, stats
+
+    monkeypatch.setattr(loss, "per_token_loss", recording)
+    return calls
+
+
 @pytest.fixture(scope="session")
 def tiny_recipe():
     from trainer.recipe import load_recipe

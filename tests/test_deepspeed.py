@@ -8,6 +8,7 @@ master weights, and a run killed with SIGKILL under ZeRO resumes to the same wei
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -61,10 +62,10 @@ trainer = GRPOTrainer(recipe, sys.argv[2], recipe.data.out, progress=False)
 trainer.setup()
 batch, _ = trainer.rollout_source().next(0)
 batch.advantages = torch.linspace(-1, 1, len(batch))
-trainer.optimize(batch)
+grad_norm = trainer.optimize(batch)["grad_norm"]  # the whole gradient's norm, before clipping
 # the weight sync's view: whole tensors, a group at a time (every rank iterates; rank 0 keeps them)
 weights = {n: t.clone() for n, t in gathered(trainer.model.state_dict(keep_vars=True).items(), budget_mb=1)}
-out = {"weights": weights, "lr": trainer.strategy.learning_rate()}
+out = {"weights": weights, "lr": trainer.strategy.learning_rate(), "grad_norm": grad_norm}
 # an engine of its own (what a rollout worker holds) loads the synced weights and samples
 engine_model, tok = load_model(sys.argv[2], recipe.model, "cpu", verify=False)
 engine_model.load_state_dict(weights)
@@ -128,14 +129,20 @@ def assert_same_update(zero: dict, plain: dict, base_path: str) -> None:
     assert any(not torch.equal(base[n], plain["weights"][n]) for n in base), "the update changed nothing"
     assert zero["weights"].keys() == plain["weights"].keys()
     assert zero["lr"] == plain["lr"] > 0  # the schedule stepped once on both sides
-    # Adam's first step is about lr * g / |g| on every component: a gradient halved, doubled or taken from one
-    # rank's half of the batch only would flip or shrink many of them. Components whose gradient is
-    # mathematically zero (k_proj.bias) are float noise and may step anywhere in [-lr, lr], so all but such
-    # components must agree.
+    # Adam's first step is about lr * g / |g| on every component: a gradient taken from one rank's half of
+    # the batch only would flip many of them. Components whose gradient is mathematically zero (k_proj.bias)
+    # are float noise and may step anywhere in [-lr, lr], so all but such components must agree.
     close = [
         torch.isclose(zero["weights"][n], plain["weights"][n], rtol=1e-5, atol=1e-6).flatten() for n in base
     ]
     assert torch.cat(close).float().mean() > 0.999
+    # lr * sign(g) hides g's scale, so the weights cannot tell a gradient halved or doubled (the ranks'
+    # shares summed wrong): its norm, reduced over the ranks by DeepSpeed, must be the one-rank gradient's
+    assert math.isfinite(plain["grad_norm"]) and plain["grad_norm"] > 0, plain["grad_norm"]
+    assert math.isclose(zero["grad_norm"], plain["grad_norm"], rel_tol=1e-4), (
+        zero["grad_norm"],
+        plain["grad_norm"],
+    )
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -316,6 +323,9 @@ def test_grpoflow_train_under_zero3_samples_every_step_from_the_weights_just_tra
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["staleness"] == 0.0 for r in rows)
     gaps = [r["sampling/sampling_logp_difference/mean"] for r in rows]
     assert max(gaps) < 1e-5, gaps
+    # the mean counts a token without a finite gap as 0: the transformers engine reports every log-prob, so
+    # any such token is a failure (a sync that sent non-finite weights, a lost log-prob)
+    assert [r["sampling/sampling_logp_difference/nonfinite"] for r in rows] == [0.0] * 3, rows
     manifest = json.loads((run / "checkpoint-3" / "manifest.json").read_text())
     assert manifest["recipe"]["train"]["deepspeed"] == "zero3"
     base = load_file(Path(tiny_base["path"]) / "model.safetensors")

@@ -4,7 +4,8 @@ talks to a rollout server, checked with plain functions and real gloo ranks.
 - placement: trainer and engine GPUs, each process's CUDA_VISIBLE_DEVICES (8 GPUs split 6+2, 4+4,
   colocated 8), `grpoflow train --dry-run --json` on every GPU recipe, the environment spawned rollout
   workers really get;
-- backends: two torchrun ranks through `init_distributed` all-reduce a CPU tensor on the composite backend;
+- backends: the GPU ranks' composite backend (gloo for CPU tensors, NCCL for CUDA ones) as torch reads it
+  and forms it; two torchrun ranks through `init_distributed` all-reduce a CPU tensor;
 - vLLM (needs vLLM's CPU build, `.venv-vllm`): two trainer ranks each build their in-process engine under
   vLLM's external launcher, one per rank; in server mode only rank 0 syncs and generates, and both ranks get
   its batch.
@@ -339,9 +340,54 @@ def test_dry_run_for_another_node_size_and_a_placement_that_does_not_fit(capsys)
 # ---- the trainer ranks' process group ----------------------------------------------------------------------
 
 
-def test_backends_are_gloo_for_cpu_tensors_and_nccl_for_cuda_ones():
-    assert process_group_backend(cuda=True) == "cpu:gloo,cuda:nccl"
-    assert process_group_backend(cuda=False) == "cpu:gloo"
+# The trainer ranks' group on GPUs, formed as `init_distributed` forms it there. A CPU build of torch has no
+# NCCL and stops at the cuda part (after parsing the whole string); a CUDA build forms the group, and a CPU
+# tensor's all-reduce goes through gloo, a CUDA tensor's (one GPU per rank, where there are enough) NCCL.
+COMPOSITE_SCRIPT = """
+import json, os, sys, torch, torch.distributed as dist
+from trainer.launch import process_group_backend
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+out = {}
+try:
+    dist.init_process_group(process_group_backend(cuda=True))
+except RuntimeError as e:
+    out["error"] = str(e)
+else:
+    out["backend"] = str(dist.get_backend_config())
+    metrics = torch.tensor([rank + 1.0], dtype=torch.float64)
+    dist.all_reduce(metrics)
+    out["cpu_sum"] = metrics.item()
+    if torch.cuda.device_count() >= world:
+        torch.cuda.set_device(rank)
+        on_gpu = torch.tensor([rank + 1.0], device="cuda")
+        dist.all_reduce(on_gpu)
+        out["cuda_sum"] = on_gpu.item()
+    dist.destroy_process_group()
+json.dump(out, open(f"{sys.argv[1]}/rank{rank}.json", "w"))
+"""
+
+
+def test_the_gpu_backend_gives_cpu_tensors_to_gloo_and_cuda_tensors_to_nccl(tmp_path):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import Backend, BackendConfig
+
+    def device_backends(backend: str) -> dict:  # as init_process_group reads the string
+        return BackendConfig(Backend(backend)).get_device_backend_map()
+
+    assert device_backends(process_group_backend(cuda=True)) == {"cpu": "gloo", "cuda": "nccl"}
+    assert device_backends(process_group_backend(cuda=False)) == {"cpu": "gloo"}
+
+    (tmp_path / "composite.py").write_text(COMPOSITE_SCRIPT)
+    proc = torchrun(tmp_path / "composite.py", 2, str(tmp_path), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        out = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        if not dist.is_nccl_available():  # torch's CPU build: the whole string parsed, NCCL absent
+            assert out == {"error": "Distributed package doesn't have NCCL built in"}, out
+            continue
+        assert out["backend"] == "cpu:gloo,cuda:nccl" and out["cpu_sum"] == 3.0, out
+        assert out.get("cuda_sum") == (3.0 if torch.cuda.device_count() >= 2 else None), out
 
 
 RANKS_SCRIPT = """

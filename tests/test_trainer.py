@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from conftest import REPO_ROOT
-from trainer import loss as L
 from trainer.grpo import GRPOTrainer
 from trainer.logprobs import completion_logps
 from trainer.recipe import load_recipe
@@ -46,7 +45,9 @@ def test_prompt_indices_are_a_seeded_permutation_per_epoch():
     assert [i for s in range(5) for i in prompt_indices(s, 10, 2, seed=4)] != first_epoch
 
 
-def test_ratio_is_exactly_one_on_first_pass_and_not_after_an_update(tmp_path, tiny_base, tiny_data):
+def test_ratio_is_exactly_one_on_first_pass_and_not_after_an_update(
+    tmp_path, tiny_base, tiny_data, loss_ratios
+):
     recipe = small_recipe(
         tmp_path, tiny_base, tiny_data, "train.num_iterations=2", "train.learning_rate=1e-3"
     )
@@ -59,15 +60,19 @@ def test_ratio_is_exactly_one_on_first_pass_and_not_after_an_update(tmp_path, ti
     # behaviour log-probs from incremental decoding match a full forward of the same policy
     mask = mb.completion_mask > 0
     assert torch.allclose(before[mask], mb.behaviour_logps[mask], atol=1e-4)
-    _, stats = L.per_token_loss(before, before.detach(), mb.advantages, epsilon_low=0.2, epsilon_high=0.2)
-    assert torch.equal(stats["ratio"][mask], torch.ones_like(stats["ratio"][mask]))
 
     batch.advantages = torch.linspace(-1, 1, len(batch))  # make sure the update moves the policy
     trainer.optimize(batch)
+    # the ratios the trainer's own loss saw: 2 micro-batches of 4, two passes
+    assert [first for first, _ in loss_ratios] == [True, True, False, False]
+    for first, ratio in loss_ratios:
+        if first:  # the proximal policy is the one being evaluated: exactly 1, not merely close
+            assert torch.equal(ratio, torch.ones_like(ratio)), (ratio - 1).abs().max()
+        else:  # after pass one's update
+            assert not torch.allclose(ratio, torch.ones_like(ratio)), (ratio - 1).abs().max()
     with torch.no_grad():
         after, _ = completion_logps(trainer.model, mb, recipe.train.temperature, share_prompts=True)
-    ratio = torch.exp(after - before)[mask]
-    assert not torch.allclose(ratio, torch.ones_like(ratio))
+    assert not torch.allclose(after[mask], before[mask])
     assert trainer.version == 1  # one policy version per trained batch, whatever mu (here 2 updates)
 
 

@@ -321,12 +321,16 @@ class GRPOTrainer:
                             )
                         # the engine's log-probs against the trainer's on the same tokens (TRL's metric); on
                         # an on-policy batch (staleness 0) only the two sides' numerics differ. Every rank
-                        # adds the key (the all-reduce below needs the same keys); unreported (nan) tokens
-                        # count 0.
+                        # adds the keys (the all-reduce below needs the same keys). Tokens without a finite
+                        # gap (an engine that reports no log-prob: nan) count 0 in the mean and are counted
+                        # apart, so that non-finite values from an engine that should report them show.
                         gap = (old_logps[k] - mb.behaviour_logps).abs() * mb.completion_mask
-                        gap = torch.where(torch.isfinite(gap), gap, torch.zeros_like(gap))
-                        key = "sampling/sampling_logp_difference/mean"
-                        sums[key] = sums.get(key, 0.0) + gap.sum().item() / totals["total_tokens"]
+                        finite = torch.isfinite(gap)
+                        nonfinite = (~finite & (mb.completion_mask > 0)).sum().item()
+                        gap = torch.where(finite, gap, torch.zeros_like(gap))
+                        for name, value in (("mean", gap.sum().item()), ("nonfinite", nonfinite)):
+                            key = f"sampling/sampling_logp_difference/{name}"
+                            sums[key] = sums.get(key, 0.0) + value / totals["total_tokens"]
                 per_token, stats = L.per_token_loss(
                     logps,
                     old_logps[k],

@@ -3,7 +3,8 @@
 LMDeploy is the `lmdeploy` extra (its own environment: its torch pin excludes the `vllm` extra's), imported
 inside the constructor; without it the constructor raises `MissingExtraError` naming
 `pip install '.[lmdeploy]'`. LMDeploy has no CPU backend, so nothing here has run in this project: the plain
-functions below (`engine_config`, `call_on_loop`) are unit-tested on CPU, the engine itself only by
+functions below (`engine_config`, `generation_config`, `call_on_loop`) are unit-tested on CPU, and the names
+they and the engine use are checked against LMDeploy's published source; the engine itself runs only in
 `infra/gpu/smoke.sh`.
 
 What was read (LMDeploy's source at the git tags v0.10.0 to v0.16.0, and the published 0.17.0 and 0.18.0
@@ -116,6 +117,27 @@ def engine_config(
     return config_cls(**kwargs)
 
 
+def generation_config(config_cls, sampling: SamplingParams, seed: int | None):
+    """LMDeploy's `GenerationConfig` (`config_cls`) for one sample of `sampling`, seeded with `seed`; the
+    settings a release's class lacks are left out (its own default applies)."""
+    greedy = sampling.temperature <= 0
+    cfg = {
+        "n": 1,
+        "max_new_tokens": sampling.max_tokens,
+        "do_sample": not greedy,
+        "top_k": 0,
+        "top_p": 1.0 if greedy else sampling.top_p,
+        "temperature": 1.0 if greedy else sampling.temperature,
+        "random_seed": seed,
+        "logprobs": 1,
+        "include_stop_str_in_output": True,
+        "skip_special_tokens": True,
+        "ignore_eos": sampling.ignore_eos,
+    }
+    fields = _field_names(config_cls)
+    return config_cls(**{k: v for k, v in cfg.items() if k in fields})
+
+
 def call_on_loop(loop: asyncio.AbstractEventLoop, fn, *args, timeout_s: float | None = None):
     """`fn(*args)` called on `loop` (running in another thread), awaited there if it returns an awaitable;
     waits for and returns the result. For LMDeploy methods that touch objects owned by its event loop."""
@@ -175,8 +197,7 @@ class LMDeployEngine:
             version=version,
             **engine_kwargs,
         )
-        self._gen_fields = _field_names(lmdeploy.GenerationConfig)
-        if "include_stop_str_in_output" not in self._gen_fields:
+        if "include_stop_str_in_output" not in _field_names(lmdeploy.GenerationConfig):
             raise RuntimeError(f"LMDeploy {version} cannot return the stop token; grpoflow needs >= 0.11")
         self._gen_cls = lmdeploy.GenerationConfig
         self.pipe = lmdeploy.pipeline(model_path, backend_config=backend_config, log_level="ERROR")
@@ -200,21 +221,7 @@ class LMDeployEngine:
         return call_on_loop(self.pipe.internal_thread.loop, fn, *args, timeout_s=self.timeout_s)
 
     def _gen_config(self, sampling: SamplingParams, seed: int | None):
-        greedy = sampling.temperature <= 0
-        cfg = {
-            "n": 1,
-            "max_new_tokens": sampling.max_tokens,
-            "do_sample": not greedy,
-            "top_k": 0,
-            "top_p": 1.0 if greedy else sampling.top_p,
-            "temperature": 1.0 if greedy else sampling.temperature,
-            "random_seed": seed,
-            "logprobs": 1,
-            "include_stop_str_in_output": True,
-            "skip_special_tokens": True,
-            "ignore_eos": sampling.ignore_eos,
-        }
-        return self._gen_cls(**{k: v for k, v in cfg.items() if k in self._gen_fields})
+        return generation_config(self._gen_cls, sampling, seed)
 
     def _exact_logprobs(self, sampling: SamplingParams) -> bool:
         greedy = sampling.temperature <= 0
