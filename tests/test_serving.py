@@ -26,6 +26,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from memorised_model import completion, eval_overrides, evaluated_problems, reviews, text_of
+from paced_model import Pace
 
 from conftest import REPO_ROOT, shared
 from evaluation import load_result
@@ -499,17 +500,25 @@ def _has_vllm() -> bool:
 # ==========================================================================================================
 # Over real HTTP on loopback, with small limits. Ordering is asserted, never a duration: "the small request
 # completed while the big one was still being generated", "/health answered while the big body was being
-# handled". KEY_VAR, KEY and AUTH are the ones above.
+# handled". Where an ordering would be a race with the CPU's speed, the test paces the model
+# (tests/paced_model.py): it holds the forward passes, or the tokenizer calls of request handling, at a gate
+# and lets them through when its ordering is set up, so the ordering holds on any machine. KEY_VAR, KEY and
+# AUTH are the ones above.
 
-# a big request: 32 sampled completions of up to 1000 tokens (at temperature 2 a tiny model rarely says EOS)
-# ignore_eos: the model's EOS cannot end it early (on a fast CPU 64 completions that all stopped early took
-# < 2 s)
+# a big request: 32 sampled completions of 1000 tokens (ignore_eos: EOS cannot end it early), 1000 forward
+# passes; the tests that send it hold its generation long before its end
 BIG = {"prompt": "1+1", "n": 32, "max_tokens": 1000, "temperature": 2.0, "seed": 1, "ignore_eos": True}
+# a request whose generation is the same on every call (greedy, EOS ignored): the forward passes the server
+# runs while it answers it are its own when nothing else is being generated
+WITNESS = {"prompt": "1+1", "max_tokens": 2, "temperature": 0, "ignore_eos": True}
 
 
-def grpoflow_serve(*args: str, env: dict | None = None, **kwargs) -> subprocess.Popen:
+def grpoflow_serve(
+    *args: str, env: dict | None = None, pace: Pace | None = None, **kwargs
+) -> subprocess.Popen:
+    """`grpoflow ARGS`; with `pace`, in a process whose model the test paces."""
     return subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", *args],
+        pace.command(*args) if pace else [sys.executable, "-m", "flows.cli", *args],
         cwd=REPO_ROOT,
         text=True,
         env={**os.environ, **(env or {})},
@@ -518,9 +527,9 @@ def grpoflow_serve(*args: str, env: dict | None = None, **kwargs) -> subprocess.
 
 
 @contextmanager
-def served(model: str, tmp: Path, *flags: str):
-    """`grpoflow serve-model MODEL --json FLAGS` with its stderr in a file; yields (port, stderr path,
-    process)."""
+def served(model: str, tmp: Path, *flags: str, pace: Pace | None = None):
+    """`grpoflow serve-model MODEL --json FLAGS` with its stderr in a file, its model paced by `pace` if
+    given; yields (port, stderr path, process)."""
     err_path = tmp / "server.stderr"
     with open(err_path, "w") as err:
         proc = grpoflow_serve(
@@ -531,6 +540,7 @@ def served(model: str, tmp: Path, *flags: str):
             KEY_VAR,
             *flags,
             env={KEY_VAR: KEY},
+            pace=pace,
             stdout=subprocess.PIPE,
             stderr=err,
         )
@@ -614,8 +624,15 @@ def read_response(sock: socket.socket) -> tuple[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def limited_server(tiny_base, tmp_path_factory):
-    """A server with small limits, so that each is easy to cross."""
+def limited_pace(tmp_path_factory) -> Pace:
+    """The gates of `limited_server`'s model: open, unless a test holds them."""
+    return Pace(tmp_path_factory.mktemp("limited-pace"))
+
+
+@pytest.fixture(scope="module")
+def limited_server(tiny_base, tmp_path_factory, limited_pace):
+    """A server with small limits, so that each is easy to cross; its model is paced by the tests that
+    need an ordering (`limited_pace`)."""
     with served(
         tiny_base["path"],
         tmp_path_factory.mktemp("server"),
@@ -629,6 +646,7 @@ def limited_server(tiny_base, tmp_path_factory):
         "16",
         "--max-body-bytes",
         "100000",
+        pace=limited_pace,
     ) as (port, err, proc):
         yield port, err
         assert proc.poll() is None, "the server died during the tests"
@@ -793,40 +811,63 @@ def test_an_oversized_body_is_refused_before_it_is_read(limited_server):
 # ---- scheduling: fairness, cancellation ---------------------------------------------------------------
 
 
-def test_a_small_request_completes_while_a_big_one_is_still_generated(limited_server):
+def forwards_of_witness(port: int, pace: Pace) -> int:
+    """The forward passes the server runs while it answers WITNESS."""
+    before = pace.entered("forward")
+    status, reply = call_json(port, "POST", "/v1/completions", WITNESS, AUTH)
+    assert status == 200, reply
+    return pace.entered("forward") - before
+
+
+def test_a_small_request_completes_while_a_big_one_is_still_generated(limited_server, limited_pace):
+    """The model is paced by the test: the big request is held at its first decoding step until the small
+    one is queued, then the forward passes go through one at a time until the small one is answered, so
+    the big one is still far from its 1000 tokens then, however fast the CPU generates."""
     port, _ = limited_server
-    before = health(port)
-    big = raw_request(port, "/v1/completions", BIG)
-    with big:
-        wait_for(port, lambda h: h["active"] == before["active"] + 1, "the big request started")
-        status, small = call_json(
-            port, "POST", "/v1/completions", {"prompt": "2+2", "max_tokens": 8, "temperature": 0}, AUTH
-        )
-        assert status == 200 and small["usage"]["completion_tokens"] <= 8
-        # the big one has not answered yet and is still being generated
-        assert not answered(big)
+    pace, before = limited_pace, health(port)
+    small_request = {"prompt": "2+2", "max_tokens": 8, "temperature": 0}
+    with pace.holding("forward", passing=1), raw_request(port, "/v1/completions", BIG) as big:
+        pace.wait_held("forward", "the big request's first decoding step", answered=lambda: answered(big))
+        assert health(port)["active"] == before["active"] + 1
+        with raw_request(port, "/v1/completions", small_request) as small:
+            wait_for(port, lambda h: h["waiting"] == before["waiting"] + 1, "the small request was queued")
+            let_through = pace.step_until("forward", lambda: answered(small), "the small request's answer")
+            status, reply = read_response(small)
+        assert status == 200 and reply["usage"]["completion_tokens"] <= 8
+        # the big one has not answered yet and is still being generated (held at the gate)
+        assert let_through < 1000 and not answered(big)
         assert health(port)["active"] == before["active"] + 1
     # closing its connection cancels it (next test: that it stops)
     wait_for(port, lambda h: h["active"] == before["active"], "the big request stopped after its client left")
 
 
-def test_a_disconnected_client_stops_its_generation(limited_server):
+def test_a_disconnected_client_stops_its_generation(limited_server, limited_pace):
+    """The model is paced by the test: the big request is held at its first decoding step while its client
+    leaves, then its forward passes go through one at a time until the server stops it, so a fast CPU
+    cannot finish it first; the forward passes are counted to show that none follow."""
     port, err = limited_server
+    pace = limited_pace
+    alone = forwards_of_witness(port, pace)
     before = health(port)
-    with raw_request(port, "/v1/completions", {**BIG, "seed": 2}):
-        wait_for(port, lambda h: h["active"] == before["active"] + 1, "the big request started")
-    after = wait_for(
-        port,
-        lambda h: h["cancelled"] == before["cancelled"] + 1 and h["active"] == before["active"],
-        "the generation of the disconnected request stopped",
-    )
+    with pace.holding("forward", passing=1):
+        with raw_request(port, "/v1/completions", {**BIG, "seed": 2}) as big:
+            pace.wait_held("forward", "the big request's first decoding step", answered=lambda: answered(big))
+            assert health(port)["active"] == before["active"] + 1
+        pace.step_until(
+            "forward",
+            lambda: health(port)["active"] == before["active"],
+            "the generation of the disconnected request stopped",
+        )
+    after = health(port)
     assert after["requests"] == before["requests"], "the disconnected request was generated to the end"
+    assert after["cancelled"] == before["cancelled"] + 1
     stopped = re.findall(
         r"cmpl-\w+: the client disconnected; its generation stopped after (\d+) of 1000 "
         r"tokens",
         err.read_text(),
     )
     assert stopped and int(stopped[-1]) < 1000
+    assert forwards_of_witness(port, pace) == alone, "the disconnected request is still being generated"
 
 
 def test_the_api_key_is_required_on_v1_and_health_stays_open(limited_server):
@@ -843,49 +884,71 @@ def test_the_api_key_is_required_on_v1_and_health_stays_open(limited_server):
 
 @pytest.fixture(scope="module")
 def roomy_server(tiny_base, tmp_path_factory):
-    """A server whose limits let a body of megabytes and hundreds of thousands of stop strings in."""
+    """A server whose limits let a body of megabytes and hundreds of thousands of stop strings in; yields
+    (port, the Pace of its model)."""
+    tmp = tmp_path_factory.mktemp("roomy")
+    pace = Pace(tmp / "pace")
     with served(
         tiny_base["path"],
-        tmp_path_factory.mktemp("roomy"),
+        tmp,
         "--max-body-bytes",
         "4000000",
         "--max-stop",
         "300000",
         "--max-stop-length",
         "64",
+        pace=pace,
     ) as (port, err, proc):
-        yield port, err
+        yield port, pace
 
 
 def test_health_answers_while_a_huge_body_is_handled(roomy_server):
-    """Parsing 3 MB and looking for 250k stop strings in 64 completions takes seconds of CPU: in a worker
-    thread, so the event loop keeps answering /health meanwhile."""
-    port, _ = roomy_server
-    stops = [f"zz{i:07d}" for i in range(250_000)] + [" "]  # the space is found: the text is cut
-    huge = raw_request(
-        port,
-        "/v1/completions",
-        {"prompt": "1+1", "n": 64, "max_tokens": 32, "temperature": 1.0, "seed": 3, "stop": stops},
-    )
-    with huge:
-        wait_for(port, lambda h: h["requests"] >= 1, "the huge request was generated")
+    """Parsing 3 MB and looking for 250k stop strings in each completion is CPU work in worker threads, so
+    the event loop keeps answering /health meanwhile. The model is paced by the test: the tokenizer calls
+    of request handling are held at the gate, first the parse's (the prompt), then the reply's (cutting a
+    completion at the stop string found), so /health is asked while each step is in progress, however
+    fast the CPU does it."""
+    port, pace = roomy_server
+    # the last one is found (the tiny model writes answer tags, never a space): the completions are cut at it
+    stops = [f"zz{i:07d}" for i in range(250_000)] + ["</answer>"]
+    body = {"prompt": "1+1", "n": 8, "max_tokens": 32, "temperature": 1.0, "seed": 3, "stop": stops}
+    before = health(port)
+    with pace.holding("tokenizer"), raw_request(port, "/v1/completions", body) as huge:
+        pace.wait_held("tokenizer", "the huge body parsed up to its prompt", answered=lambda: answered(huge))
+        # its body is being parsed: /health answers at once
+        assert health(port)["requests"] == before["requests"] and not answered(huge)
+        pace.let_one_through("tokenizer")
+        pace.wait_held("tokenizer", "the huge reply cut at a stop string", answered=lambda: answered(huge))
         # generation is over; its response is being cut at the stop strings: /health still answers at once
-        assert health(port)["status"] == "ok"
-        assert not answered(huge), "the huge request was already answered: the test proves nothing"
+        assert health(port)["requests"] == before["requests"] + 1 and not answered(huge)
+        pace.open("tokenizer")
         status, reply = read_response(huge)
-    assert status == 200 and len(reply["choices"]) == 64
+    assert status == 200 and len(reply["choices"]) == 8
+    assert all("</answer>" not in c["text"] for c in reply["choices"])
 
 
 def test_a_request_past_its_timeout_gets_504_and_stops_being_generated(tiny_base, tmp_path):
-    with served(tiny_base["path"], tmp_path, "--request-timeout", "2") as (port, err, _):
-        # 64 x 1000 tokens: over a thousand forward passes, far more than 2 s
-        status, reply = call_json(port, "POST", "/v1/completions", {**BIG, "n": 64}, AUTH)
-        assert status == 504 and "--request-timeout" in reply["error"]["message"], reply
-        after = wait_for(port, lambda h: h["active"] == 0, "the timed-out request stopped")
-        assert after["timed_out"] == 1 and after["requests"] == 0
+    """The model is paced by the test: every forward pass is held at the gate until the 504 has come, so the
+    request is still being generated at its 2 s timeout however fast the CPU; the forward passes are
+    counted to show that no decoding step starts after the 504."""
+    pace = Pace(tmp_path / "pace")
+    with served(tiny_base["path"], tmp_path, "--request-timeout", "2", pace=pace) as (port, err, _):
+        alone = forwards_of_witness(port, pace)
+        start = pace.entered("forward")
+        with pace.holding("forward"):
+            status, reply = call_json(port, "POST", "/v1/completions", BIG, AUTH, timeout=60)
+            assert status == 504 and "--request-timeout" in reply["error"]["message"], reply
+        # counted once it leaves the server: timed out, or (were it not stopped) generated to its end
+        after = wait_for(
+            port, lambda h: h["timed_out"] + h["requests"] == 2 and h["active"] == 0, "the request ended"
+        )
+        assert after["timed_out"] == 1 and after["requests"] == 1, after  # 1: the witness
+        ran = pace.entered("forward") - start
+        assert ran <= 1, f"{ran} forward passes: the request was decoded after its 504 (its prefill at most)"
         assert re.search(
             r"timed out after 2 s; its generation stopped after \d+ of 1000 tokens", err.read_text()
         )
+        assert forwards_of_witness(port, pace) == alone, "the timed-out request is still being generated"
         # a body that never arrives in full is answered too (408), not waited for
         with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
             sock.sendall(
