@@ -495,7 +495,6 @@ def test_gspo_cispo_and_a_sequence_mask_train_end_to_end_and_log_trls_metrics(tm
         "train.importance_sampling_level=sequence",
         "train.loss_type=cispo",
         "train.epsilon_high=4e-4",
-        "train.max_completion_length=8",
         "rollout.importance_correction=sequence_mask",
         "rollout.importance_correction_on_policy=true",
     )
