@@ -9,16 +9,20 @@ import pytest
 import torch
 
 from trainer.loss import (
+    ALL_LOSS_TYPES,
+    IMPORTANCE_SAMPLING_LEVELS,
     LOSS_TYPES,
     clip_metrics,
     entropy_from_logits,
     group_advantages,
+    importance_weights,
     k3_kl,
     masked_mean,
     per_token_loss,
     reduce_loss,
     sequence_logps,
     truncated_importance_weights,
+    weight_units,
     zero_std_groups,
 )
 
@@ -205,6 +209,208 @@ def test_importance_weights_scale_the_policy_term_but_not_the_kl():
     close(loss, [[-2.0 + 0.0106531, -0.5 + 0.0106531]])
 
 
+# --- the engine-mismatch correction (rollout.importance_correction) ---------------------------------------
+
+# old - behaviour per token: row 0 [log 3, log 0.5, nan (not reported)], all in the loss; row 1 [0.4, 0.5] and
+# a padding token whose 9.0 must count nowhere. Cap 2.
+OLD = torch.zeros(2, 3)
+BEHAVIOUR = -torch.tensor([[math.log(3.0), math.log(0.5), NAN], [0.4, 0.5, 9.0]])
+IN_LOSS = torch.tensor([[1, 1, 1], [1, 1, 0]])
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        # exp(0.4) = 1.491825, exp(0.5) = 1.648721; a nan counts as agreement (1), padding as 0 log-ratio
+        ("token_mask", [[0.0, 0.5, 1.0], [1.491825, 1.648721, 1.0]]),  # 3 > 2: set to 0
+        # row 0: log 3 + log 0.5 + 0 = log 1.5; row 1: 0.4 + 0.5 = 0.9, exp 2.459603 > 2
+        ("sequence_truncate", [[1.5], [2.0]]),
+        ("sequence_mask", [[1.5], [0.0]]),
+    ],
+)
+def test_importance_weights_by_hand(mode, expected):
+    close(importance_weights(OLD, BEHAVIOUR, IN_LOSS, mode, cap=2.0), expected)
+
+
+def test_token_truncate_is_the_truncated_weight_of_every_token():
+    weights = importance_weights(OLD, BEHAVIOUR, IN_LOSS, "token_truncate", cap=2.0)
+    assert torch.equal(weights, truncated_importance_weights(OLD, BEHAVIOUR, cap=2.0))
+    close(weights[IN_LOSS > 0], [2.0, 0.5, 1.0, 1.491825, 1.648721])
+    with pytest.raises(ValueError, match="token_truncate, token_mask, sequence_truncate, sequence_mask"):
+        importance_weights(OLD, BEHAVIOUR, IN_LOSS, "sequence", cap=2.0)
+
+
+def test_weight_units_are_the_tokens_or_the_sequences_in_the_loss():
+    token = importance_weights(OLD, BEHAVIOUR, IN_LOSS, "token_mask", cap=2.0)
+    close(weight_units(token, IN_LOSS), [0.0, 0.5, 1.0, 1.491825, 1.648721])
+    sequence = importance_weights(OLD, BEHAVIOUR, IN_LOSS, "sequence_truncate", cap=2.0)
+    close(weight_units(sequence, IN_LOSS), [1.5, 2.0])
+    close(weight_units(sequence, torch.tensor([[0, 0, 0], [1, 1, 0]])), [2.0])  # row 0 is out of the loss
+
+
+def test_sequence_importance_weights_scale_each_token_of_their_sequence():
+    weights = importance_weights(OLD, BEHAVIOUR, IN_LOSS, "sequence_truncate", cap=2.0)  # [[1.5], [2.0]]
+    logps = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -3.0, -1.2]])
+    loss, _ = per_token_loss(
+        logps, logps.clone(), torch.tensor([1.0, -0.5]), epsilon_low=0.2, epsilon_high=0.2, is_weights=weights
+    )
+    close(loss, [[-1.5] * 3, [1.0] * 3])  # -A * 1.5 and -(-0.5) * 2.0 on every token
+
+
+# --- GSPO: the sequence-level ratio (train.importance_sampling_level) ---------------------------------------
+
+# logp - old per token; the third token of rows 1-3 is padding, and its 5.0 must not reach the mean.
+GSPO_LOG_RATIOS = torch.tensor([[0.3, -0.1, 0.1], [-0.4, -0.2, 5.0], [0.0, 0.3, 5.0], [0.5, 0.5, 5.0]])
+GSPO_MASK = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 0], [1, 1, 0]])
+GSPO_ADVANTAGES = torch.tensor([1.0, -1.0, -0.5, 2.0])
+
+
+def gspo_case(mask=GSPO_MASK):
+    logps = GSPO_LOG_RATIOS.clone().requires_grad_(True)
+    loss, stats = per_token_loss(
+        logps,
+        torch.zeros(4, 3),
+        GSPO_ADVANTAGES,
+        epsilon_low=0.2,
+        epsilon_high=0.2,
+        importance_sampling_level="sequence",
+        mask=mask,
+    )
+    return logps, loss, stats
+
+
+def test_gspo_clips_one_ratio_per_sequence_by_hand():
+    logps, loss, stats = gspo_case()
+    # masked means 0.1, -0.3, 0.15, 0.5: s = exp(mean) = 1.105171, 0.740818, 1.161834, 1.648721
+    close(stats["ratio"], [[1.105171], [0.740818], [1.161834], [1.648721]])
+    # A = 1:    min(1.105171, clamp 1.105171) = 1.105171                   -> -1.105171
+    # A = -1:   min(-0.740818, 0.8 * -1 = -0.8) = -0.8 (low-clipped)       -> 0.8
+    # A = -0.5: min(-0.580917, -0.580917), inside [0.8, 1.2]               -> 0.580917
+    # A = 2:    min(3.297443, 1.2 * 2 = 2.4) = 2.4 (high-clipped)          -> -2.4
+    # (per token, 1.35 for row 0's first token would have been clipped: here the sequence decides)
+    close(loss, [[-1.105171] * 3, [0.8] * 3, [0.580917] * 3, [-2.4] * 3])
+    assert stats["low_clipped"].tolist() == [[False], [True], [False], [False]]
+    assert stats["high_clipped"].tolist() == [[False], [False], [False], [True]]
+    # d/d logp_t of the masked sum: row 0 sums 3 x -s, d s / d logp_t = s / 3 -> -s = -1.105171 per token;
+    # row 2 sums 2 x 0.5 s, d s / d logp_t = s / 2 -> s / 2 = 0.580917 on its 2 tokens, 0 on its padding;
+    # clipped rows 1 and 3 have no gradient
+    (loss * GSPO_MASK).sum().backward()
+    close(logps.grad, [[-1.105171] * 3, [0.0] * 3, [0.580917, 0.580917, 0.0], [0.0] * 3])
+
+
+def test_gspo_clip_metrics_are_fractions_of_the_sequences_in_the_loss():
+    _, _, stats = gspo_case()
+    metrics = clip_metrics(stats, GSPO_MASK)
+    assert metrics == pytest.approx(
+        {
+            "clip_ratio/low_mean": 1 / 4,
+            "clip_ratio/high_mean": 1 / 4,
+            "clip_ratio/region_mean": 2 / 4,
+            "kl": 0,
+        }
+    )
+    # row 1 out of the loss: 3 sequences are left, one of them (row 3) clipped; not 2 of 6 tokens
+    out = torch.tensor([[1, 1, 1], [0, 0, 0], [1, 1, 0], [1, 1, 0]])
+    _, _, stats = gspo_case(out)
+    metrics = clip_metrics(stats, out)
+    assert metrics["clip_ratio/high_mean"] == pytest.approx(1 / 3)
+    assert metrics["clip_ratio/low_mean"] == 0.0
+
+
+def test_sequence_level_needs_the_mask_and_a_known_level():
+    args = (torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1))
+    with pytest.raises(ValueError, match="needs the mask"):
+        per_token_loss(*args, epsilon_low=0.2, epsilon_high=0.2, importance_sampling_level="sequence")
+    with pytest.raises(ValueError, match="token, sequence"):
+        per_token_loss(*args, epsilon_low=0.2, epsilon_high=0.2, importance_sampling_level="group")
+
+
+# --- CISPO (train.loss_type cispo) --------------------------------------------------------------------------
+
+CISPO_LOGPS = torch.tensor([[-0.5, -1.0], [-2.0, -0.25]])
+CISPO_RATIOS = torch.tensor([[1.5, 0.9], [0.5, 1.5]])
+
+
+def cispo_case(level="token"):
+    logps = CISPO_LOGPS.clone().requires_grad_(True)
+    old = CISPO_LOGPS - CISPO_RATIOS.log()  # exp(logp - old) = the ratios above
+    loss, stats = per_token_loss(
+        logps,
+        old,
+        torch.tensor([1.0, -2.0]),
+        epsilon_low=0.2,
+        epsilon_high=0.2,
+        loss_type="cispo",
+        importance_sampling_level=level,
+        mask=torch.ones(2, 2),
+    )
+    loss.sum().backward()
+    return logps.grad, loss, stats
+
+
+def test_cispo_weights_the_log_prob_by_the_capped_ratio_without_its_gradient():
+    grad, loss, stats = cispo_case()
+    # weight = min(ratio, 1 + 0.2): [[1.2, 0.9], [0.5, 1.2]]; loss = -weight * A * logp
+    # row 0 (A = 1):  -1.2 * -0.5 = 0.6,   -0.9 * -1.0 = 0.9
+    # row 1 (A = -2): -(0.5 * -2) * -2.0 = -2.0,   -(1.2 * -2) * -0.25 = -0.6
+    close(loss, [[0.6, 0.9], [-2.0, -0.6]])
+    # the weight is a constant: d loss / d logp = -weight * A, also where the ratio was capped (no token
+    # loses its gradient, unlike the clipped surrogate); through the ratio row 0's 0.9 would give -1.8
+    close(grad, [[-1.2, -0.9], [1.0, 2.4]])
+    assert stats["cispo_clipped"].tolist() == [[True, False], [False, False]]  # ratio > 1.2 with A > 0
+    assert "region_clipped" not in stats
+    assert clip_metrics(stats, torch.ones(2, 2)) == pytest.approx({"cispo_clip_ratio": 1 / 4, "kl": 0.0})
+
+
+def test_cispo_at_the_sequence_level_weights_every_token_by_the_sequence_ratio():
+    grad, loss, _ = cispo_case("sequence")
+    # row 0: exp(mean(log 1.5, log 0.9)) = sqrt(1.35) = 1.161895 (under 1.2); row 1: sqrt(0.75) = 0.866025
+    close(loss, [[1.161895 * 0.5, 1.161895 * 1.0], [-1.732051 * 2.0, -1.732051 * 0.25]])
+    close(grad, [[-1.161895] * 2, [1.732051] * 2])
+
+
+# --- gradient accumulation with the new objectives ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("level", IMPORTANCE_SAMPLING_LEVELS)
+@pytest.mark.parametrize("loss_type", ALL_LOSS_TYPES)
+@pytest.mark.parametrize("splits", [[1, 3], [2, 2], [1, 1, 1, 1]])
+def test_micro_batches_add_up_to_the_full_batch_loss_and_gradient(loss_type, level, splits):
+    """Each micro-batch trimmed to its longest row, as the trainer cuts them: per-sequence ratios and the
+    shares of `reduce_loss` must still add up to the one-shot loss, value and gradient."""
+    logps = torch.tensor([[-0.5, -1.0, -2.0], [-3.0, -0.25, -0.5], [-1.5, -1.0, -4.0], [-2.0, -0.75, -1.25]])
+    old = logps + torch.tensor([[0.3, -0.2, 0.1], [-0.4, 0.0, 0.0], [0.25, 0.35, 0.0], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 0, 0]])
+    advantages = torch.tensor([1.0, -0.5, 2.0, -1.0])
+    totals = dict(total_sequences=4, total_tokens=6, max_completion_length=3)
+
+    def loss_of(rows: slice, leaf: torch.Tensor) -> torch.Tensor:
+        width = max(int(mask[rows].sum(-1).max()), 1)
+        per_token, _ = per_token_loss(
+            leaf[rows, :width],
+            old[rows, :width],
+            advantages[rows],
+            epsilon_low=0.2,
+            epsilon_high=0.28,
+            loss_type=loss_type,
+            importance_sampling_level=level,
+            mask=mask[rows, :width],
+        )
+        return reduce_loss(per_token, mask[rows, :width], loss_type, **totals)
+
+    full_leaf = logps.clone().requires_grad_(True)
+    full = loss_of(slice(None), full_leaf)
+    full.backward()
+    parts_leaf, parts, start = logps.clone().requires_grad_(True), 0.0, 0
+    for size in splits:
+        part = loss_of(slice(start, start + size), parts_leaf)
+        part.backward()
+        parts, start = parts + part.item(), start + size
+    assert full.item() != 0.0
+    assert parts == pytest.approx(full.item(), abs=1e-7)
+    close(parts_leaf.grad, full_leaf.grad, atol=1e-7)
+
+
 # --- normalisations -----------------------------------------------------------------------------------------
 
 PER_TOKEN = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
@@ -227,6 +433,10 @@ def test_each_loss_type_by_hand():
     assert reduce("bnpo") == pytest.approx(7 / 3)  # (1 + 2 + 4) over 3 active tokens
     assert reduce("dapo") == pytest.approx(7 / 3)
     assert reduce("dr_grpo") == pytest.approx(7 / (2 * 4))  # 2 sequences x max_completion_length 4
+
+
+def test_cispo_is_normalised_as_dapo():
+    assert reduce("cispo") == pytest.approx(7 / 3)  # TRL: one mean over the batch's active tokens
 
 
 def test_a_fully_masked_sequence_adds_zero_but_still_counts():

@@ -73,7 +73,7 @@ def test_a_field_shows_its_type_default_bounds_and_help():
         "each >= 0, <= 1",
     )
     [doc] = explain("train.loss_type")[0].fields
-    assert (doc.type, doc.default_text()) == ('"grpo" | "bnpo" | "dr_grpo" | "dapo"', '"dapo"')
+    assert (doc.type, doc.default_text()) == ('"grpo" | "bnpo" | "dr_grpo" | "dapo" | "cispo"', '"dapo"')
     [doc] = explain("rollout.async")[0].fields  # the YAML name, not the attribute `async_`
     assert (doc.type, doc.default_text()) == ("bool", "false")
     [doc] = explain("rollout.max_model_len")[0].fields

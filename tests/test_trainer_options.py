@@ -11,6 +11,7 @@ advantages known in advance, whatever the sampled text says.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -370,3 +371,142 @@ def test_save_total_limit_prunes_the_oldest_checkpoints(tmp_path, tiny_base, tin
     assert sorted(p.name for p in run.glob("checkpoint-*")) == [f"checkpoint-{s}" for s in kept]
     assert (run / "latest").read_text().strip() == "checkpoint-4"
     assert Path(result.checkpoint).name == "checkpoint-4"
+
+
+# ---------------------------------------------------------------- the engine-mismatch correction, GSPO, CISPO
+class ShiftedLogprobsEngine:
+    """The real transformers engine (`trainer.rollout.hf_engine.HFEngine`) with the log-probs it reports
+    lowered by a known amount: token t of completion j of each prompt by `shift(j, t)`. It samples what the
+    engine samples; only its log-probs are off, as those of an engine with other numerics (vLLM in bf16)."""
+
+    def __init__(self, engine, shift):
+        self.engine, self.shift = engine, shift
+
+    @property
+    def version(self) -> int:  # the policy version its completions carry is the engine's own
+        return self.engine.version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self.engine.version = value
+
+    def generate(self, prompts, n, sampling):
+        groups = self.engine.generate(prompts, n, sampling)
+        for group in groups:
+            for j, c in enumerate(group):
+                c.logprobs = [lp - self.shift(j, t) for t, lp in enumerate(c.logprobs)]
+        return groups
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def engine_error(j: int, t: int) -> float:
+    """How far the engine's log-prob of token t of completion j of a group is below the trainer's: the first
+    token 1.0 (even j: a ratio e = 2.718 over the cap 2) or -0.1 (odd j: 0.904837), every later one 0.02
+    (1.020201). A sequence's log-ratio is then 1 + 0.02 (n - 1) (even j: over the cap at any length n) or
+    -0.1 + 0.02 (n - 1) (odd j: under it while n < 40, and max_completion_length is 24)."""
+    return (1.0 if j % 2 == 0 else -0.1) if t == 0 else 0.02
+
+
+def expected_weights(mode: str | None, batch, group_size: int) -> torch.Tensor:
+    """[B, C]: each token's importance weight (a sequence's weight on each of its tokens) for
+    `engine_error`, cap 2; None: no correction."""
+    lengths = [len(c.token_ids) for c in batch.completions]
+    weights = torch.zeros(len(batch), max(lengths))
+    for i, n in enumerate(lengths):
+        even = i % group_size % 2 == 0
+        if mode is None:
+            weights[i, :n] = 1.0
+        elif mode == "token_truncate":
+            weights[i, :n] = torch.tensor([2.0 if even else 0.904837] + [1.020201] * (n - 1))
+        elif mode == "token_mask":
+            weights[i, :n] = torch.tensor([0.0 if even else 0.904837] + [1.020201] * (n - 1))
+        elif even:  # sequence_truncate: 2, sequence_mask: 0
+            weights[i, :n] = 2.0 if mode == "sequence_truncate" else 0.0
+        else:
+            weights[i, :n] = math.exp(-0.1 + 0.02 * (n - 1))
+    return weights
+
+
+def test_importance_correction_weights_the_loss_for_an_engines_known_log_prob_error(
+    tmp_path, tiny_base, tiny_data
+):
+    """One trainer and one on-policy batch from the shifted engine; for each correction the policy is put
+    back to where the batch was sampled, so the ratio of the first pass is exactly 1 and the weights are the
+    engine's known error, capped or masked at importance_ratio_cap 2."""
+    trainer = ready_trainer(
+        tmp_path, tiny_base, tiny_data, "train.max_grad_norm=0", "rollout.importance_ratio_cap=2"
+    )
+    trainer.local_engine.engine = ShiftedLogprobsEngine(trainer.local_engine.engine, engine_error)
+    batch, _ = trainer.rollout_source().next(0)
+    group = trainer.cfg.num_generations
+    assert batch.policy_version == trainer.version == 0 and len(batch) == 8
+    batch.advantages = torch.tensor([1.0, -0.5, 0.25, 2.0, -1.5, 0.75, -0.25, 0.5])
+    lengths = torch.tensor([len(c.token_ids) for c in batch.completions])
+    tokens = int(lengths.sum())
+    errors = [engine_error(i % group, t) for i, n in enumerate(lengths.tolist()) for t in range(n)]
+    start = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    applied = record_updates(trainer)
+    dapo = token_weights(batch, "dapo", ALL_KEPT, trainer.cfg.max_completion_length)
+    # None: the default, importance_correction_on_policy false: an on-policy batch is not corrected
+    for mode in [None, "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]:
+        trainer.model.load_state_dict(start)
+        trainer.version = 0
+        trainer.recipe.rollout.importance_correction_on_policy = mode is not None
+        trainer.recipe.rollout.importance_correction = mode or "token_truncate"
+        weights = expected_weights(mode, batch, group)
+        loss, gradient = first_pass_loss_and_gradient(trainer, batch, dapo * weights)
+        metrics = trainer.optimize(batch)
+        assert metrics["loss"] == pytest.approx(loss, rel=1e-4), mode
+        assert_same_direction_and_size(applied[-1][0], gradient)
+        # TRL's metrics of the engine's error, with or without a correction
+        assert metrics["sampling/sampling_logp_difference/max"] == pytest.approx(1.0, abs=1e-4)
+        mean_error = sum(abs(e) for e in errors) / tokens
+        assert metrics["sampling/sampling_logp_difference/mean"] == pytest.approx(mean_error, abs=1e-4)
+        if mode is None:
+            assert not [k for k in metrics if "importance" in k], metrics
+            continue
+        per_token = weights[dapo > 0]
+        # TRL's summary: the tokens' weights, or the sequences' in the sequence modes
+        units = weights[:, 0] if mode.startswith("sequence") else per_token
+        summary = {k: metrics[f"sampling/importance_sampling_ratio/{k}"] for k in ("min", "mean", "max")}
+        expected = {"min": units.min().item(), "mean": units.mean().item(), "max": units.max().item()}
+        assert summary == pytest.approx(expected, abs=1e-4), mode
+        assert metrics["importance_ratio/mean"] == pytest.approx(per_token.mean().item(), abs=1e-4)
+        assert (metrics["importance_ratio/min"], metrics["importance_ratio/max"]) == (
+            summary["min"],
+            summary["max"],
+        )
+
+
+def test_gspo_cispo_and_a_sequence_mask_train_end_to_end_and_log_trls_metrics(tmp_path, tiny_base, tiny_data):
+    """A two-step run with a sequence-level ratio, the CISPO objective, two passes per batch (the second sees
+    ratios off 1) and every batch corrected per sequence against the engine's log-probs."""
+    recipe = small_recipe(
+        tmp_path,
+        tiny_base,
+        tiny_data,
+        reward_plugin(tmp_path, REWARDS),  # advantages of both signs, whatever the 8 tokens say
+        "train.eval_heldout=0",
+        "train.max_steps=2",
+        "train.num_iterations=2",
+        "train.learning_rate=1e-3",
+        "train.importance_sampling_level=sequence",
+        "train.loss_type=cispo",
+        "train.epsilon_high=4e-4",
+        "rollout.importance_correction=sequence_mask",
+        "rollout.importance_correction_on_policy=true",
+    )
+    GRPOTrainer(recipe, tiny_base["path"], tiny_data, progress=False).train()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    for r in rows:
+        assert math.isfinite(r["loss"]) and "clip_ratio/region_mean" not in r
+        # a fraction of the 8 sequences, as TRL counts a sequence-level ratio's clips
+        assert r["cispo_clip_ratio"] * 8 == pytest.approx(round(r["cispo_clip_ratio"] * 8), abs=1e-9)
+        # the engine here is the trainer's own module: only numerics differ, every weight is about 1
+        ratios = [r[f"sampling/importance_sampling_ratio/{k}"] for k in ("min", "mean", "max")]
+        assert ratios == pytest.approx([1.0] * 3, abs=1e-3) and ratios == sorted(ratios)
+        assert 0 <= r["sampling/sampling_logp_difference/mean"] <= r["sampling/sampling_logp_difference/max"]
+    assert any(r["cispo_clip_ratio"] > 0 for r in rows)  # the second pass moved some ratio past 1 + 4e-4

@@ -1,8 +1,8 @@
 """The GRPO maths: group advantages, the clipped surrogate with its KL and importance-weight terms, and the
 loss normalisations, as short pure-torch functions whose numbers can be checked by hand.
 
-Definitions follow TRL 1.16 (`GRPOTrainer._generate_and_score_completions` and `_compute_loss`), with two
-deliberate differences, both explained where they live:
+Definitions follow TRL 1.16 (`GRPOTrainer._generate_and_score_completions` and `_compute_loss`), with these
+deliberate differences, each explained where it lives:
 - a group with fewer than two valid rewards has std 0 here (TRL's `nanstd` gives nan); the advantages agree
   (0 either way) but such groups count in `frac_reward_zero_std` and in `zero_std_groups`, since they carry
   no learning signal;
@@ -11,7 +11,13 @@ deliberate differences, both explained where they live:
   eight rewards of 0.2 have a computed std of ~3e-8, so TRL counts that group as informative and gives it
   advantages of ~1e-4 made of rounding error;
 - `reduce_loss` returns each micro-batch's exact share of the full-batch loss, so that the sum over
-  micro-batches equals the one-shot value even when micro-batches differ in size or token count.
+  micro-batches equals the one-shot value even when micro-batches differ in size or token count;
+- `cispo` caps its weight at 1 + epsilon_high, as MiniMax-M1 writes it (clip(r, 1 - eps_low, 1 + eps_high),
+  with no lower bound in practice); TRL caps it at epsilon_high itself (ScaleRL's eps_max = 5), which with
+  TRL's default epsilon_high = epsilon = 0.2 would cap every weight at 0.2;
+- the clip fractions of a sequence-level ratio (GSPO), the engine correction's per-sequence weights and
+  their metrics count the sequences with a token in the loss; TRL counts every row of the batch, a
+  sequence left out of the loss (weight 1, never clipped) included.
 
 Shapes: B completions (grouped consecutively, `group_size` per prompt), T completion tokens (padded);
 `mask` is 1 on the completion tokens that count in the loss.
@@ -23,7 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # the clipped surrogate under TRL's four normalisations
+ALL_LOSS_TYPES = (*LOSS_TYPES, "cispo")  # cispo: its own objective, normalised as dapo (TRL)
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+IMPORTANCE_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 SCALE_REWARDS = ("group", "batch", "none")
 
 
@@ -118,6 +127,46 @@ def truncated_importance_weights(old_logps: Tensor, behaviour_logps: Tensor, cap
     return torch.clamp(torch.exp(log_w), max=cap)
 
 
+def importance_weights(
+    old_logps: Tensor, behaviour_logps: Tensor, mask: Tensor, mode: str, cap: float
+) -> Tensor:
+    """The weights that correct the loss for the sampler (`behaviour_logps`: the engine's log-probs, of an
+    older policy in async rollout) differing from the trainer (`old_logps`), TRL's
+    `vllm_importance_sampling_mode` with `vllm_importance_sampling_clip_max` = `cap`:
+
+        token_truncate     per token  min(exp(old - behaviour), cap)                          [B, T]
+        token_mask         per token  exp(old - behaviour), or 0 where that exceeds cap         [B, T]
+        sequence_truncate  per sequence  min(exp(sum over its tokens of (old - behaviour)), cap)  [B, 1]
+        sequence_mask      per sequence  exp(sum ...), or 0 where that exceeds cap               [B, 1]
+
+    A sequence's ratio is the product of its tokens' (TRL's choice; GSPO's loss ratio is a geometric mean,
+    see `per_token_loss`). `mask` [B, T] marks the tokens in the loss: padding adds nothing to a sum. A nan
+    behaviour log-prob (not reported) counts as agreement (log-ratio 0), as in TRL. There is no lower bound
+    (TRL's `vllm_importance_sampling_clip_min`, None by default).
+    """
+    if mode not in IMPORTANCE_CORRECTIONS:
+        raise ValueError(
+            f"importance correction must be one of {', '.join(IMPORTANCE_CORRECTIONS)}, got {mode!r}"
+        )
+    if mode == "token_truncate":
+        return truncated_importance_weights(old_logps, behaviour_logps, cap)
+    log_w = torch.nan_to_num(old_logps - behaviour_logps, nan=0.0) * mask.to(old_logps.dtype)
+    if mode.startswith("sequence"):
+        log_w = log_w.sum(-1, keepdim=True)
+    weights = torch.exp(log_w)
+    if mode.endswith("truncate"):
+        return torch.clamp(weights, max=cap)
+    return weights.masked_fill(weights > cap, 0.0)
+
+
+def weight_units(weights: Tensor, mask: Tensor) -> Tensor:
+    """The values TRL summarises in `sampling/importance_sampling_ratio/*`, flat: a per-token correction's
+    weights on the tokens in the loss, a per-sequence ([B, 1]) one's on the sequences with a token in it."""
+    if weights.shape[-1] == 1 and mask.shape[-1] != 1:
+        return weights[:, 0][mask.sum(-1) > 0]
+    return weights[mask > 0]
+
+
 def per_token_loss(
     logps: Tensor,
     old_logps: Tensor,
@@ -129,27 +178,57 @@ def per_token_loss(
     ref_logps: Tensor | None = None,
     is_weights: Tensor | None = None,
     use_bias_correction_kl: bool = True,
+    loss_type: str = "dapo",
+    importance_sampling_level: str = "token",
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """The clipped surrogate per token, [B, T]:
+    """The policy loss per token, [B, T], TRL's `_compute_loss` before its normalisation:
 
-        ratio = exp(logp - old_logp),  clipped = clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-        loss  = -min(ratio * A, clipped * A) * is_weight  +  beta * KL
+        ratio = exp(logp - old_logp) per token, or per sequence at importance_sampling_level "sequence"
+                (GSPO: exp of the sequence's masked mean of logp - old_logp, one ratio for all its tokens)
+        surrogate (grpo, bnpo, dr_grpo, dapo):
+                loss = -min(ratio * A, clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * A)
+        cispo:  loss = -sg(min(ratio, 1 + epsilon_high)) * A * logp   (MiniMax-M1: the weight is a constant,
+                the gradient flows through logp only, so no token's gradient is clipped away)
+        then    loss = loss * is_weight  +  beta * KL
 
     A is one advantage per sequence ([B], broadcast over tokens) or per token ([B, T]). KL is `k3_kl` against
     `ref_logps`, multiplied by `ratio` when `use_bias_correction_kl` (TRL 1.16's default: it makes the KL
     gradient unbiased when the batch is off-policy; with ratio = 1 it changes nothing). As in TRL the
-    importance weights scale the policy term only, not the KL.
+    importance weights (`importance_weights`, [B, T] or [B, 1]) scale the policy term only, not the KL.
+    `mask` (the tokens in the loss) is needed by the sequence level's mean.
 
-    Stats (detached, [B, T]): `ratio`, `kl` (the KL term divided by beta, as TRL logs it; zeros if beta == 0),
-    and TRL's clip flags `low_clipped` = ratio < 1 - eps_low and A < 0, `high_clipped` = ratio > 1 + eps_high
-    and A > 0, `region_clipped` = either.
+    Stats (detached): `ratio` ([B, T], or [B, 1] per sequence), `kl` ([B, T], the KL term divided by beta, as
+    TRL logs it; zeros if beta == 0) and TRL's clip flags, shaped like `ratio`: for the surrogate
+    `low_clipped` = ratio < 1 - eps_low and A < 0, `high_clipped` = ratio > 1 + eps_high and A > 0,
+    `region_clipped` = either; for cispo `cispo_clipped` = ratio > 1 + eps_high and A > 0.
     """
     if logps.shape != old_logps.shape:
         raise ValueError(f"logps {tuple(logps.shape)} and old_logps {tuple(old_logps.shape)} differ in shape")
+    if loss_type not in ALL_LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {', '.join(ALL_LOSS_TYPES)}, got {loss_type!r}")
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(
+            f"importance_sampling_level must be one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)}, "
+            f"got {importance_sampling_level!r}"
+        )
     adv = advantages[:, None] if advantages.dim() == 1 else advantages
-    ratio = torch.exp(logps - old_logps)
-    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-    loss = -torch.min(ratio * adv, clipped * adv)
+    log_ratio = logps - old_logps
+    if importance_sampling_level == "sequence":
+        if mask is None:
+            raise ValueError("importance_sampling_level 'sequence' needs the mask of the tokens in the loss")
+        m = mask.to(logps.dtype)
+        log_ratio = (log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
+    ratio = torch.exp(log_ratio)
+    if loss_type == "cispo":
+        loss = -torch.clamp(ratio, max=1 + epsilon_high).detach() * adv * logps
+        flags = {"cispo_clipped": (ratio > 1 + epsilon_high) & (adv > 0)}
+    else:
+        clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+        loss = -torch.min(ratio * adv, clipped * adv)
+        low = (ratio < 1 - epsilon_low) & (adv < 0)
+        high = (ratio > 1 + epsilon_high) & (adv > 0)
+        flags = {"low_clipped": low, "high_clipped": high, "region_clipped": low | high}
     if is_weights is not None:
         loss = loss * is_weights
     kl = torch.zeros_like(logps)
@@ -160,16 +239,7 @@ def per_token_loss(
         if use_bias_correction_kl:
             kl = kl * ratio
         loss = loss + beta * kl
-    low = (ratio < 1 - epsilon_low) & (adv < 0)
-    high = (ratio > 1 + epsilon_high) & (adv > 0)
-    stats = {
-        "ratio": ratio.detach(),
-        "kl": kl.detach(),
-        "low_clipped": low,
-        "high_clipped": high,
-        "region_clipped": low | high,
-    }
-    return loss, stats
+    return loss.expand_as(logps), {"ratio": ratio.detach(), "kl": kl.detach(), **flags}
 
 
 def reduce_loss(
@@ -189,6 +259,7 @@ def reduce_loss(
         bnpo     S / total_tokens
         dr_grpo  S / (total_sequences * max_completion_length)
         dapo     S / total_tokens
+        cispo    S / total_tokens   (TRL normalises cispo as dapo)
 
     A sequence with no active token adds 0 but still counts in total_sequences (TRL clamps its length to 1).
 
@@ -200,8 +271,8 @@ def reduce_loss(
     number of processes (DDP averages gradients over them): on one process that is `total_tokens`; with P
     data-parallel ranks that average gradients, pass total_tokens = global token count / P.
     """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {', '.join(LOSS_TYPES)}, got {loss_type!r}")
+    if loss_type not in ALL_LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {', '.join(ALL_LOSS_TYPES)}, got {loss_type!r}")
     if total_sequences < 1 or max_completion_length < 1:
         raise ValueError(
             f"need total_sequences >= 1 and max_completion_length >= 1, got {total_sequences} "
@@ -213,7 +284,7 @@ def reduce_loss(
         return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / total_sequences
     if loss_type == "dr_grpo":
         return masked.sum() / (total_sequences * max_completion_length)
-    return masked.sum() / max(total_tokens, 1)  # bnpo, dapo
+    return masked.sum() / max(total_tokens, 1)  # bnpo, dapo, cispo
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -222,15 +293,30 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
 
 
+CLIP_METRICS = {  # TRL's metric name -> the `per_token_loss` flag it averages
+    "clip_ratio/low_mean": "low_clipped",
+    "clip_ratio/high_mean": "high_clipped",
+    "clip_ratio/region_mean": "region_clipped",
+    "cispo_clip_ratio": "cispo_clipped",
+}
+
+
 def clip_metrics(stats: dict[str, Tensor], mask: Tensor) -> dict[str, float]:
-    """TRL's `clip_ratio/{low,high,region}_mean` and `kl`: masked means of `per_token_loss`'s stats over the
-    active tokens of one micro-batch (TRL pools tokens over processes; pool over micro-batches likewise)."""
-    return {
-        "clip_ratio/low_mean": masked_mean(stats["low_clipped"].float(), mask).item(),
-        "clip_ratio/high_mean": masked_mean(stats["high_clipped"].float(), mask).item(),
-        "clip_ratio/region_mean": masked_mean(stats["region_clipped"].float(), mask).item(),
-        "kl": masked_mean(stats["kl"], mask).item(),
-    }
+    """TRL's `clip_ratio/{low,high,region}_mean` (or cispo's `cispo_clip_ratio`) and `kl` for one micro-batch:
+    masked means of `per_token_loss`'s stats over its tokens in the loss (TRL pools tokens over processes;
+    pool over micro-batches likewise). Per-sequence flags (a sequence-level ratio) are averaged over the
+    sequences with a token in the loss instead: GSPO's clip fraction is a fraction of sequences, as in TRL."""
+    out = {}
+    for name, flag in CLIP_METRICS.items():
+        if flag not in stats:
+            continue
+        flags = stats[flag].float()
+        if flags.shape[-1] == 1 and mask.shape[-1] != 1:
+            out[name] = masked_mean(flags[:, 0], mask.sum(-1) > 0).item()
+        else:
+            out[name] = masked_mean(flags, mask).item()
+    out["kl"] = masked_mean(stats["kl"], mask).item()
+    return out
 
 
 def sequence_logps(

@@ -170,9 +170,20 @@ class TrainConfig:
     )
     beta: float = _f(0.0, "KL weight against the reference model; 0 loads no reference model", ge=0)
     epsilon: float = _f(0.2, "lower clipping bound of the ratio (1 - epsilon)", gt=0)
-    epsilon_high: float | None = _f(None, "upper clipping bound (1 + epsilon_high); None uses epsilon", gt=0)
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = _f(
-        "dapo", "loss normalisation, as TRL defines them"
+    epsilon_high: float | None = _f(
+        None, "upper clipping bound (1 + epsilon_high), also cispo's weight cap; None uses epsilon", gt=0
+    )
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"] = _f(
+        "dapo",
+        "loss normalisation, as TRL defines them; cispo: MiniMax-M1's objective, the stop-gradient weight "
+        "min(ratio, 1 + epsilon_high) times the log-prob (no clipped token loses its gradient), "
+        "normalised as dapo",
+    )
+    importance_sampling_level: Literal["token", "sequence"] = _f(
+        "token",
+        "the policy ratio per token, or per sequence as GSPO: exp of the mean token log-ratio, clipped per "
+        "sequence (the GSPO paper: loss_type grpo, epsilon 3e-4, epsilon_high 4e-4; the other loss types "
+        "weigh a sequence by its length)",
     )
     scale_rewards: Literal["group", "batch", "none"] = _f(
         "group", "divide advantages by the group's std, the batch's, or not at all"
@@ -226,8 +237,22 @@ class RolloutConfig:
     engine: Literal["transformers", "vllm", "lmdeploy"] = _f("transformers", "generation engine")
     async_: bool = _f(False, "generate batch t+1 while batch t trains (one-step off-policy)", key="async")
     max_staleness: int = _f(1, "how many policy versions a batch may lag behind the trainer", ge=0)
+    importance_correction: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = _f(
+        "token_truncate",
+        "the loss's weight for the engine's (behaviour) log-probs differing from the trainer's: "
+        "exp(trainer - engine log-prob) per token, or per sequence (summed over its tokens), truncated at "
+        "importance_ratio_cap or 0 above it (TRL's vllm_importance_sampling_mode)",
+    )
     importance_ratio_cap: float = _f(
-        2.0, "truncation of the importance ratio against the behaviour policy", ge=1
+        2.0,
+        "the cap of importance_correction: *_truncate clips a weight to it, *_mask drops a token or "
+        "sequence above it (TRL's vllm_importance_sampling_clip_max)",
+        ge=1,
+    )
+    importance_correction_on_policy: bool = _f(
+        False,
+        "correct every batch, also those the current policy version generated (the engine's numerics "
+        "against the trainer's, as TRL does for vLLM); false: only batches of an older version (async)",
     )
     colocate: bool = _f(False, "train and generate on the same devices; the engine sleeps during training")
     sleep_level: Literal[1, 2] = _f(1, "vLLM sleep level in colocate mode")
