@@ -439,6 +439,22 @@ def test_resuming_with_a_changed_configuration_is_refused(run, tiny_base, capsys
     assert tree_digest(run) == before  # not half-applied: no metrics cut, no checkpoint, no pointer moved
 
 
+def test_a_setting_newer_than_the_checkpoint_is_no_change_at_its_default():
+    """A checkpoint made by a grpoflow before a setting existed records no value for it: resuming it with
+    the setting at its default (what that grpoflow did) is allowed, with another value refused."""
+    from trainer.checkpoint import config_changes
+    from trainer.recipe import load_recipe
+
+    current = load_recipe(REPO_ROOT / "configs" / "tiny-cpu.yaml").to_dict()
+    saved = json.loads(json.dumps(current))
+    del saved["train"]["importance_sampling_level"], saved["rollout"]["importance_correction"]
+    assert config_changes(saved, current) == []
+    gspo = load_recipe(REPO_ROOT / "configs" / "tiny-cpu.yaml", ["train.importance_sampling_level=sequence"])
+    assert config_changes(saved, gspo.to_dict()) == ["train.importance_sampling_level: (unset) -> 'sequence'"]
+    saved["train"]["importance_sampling_level"] = "token"  # recorded: compared as it is
+    assert config_changes(saved, gspo.to_dict()) == ["train.importance_sampling_level: 'token' -> 'sequence'"]
+
+
 def test_training_longer_and_checkpointing_differently_may_resume(run, tiny_base, capsys):
     assert main(_train_args(tiny_base, "train.max_steps=3", "train.save_steps=3", "--json")) == 0
     summary = _summary(capsys)

@@ -286,11 +286,19 @@ def checkpoint_problem(path: Path) -> str | None:
 
 
 def config_changes(saved: dict, current: dict) -> list[str]:
-    """`key: old -> new` for each training setting that differs and may not change on resume."""
+    """`key: old -> new` for each training setting that differs and may not change on resume.
+
+    A setting the checkpoint does not record, set now to its default, is no change: the checkpoint was made
+    by a grpoflow before the setting existed, which behaved as its default does.
+    """
     flat_saved, flat_now = (
         _flatten(_json(saved), TRAINING_SECTIONS),
         _flatten(_json(current), TRAINING_SECTIONS),
     )
+    defaults = _flatten(_json(Recipe().to_dict()), TRAINING_SECTIONS)
+    for key, value in defaults.items():
+        if key not in flat_saved and flat_now.get(key, _UNSET) == value:
+            flat_saved[key] = value
     allowed = set(RESUMABLE_CHANGES)
     if flat_now.get("train.lr_scheduler_type") != "constant":
         allowed.discard("train.max_steps")  # a decaying schedule is defined by max_steps
