@@ -518,6 +518,12 @@ def _storage_error(e: BaseException) -> OSError | None:
     return next((x for x in _behind(e) if isinstance(x, OSError) and x.errno in storage), None)
 
 
+def _interrupted(e: BaseException) -> bool:
+    """Whether a Ctrl-C is behind `e`: a library stopping on one may fail on its way out, e.g. Prefect
+    reporting the crash to its temporary server, which the terminal's SIGINT stopped too."""
+    return any(isinstance(x, KeyboardInterrupt) for x in _behind(e))
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = _parse(argv)
@@ -549,6 +555,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return _fail(args, f"grpoflow {args.command}: error: interrupted", 130)
     except Exception as e:  # noqa: BLE001 - the CLI's last word on any failure, with the traceback in the log
+        if _interrupted(e):
+            return _fail(args, f"grpoflow {args.command}: error: interrupted", 130)
         if (disk := _storage_error(e)) is not None:  # one line, no traceback: the disk, not the code
             target = disk.filename or getattr(args, "out", None)  # a write() error names no file
             where = f": {target}" if target else ""
