@@ -182,7 +182,8 @@ def _no_retries_after_ctrl_c():
     from prefect.settings import get_current_settings
 
     def on_ctrl_c(signum, frame):
-        get_current_settings().client.max_retries = 0  # the settings this process's Prefect clients read
+        with contextlib.suppress(Exception):  # a Prefect whose settings are frozen retries as before
+            get_current_settings().client.max_retries = 0  # the settings this process's Prefect clients read
         signal.default_int_handler(signum, frame)
 
     signal.signal(signal.SIGINT, on_ctrl_c)
