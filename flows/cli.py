@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from data.errors import GrpoflowUserError, UsageError
@@ -492,18 +493,35 @@ _NOT_WRITABLE = {
     errno.EACCES: "permission denied",
     errno.EPERM: "operation not permitted",
 }
-_NO_SPACE = {errno.ENOSPC: "disk full (no space left on device)", errno.EDQUOT: "disk quota exceeded"}
+# what ran out, and what to do about it
+_NO_SPACE = {
+    errno.ENOSPC: ("disk full (no space left on device)", "free some space"),
+    errno.EDQUOT: ("disk quota exceeded", "free some space"),
+    errno.EFBIG: ("file too large for a file size limit (the file system's, or `ulimit -f`)", "raise it"),
+}
+
+
+def _behind(e: BaseException) -> Iterator[BaseException]:
+    """`e` and every exception behind it (its causes and the exceptions it was raised while handling)."""
+    todo, seen = [e], set()
+    while todo:
+        e = todo.pop()
+        if e is not None and id(e) not in seen:
+            seen.add(id(e))
+            yield e
+            todo += [e.__context__, e.__cause__]
 
 
 def _storage_error(e: BaseException) -> OSError | None:
     """The OSError of a full or unwritable disk behind `e` (possibly wrapped by a library), else None."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in {**_NOT_WRITABLE, **_NO_SPACE}:
-            return e
-        e = e.__cause__ or e.__context__
-    return None
+    storage = {**_NOT_WRITABLE, **_NO_SPACE}
+    return next((x for x in _behind(e) if isinstance(x, OSError) and x.errno in storage), None)
+
+
+def _interrupted(e: BaseException) -> bool:
+    """Whether a Ctrl-C is behind `e`: a library stopping on one may fail on its way out, e.g. Prefect
+    reporting the crash to its temporary server, which the terminal's SIGINT stopped too."""
+    return any(isinstance(x, KeyboardInterrupt) for x in _behind(e))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -537,14 +555,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return _fail(args, f"grpoflow {args.command}: error: interrupted", 130)
     except Exception as e:  # noqa: BLE001 - the CLI's last word on any failure, with the traceback in the log
+        if _interrupted(e):
+            return _fail(args, f"grpoflow {args.command}: error: interrupted", 130)
         if (disk := _storage_error(e)) is not None:  # one line, no traceback: the disk, not the code
             target = disk.filename or getattr(args, "out", None)  # a write() error names no file
             where = f": {target}" if target else ""
             if disk.errno in _NO_SPACE:
+                what, remedy = _NO_SPACE[disk.errno]
                 return _fail(
                     args,
-                    f"grpoflow {args.command}: error: {_NO_SPACE[disk.errno]} writing{where}; "
-                    "free some space and run it again",
+                    f"grpoflow {args.command}: error: {what} writing{where}; {remedy} and run it again",
                     1,
                 )
             return _fail(

@@ -8,7 +8,10 @@ at import time.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import signal
+import threading
 
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
@@ -157,7 +160,37 @@ def run_pipeline(recipe, services, source: str) -> dict:
 
     with exclusive(services.state_dir, "--state-dir"):
         check_before_run(recipe, services, source)
-        return grpo_pipeline(recipe.to_dict(), services.flow_parameters())
+        with _no_retries_after_ctrl_c() if services.prefect_api_url is None else contextlib.nullcontext():
+            return grpo_pipeline(recipe.to_dict(), services.flow_parameters())
+
+
+@contextlib.contextmanager
+def _no_retries_after_ctrl_c():
+    """After a Ctrl-C, Prefect's client gives up at once instead of retrying.
+
+    A terminal's Ctrl-C reaches the whole process group, Prefect's temporary server included, which stops:
+    reporting the flow's crash, and flushing its logs and events on the way out, can only fail, and each
+    request would be retried (PREFECT_CLIENT_MAX_RETRIES, 5 by default, 2 to 32 s apart): over two minutes
+    before the command exits. SIGINT handled elsewhere (ignored, or a caller's handler) is left alone, and
+    so is a pipeline run outside the main thread (which gets no signals)."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    from prefect.settings import get_current_settings
+
+    def on_ctrl_c(signum, frame):
+        with contextlib.suppress(Exception):  # a Prefect whose settings are frozen retries as before
+            get_current_settings().client.max_retries = 0  # the settings this process's Prefect clients read
+        signal.default_int_handler(signum, frame)
+
+    signal.signal(signal.SIGINT, on_ctrl_c)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _deployment_inputs(config: str | None, overrides: list[str] | None) -> tuple[dict, dict]:

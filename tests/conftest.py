@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -276,6 +277,66 @@ def one_line_error(proc: subprocess.CompletedProcess, command: str, code: int = 
     lines = [line for line in proc.stderr.splitlines() if line.startswith(f"grpoflow {command}: error:")]
     assert len(lines) == 1, proc.stderr[-3000:]
     return lines[0]
+
+
+# A training callback that holds a run at one step the first time it gets there (the marker `held`, next to
+# it, says it did) until the test interrupts it; a rerun of the same command goes through.
+HOLD_ONCE = """
+import time
+from pathlib import Path
+
+HELD = Path(__file__).with_name("held")
+
+
+class HoldOnce:
+    def on_step(self, step, metrics):
+        if step == {step} and not HELD.exists():
+            HELD.write_text("")
+            time.sleep({guard_s})  # where the test's Ctrl-C lands
+"""
+
+
+def hold_once_at(step: int, directory: Path) -> str:
+    """A `train.callbacks` entry holding the run at `step` (after that step's metrics row, before its
+    checkpoint) the first time; `directory/held` appears when it does."""
+    directory.mkdir(parents=True, exist_ok=True)
+    plugin = directory / "hold_once.py"
+    plugin.write_text(HOLD_ONCE.format(step=step, guard_s=CLI_GUARD_S))
+    return f"{plugin}:HoldOnce"
+
+
+def ctrl_c_when(marker: Path, *args: str, logs: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`grpoflow ARGS` as started from a terminal (a process group of its own, SIGINT at its default), and the
+    terminal's Ctrl-C (SIGINT to the whole group: the command and whatever it started) once `marker` exists;
+    to its end. Output goes to `logs`.out/.err (a pipe nobody reads while it runs could fill up)."""
+    out, err = logs.with_suffix(".out"), logs.with_suffix(".err")
+    with out.open("w") as stdout, err.open("w") as stderr:
+        # a test run started in the background (`make test &`) has SIGINT ignored, which a child inherits:
+        # the command gets the default back, as in a terminal
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", *args],
+            cwd=REPO_ROOT,
+            env=clean_env(env),
+            stdout=stdout,
+            stderr=stderr,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+    try:
+        deadline = time.monotonic() + CLI_GUARD_S
+        while not marker.exists():
+            if proc.poll() is not None:
+                pytest.fail(
+                    f"the command ended ({proc.returncode}) before {marker}: {err.read_text()[-3000:]}"
+                )
+            assert time.monotonic() < deadline, f"{marker} did not appear within {CLI_GUARD_S} s"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=CLI_GUARD_S)
+    finally:
+        stop_group(proc, signal.SIGKILL, timeout=10)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out.read_text(), err.read_text())
 
 
 def eval_cli_args(tmp_path: Path, model: str, *extra: str) -> list[str]:

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO_ROOT, shared, stop_group, tree_digest
+from conftest import REPO_ROOT, grpoflow_run, last_json, one_line_error, shared, stop_group, tree_digest
 from data.manifest import IntegrityError, read_manifest, sha256_dir, sha256_file
 from flows.cli import main
 
@@ -227,7 +227,8 @@ def test_a_checkpoint_cut_short_by_sigkill_is_removed_by_the_next_run(tmp_path, 
 # ==========================================================================================================
 # Resuming a run directory: nothing lost, nothing corrupt trained on (real CLI, real tiny model, real files)
 # ==========================================================================================================
-# Corrupt checkpoints are set aside and the newest intact one is resumed; a torn metrics line is repaired;
+# Corrupt checkpoints are set aside and the newest intact one is resumed; a checkpoint that a full disk cut
+# short leaves nothing and the previous one is resumed; a torn metrics line is repaired;
 # edited data is refused; a corrupt checkpoint is not loaded as a model; a run directory resumed with a
 # different training configuration (or other data) is refused, untouched; a diverging run stops naming the
 # step, before a checkpoint of non-finite weights is written.
@@ -333,6 +334,42 @@ def test_truncated_checkpoint_falls_back_and_none_left_starts_fresh(run, tiny_ba
     assert "starting fresh" in messages
     metrics = (run / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in metrics] == [1, 2]
+
+
+def test_a_checkpoint_that_runs_out_of_room_fails_naming_it_and_the_previous_one_is_resumed(run, tiny_base):
+    """A file size limit stands for a full disk: the writer fails mid-file with an OSError the same way (a
+    real full disk needs a mount of its own: test_prep's tmpfs)."""
+    args = _train_args(tiny_base, "train.max_steps=3", "--json")  # one step more than the trained run
+    checkpoint = run / "run" / "checkpoint-2"
+    previous = tree_digest(checkpoint)
+    weights, state = (checkpoint / name for name in ("model.safetensors", "trainer_state.pt"))
+    # a file size limit (`prlimit --fsize`) between the sizes of the weights and the training state: step 3's
+    # checkpoint fails mid-write, after its weights are written and while its training state is
+    limit = (weights.stat().st_size + state.stat().st_size) // 2
+    assert weights.stat().st_size < limit < state.stat().st_size
+    full = grpoflow_run(*args, cwd=run, prefix=["prlimit", f"--fsize={limit}"])
+    line = one_line_error(full, "train", code=1)
+    assert f"writing: {run / 'run' / 'checkpoint-3'}; " in line and "file too large" in line, line
+    assert last_json(full) == {"error": line.split(": error: ", 1)[1], "exit_code": 1}
+    # nothing of checkpoint-3 is left, not even its temporary directory; checkpoint-2 is as it was
+    assert sorted(p.name for p in (run / "run").iterdir()) == [
+        ".lock",
+        "checkpoint-1",
+        "checkpoint-2",
+        "heldout",
+        "latest",
+        "metrics.jsonl",
+    ]
+    assert tree_digest(checkpoint) == previous
+    assert (run / "run" / "latest").read_text().strip() == "checkpoint-2"
+
+    again = grpoflow_run(*args, cwd=run)  # with room to write again: resumes from checkpoint-2
+    assert again.returncode == 0, again.stderr[-3000:]
+    summary = last_json(again)
+    assert summary["resumed_from_step"] == 2 and summary["steps"] == 3
+    assert summary["checkpoint"] == str(run / "run" / "checkpoint-3")
+    metrics = (run / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in metrics] == [1, 2, 3]
 
 
 def test_latest_naming_a_missing_checkpoint_falls_back(run, tiny_base, capsys, caplog):

@@ -12,7 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import CLI_GUARD_S, REPO_ROOT, clean_env, eval_cli_args, grpoflow_run, shared
+from conftest import (
+    CLI_GUARD_S,
+    REPO_ROOT,
+    clean_env,
+    ctrl_c_when,
+    eval_cli_args,
+    grpoflow_run,
+    hold_once_at,
+    shared,
+)
 
 
 def grpoflow(*args: str, cwd=REPO_ROOT) -> subprocess.CompletedProcess:
@@ -163,6 +172,47 @@ def test_json_is_printed_on_sigint_with_exit_130(silent_port, tmp_path):
     assert proc.returncode == 130, stderr[-3000:]
     assert json.loads(stdout.strip().splitlines()[-1]) == {"error": "interrupted", "exit_code": 130}
     assert "grpoflow eval: error: interrupted" in stderr
+
+
+def test_ctrl_c_in_train_exits_130_with_json_and_the_rerun_resumes_from_the_last_checkpoint(
+    tmp_path, tiny_base, tiny_data
+):
+    run = tmp_path / "run"
+    args = [
+        "train",
+        "--json",
+        f"bootstrap.out={tiny_base['path']}",
+        f"data.out={tiny_data}",
+        f"train.output_dir={run}",
+        "train.max_steps=2",
+        "train.save_steps=1",
+        "train.prompts_per_step=2",
+        "train.num_generations=4",
+        "train.eval_heldout=4",
+        "train.micro_batch_size=8",
+        "train.max_completion_length=16",
+        f"train.callbacks=['{hold_once_at(2, tmp_path / 'hold')}']",  # Ctrl-C after step 2's metrics row
+    ]
+    proc = ctrl_c_when(tmp_path / "hold" / "held", *args, logs=tmp_path / "interrupted")
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert last_json(proc) == {"error": "interrupted", "exit_code": 130}
+    assert "grpoflow train: error: interrupted" in proc.stderr and "Traceback" not in proc.stderr
+    assert sorted(p.name for p in run.iterdir()) == [
+        ".lock",
+        "checkpoint-1",
+        "heldout",
+        "latest",
+        "metrics.jsonl",
+    ]  # no checkpoint of step 2, nothing half-written
+    assert (run / "latest").read_text().strip() == "checkpoint-1"
+
+    again = grpoflow_run(*args)  # the same command again
+    assert again.returncode == 0, again.stderr[-3000:]
+    summary = last_json(again)
+    assert summary["resumed_from_step"] == 1 and summary["checkpoint"] == str(run / "checkpoint-2")
+    assert f"resuming from {run / 'checkpoint-1'} (step 1)" in again.stderr
+    # step 2's row of the interrupted run was dropped and step 2 trained once, after checkpoint-1
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
 
 def test_every_user_error_derives_from_one_class_the_cli_maps_to_exit_2():

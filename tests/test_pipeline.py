@@ -14,19 +14,24 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT, URL_SECRET, grpoflow_run, last_json, one_line_error, shared
+from conftest import (
+    REPO_ROOT,
+    URL_SECRET,
+    ctrl_c_when,
+    grpoflow_run,
+    hold_once_at,
+    last_json,
+    one_line_error,
+    shared,
+)
 from data.manifest import read_manifest, sha256_dir
 
 pytestmark = pytest.mark.slow
 
 
-def run_pipeline(
-    tmp: Path, tiny_base: dict, *overrides: str, env: dict | None = None
-) -> subprocess.CompletedProcess:
-    args = [
-        sys.executable,
-        "-m",
-        "flows.cli",
+def pipeline_args(tmp: Path, tiny_base: dict, *overrides: str) -> list[str]:
+    """`grpoflow run` on a few training steps and a two-problem evaluation, its state under `tmp`."""
+    return [
         "run",
         "--state-dir",
         str(tmp / "state"),
@@ -44,6 +49,12 @@ def run_pipeline(
         f"eval.local_paths={{math_500: {shared('math_500')}, aime24: {shared('aime24')}}}",
         *overrides,
     ]
+
+
+def run_pipeline(
+    tmp: Path, tiny_base: dict, *overrides: str, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "flows.cli", *pipeline_args(tmp, tiny_base, *overrides)]
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
     full_env.update(env or {})
     return subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1500, env=full_env)
@@ -163,6 +174,33 @@ def test_training_failure_is_retried_and_resumes_from_its_checkpoint(tmp_path, t
     ]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]  # no step lost, none repeated
     assert len(mlflow_client(tmp_path).search_model_versions("name='grpoflow-tiny'")) == 1
+
+
+def test_ctrl_c_in_run_exits_130_with_json_and_the_rerun_resumes_from_the_last_checkpoint(
+    tmp_path, tiny_base
+):
+    """Ctrl-C stops Prefect's temporary server as well as the flow (one process group): what Prefect then
+    fails on while reporting the crash is still an interrupt."""
+    overrides = [
+        "train.max_steps=2",
+        "train.save_steps=1",
+        "train.eval_heldout=4",
+        "eval.limit=1",
+        "eval.max_tokens=8",
+        f"train.callbacks=['{hold_once_at(2, tmp_path / 'hold')}']",  # Ctrl-C after step 2's metrics row
+    ]
+    args = pipeline_args(tmp_path, tiny_base, *overrides)
+    proc = ctrl_c_when(tmp_path / "hold" / "held", *args, logs=tmp_path / "interrupted")
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert last_json(proc) == {"error": "interrupted", "exit_code": 130}
+    assert "grpoflow run: error: interrupted" in proc.stderr
+    [run] = (tmp_path / "runs").iterdir()
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-1"]
+
+    summary = summary_of(run_pipeline(tmp_path, tiny_base, *overrides))  # the same command again
+    assert summary["checkpoint"] == str(run / "checkpoint-2") and summary["model_version"] == "1"
+    # step 2's row of the interrupted run was dropped and step 2 trained once, after checkpoint-1
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
 
 def test_unreachable_registry_fails_clearly_and_keeps_the_checkpoint(tmp_path, tiny_base):

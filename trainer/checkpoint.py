@@ -4,8 +4,9 @@ A checkpoint is `output_dir/checkpoint-<step>/`: the policy in HF `save_pretrain
 any later stage), the tokenizer, `trainer_state.pt` with optimizer, scheduler, RNG states and the
 training position, and a `manifest.json` with the sha256 of every file, the recipe and the prepared data's
 sha256. It is written to a temporary directory and renamed; then `output_dir/latest` (a one-line file
-naming the newest complete checkpoint) is replaced atomically. `serving_copy` writes what a served or
-registered model needs and nothing of the training state.
+naming the newest complete checkpoint) is replaced atomically. One that cannot be written (a full disk)
+raises `CheckpointWriteError` naming it and leaves nothing of itself behind. `serving_copy` writes what a
+served or registered model needs and nothing of the training state.
 
 Resuming (`resume_checkpoint`) takes the newest checkpoint whose files match its manifest. One that does
 not (zeroed or truncated weights, a missing file), or a `latest` naming a directory that is gone, is
@@ -94,6 +95,7 @@ RESUMABLE_CHANGES = frozenset(
 )
 _UNSET = object()
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust's std::io::Error shows an errno
 # What a writer killed mid-checkpoint leaves (`data.manifest.atomic_dir`, `_point_latest`, DeepSpeed's
 # staging, the shared-directory check's marker)
 _LEFTOVER = re.compile(
@@ -197,6 +199,18 @@ def check_shared_run_dir(
         )
 
 
+class CheckpointWriteError(OSError):
+    """Checkpoint `filename` could not be written (a full disk, a file-size limit, ...): nothing of it is
+    left and the older checkpoints are untouched. `errno` is the writer's, where it told one."""
+
+    def __init__(self, final: Path, error: Exception):
+        code = _errno_of(error)
+        super().__init__(code, os.strerror(code) if code else f"{type(error).__name__}: {error}", str(final))
+
+    def __str__(self) -> str:
+        return f"cannot write checkpoint {self.filename}: {self.strerror}"
+
+
 def save_checkpoint(
     output_dir: Path,
     step: int,
@@ -212,27 +226,47 @@ def save_checkpoint(
     output_dir = Path(output_dir)
     final = output_dir / f"checkpoint-{step}"
     with atomic_dir(final, kind=KIND) as tmp:
-        quiet_transformers_progress()
-        model.save_pretrained(tmp)
-        save_tokenizer(tokenizer, tmp)  # with a vision model's image processor
-        if extra is not None:
-            os.replace(extra, tmp / ZERO_DIR)
-        torch.save({**trainer_state, "rng": rng_state()}, tmp / TRAINER_STATE)
-        files = file_hashes(tmp)
-        write_json_atomic(
-            tmp / MANIFEST,
-            {
-                **manifest,
-                "kind": KIND,
-                "step": step,
-                "code_version": code_version(),
-                "sha256": combined_sha256(files),
-                "files": files,
-            },
-        )
+        try:
+            _write_checkpoint(tmp, step, model, tokenizer, trainer_state, manifest, extra)
+        except Exception as e:  # the writers' own errors name a temporary file, or none (safetensors)
+            raise CheckpointWriteError(final, e) from e
     _point_latest(output_dir, final.name)
     _prune(output_dir, keep, final)
     return final
+
+
+def _errno_of(error: BaseException) -> int | None:
+    """The errno of the OSError behind `error`; a Rust writer's (safetensors) is only in its text."""
+    for e in (error, error.__cause__, error.__context__):
+        if isinstance(e, OSError) and e.errno is not None:
+            return e.errno
+        if e is not None and (told := _RUST_OS_ERROR.search(str(e))):
+            return int(told.group(1))
+    return None
+
+
+def _write_checkpoint(
+    tmp: Path, step: int, model, tokenizer, trainer_state: dict, manifest: dict, extra: Path | None
+) -> None:
+    quiet_transformers_progress()
+    model.save_pretrained(tmp)
+    save_tokenizer(tokenizer, tmp)  # with a vision model's image processor
+    if extra is not None:
+        os.replace(extra, tmp / ZERO_DIR)
+    with open(tmp / TRAINER_STATE, "wb") as f:  # through Python, so that a failed write keeps its errno
+        torch.save({**trainer_state, "rng": rng_state()}, f)
+    files = file_hashes(tmp)
+    write_json_atomic(
+        tmp / MANIFEST,
+        {
+            **manifest,
+            "kind": KIND,
+            "step": step,
+            "code_version": code_version(),
+            "sha256": combined_sha256(files),
+            "files": files,
+        },
+    )
 
 
 def resume_checkpoint(output_dir: Path, repair: bool = True) -> Path | None:
