@@ -1,9 +1,10 @@
 """Rewards scored by a model over HTTP (`kind: model`): a scoring endpoint, a generative judge, and endpoints
 that are slow, answer 500, drip their answer or never answer, all real HTTP servers on 127.0.0.1.
 
-The judge here is a loopback OpenAI-compatible `/v1/completions` handler rather than `grpoflow serve-model`:
-starting a served model costs tens of seconds, and what is under test is the client (batching, verdict
-parsing, retries, deadlines, the key), which talks the same protocol to both.
+Most cases use a loopback OpenAI-compatible handler, which can answer exactly as each case needs (numbers,
+verdicts out of order, 500, a drip); one uses `grpoflow serve-model` with the tiny base model as the judge
+(a real server, its batched /completions and its API key check). `GRPOTrainer` builds its rewards with
+`RewardSpec.reward_function` whatever their kind, which `test_trainer` covers.
 """
 
 from __future__ import annotations
@@ -13,14 +14,13 @@ import logging
 import threading
 import time
 from http.server import BaseHTTPRequestHandler
-from pathlib import Path
 
 import pytest
 import yaml
-from test_trainer import small_recipe
+from test_serving import serve_cli
 
-from conftest import loopback_http
-from trainer.grpo import GRPOTrainer
+from conftest import clean_env, loopback_http
+from data.schema import SYSTEM_PROMPT
 from trainer.recipe import load_recipe
 from trainer.rewards import RewardRunner, model_reward
 from trainer.typed_config import ConfigError
@@ -226,25 +226,30 @@ def test_recipe_refuses_a_bad_model_reward_naming_the_field(tmp_path, monkeypatc
     assert "pw" not in str(error.value)
 
 
-def test_training_step_scores_through_model_rewards_and_counts_an_unreachable_ones_errors(
-    tmp_path, tiny_base, tiny_data, closed_port
+def test_generative_judge_served_by_grpoflow_serve_model_checks_the_bearer_key(
+    tiny_base, monkeypatch, caplog, capsys
 ):
-    class Handler(OpenAIHandler):
-        requests = []
+    """The tiny base model as a real judge behind `grpoflow serve-model --api-key-env`: asked an addition in
+    its chat format it answers with digits, which the verdict reads (one request of three prompts, so the
+    greedy answers do not depend on how the server batches); a wrong key is refused with 401, which fails
+    only that reward's completions."""
+    from transformers import AutoTokenizer
 
-    with loopback_http(Handler) as server:
-        rm = f"{{name: rm, kind: model, endpoint: '{endpoint(server)}', args: {{mode: score}}}}"
-        unreachable = f"http://127.0.0.1:{closed_port}/v1"
-        down = f"{{name: down, kind: model, endpoint: '{unreachable}', args: {{retries: 0}}}}"
-        recipe = small_recipe(
-            tmp_path,
-            tiny_base,
-            tiny_data,
-            "train.max_steps=1",
-            "train.eval_heldout=0",
-            f"rewards=[{rm}, {down}]",
-        )
-        result = GRPOTrainer(recipe, tiny_base["path"], tiny_data, progress=False).train()
-    [row] = [json.loads(line) for line in Path(result.metrics_path).read_text().splitlines()]
-    assert (row["rewards/rm/errors"], row["rewards/down/errors"]) == (0.0, 8.0)  # 2 prompts x 4 completions
-    assert sum(len(r["body"]["input"]) for r in Handler.requests) == 8
+    chat = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": "{prompt}"}]
+    template = AutoTokenizer.from_pretrained(tiny_base["path"]).apply_chat_template(
+        chat, add_generation_prompt=True, tokenize=False
+    )
+    settings = {"template": template + "{completion}", "verdict": r"(\d+)", "max_tokens": 8, "batch_size": 3}
+    serve = (tiny_base["path"], "--engine", "transformers", "--api-key-env", "JUDGE_KEY")
+    with serve_cli(*serve, env=clean_env({"JUDGE_KEY": KEY})) as (_, ready):
+        monkeypatch.setenv("JUDGE_KEY", KEY)
+        judge = model_reward(ready["url"], model=ready["model"], api_key_env="JUDGE_KEY", **settings)
+        monkeypatch.setenv("JUDGE_KEY", "sk-wrong")
+        refused = model_reward(ready["url"], api_key_env="JUDGE_KEY", **settings)
+        runner = RewardRunner([("judge", judge, 1.0), ("refused", refused, 1.0)], timeout_s=120)
+        result = runner(["What is 2+3?", "What is 10+4?", "What is 7+8?"], ["", "", ""])
+    assert result.errors == {"judge": 0, "refused": 3}
+    assert all(isinstance(v, float) for v in result.per_function["judge"]), result.per_function
+    assert "HTTP 401" in caplog.text
+    out = capsys.readouterr()
+    assert KEY not in caplog.text + out.out + out.err
