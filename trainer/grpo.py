@@ -75,7 +75,7 @@ from trainer.metrics import MetricsFile, TrainerCallback, TrainResult
 from trainer.model_loading import load_model
 from trainer.plugins import load_plugin
 from trainer.recipe import Recipe
-from trainer.rewards import RewardRunner, accuracy_reward, format_reward, resolve_reward
+from trainer.rewards import RewardRunner, accuracy_reward, format_reward
 from trainer.rollout.batch import RolloutBatch
 from trainer.rollout.engines import make_engine, served_by_rank_zero
 from trainer.rollout.source import AsyncRollout, LocalEngine, RolloutSource, SyncRollout, step_prompts
@@ -153,10 +153,7 @@ class GRPOTrainer:
         self.local_engine = LocalEngine(engine, self.rollout, version=self.start_step)
         self.callbacks += [load_plugin(spec, what="training callback")() for spec in cfg.callbacks]
         self.rewards = RewardRunner(
-            [
-                (s.name.rsplit(":", 1)[-1], resolve_reward(s.name, s.args), s.weight)
-                for s in self.recipe.rewards
-            ],
+            [(s.label, s.reward_function(), s.weight) for s in self.recipe.rewards],
             timeout_s=cfg.reward_timeout_s,
         )
         # `model` stays the plain module (engines, checkpoints); the strategy holds what the loss runs through

@@ -144,7 +144,48 @@ class DataConfig:
 class RewardSpec:
     name: str = _f("accuracy", "built-in name, 'package.module:function' or 'path/to/file.py:function'")
     weight: float = _f(1.0, "weight in the summed reward")
-    args: dict = _f({}, "keyword arguments for parameterised rewards (cosine, repetition, soft_overlong)")
+    args: dict = _f(
+        {},
+        "keyword arguments for parameterised rewards (cosine, repetition, soft_overlong); for kind 'model' "
+        "the endpoint's settings (mode, model, template, verdict, api_key_env, timeout_s, retries, "
+        "concurrency, batch_size, max_tokens)",
+    )
+    kind: Literal["function", "model"] = _f(
+        "function",
+        "'function': name is a reward function; 'model': a model behind `endpoint` scores, "
+        "name only labels its metrics",
+    )
+    endpoint: str | None = _f(
+        None,
+        "kind 'model': the OpenAI-compatible base URL (http://host:8000/v1) of a judge or reward model",
+    )
+
+    def __post_init__(self):
+        if self.kind == "function":
+            if self.endpoint is not None:
+                raise ValueError("endpoint: only a reward of kind 'model' has an endpoint")
+            return
+        if self.endpoint is None:
+            raise ValueError("endpoint: required for a reward of kind 'model'")
+        from trainer.rewards.model_reward import ModelRewardSettings
+
+        try:
+            ModelRewardSettings(endpoint=self.endpoint, **self.args)
+        except TypeError as error:  # an unknown key in args
+            raise ValueError(f"args: {error}") from None
+
+    def reward_function(self, base_dir=None):
+        """The reward function this entry names, with its args."""
+        from trainer.rewards import model_reward, resolve_reward
+
+        if self.kind == "model":
+            return model_reward(self.endpoint, **self.args)
+        return resolve_reward(self.name, self.args, base_dir=base_dir)
+
+    @property
+    def label(self) -> str:
+        """The name of its metrics (`rewards/<label>/mean`): a plug-in's function name, else the name."""
+        return self.name if self.kind == "model" else self.name.rsplit(":", 1)[-1]
 
 
 ZERO_PRESETS = ("zero1", "zero2", "zero3")  # train.deepspeed shorthands: ZeRO stage 1, 2 or 3
@@ -388,7 +429,7 @@ class Recipe:
         default_factory=lambda: [RewardSpec("format", 0.5), RewardSpec("accuracy", 1.0)],
         metadata={
             "help": "the reward functions, summed with their weights; each entry is a name, a weight "
-            "and args; at least one"
+            "and args (kind 'model' adds an endpoint); at least one"
         },
     )
     eval: EvalConfig = field(

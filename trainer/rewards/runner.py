@@ -5,7 +5,9 @@
   each completion alone, so that only the completions it fails on get None and the rest keep their rewards;
 - if the call runs past `timeout_s`, it is abandoned and every completion of that call gets None (the batch is
   not retried sample by sample: that could cost `timeout_s` per completion);
-- a value that is not None and not a finite real number is an error for that completion only.
+- a value that is not None and not a finite real number is an error for that completion only; a reward that
+  scores completions independently (a model behind an endpoint) puts an exception instance in its list for
+  each completion it could not score, which is that completion's error, without the batch being retried.
 
 Each completion that gets None through an error counts once in `errors[name]`; a function returning None
 itself (e.g. an unreadable gold answer) is not an error. The first failure of each (function, exception type)
@@ -141,7 +143,7 @@ class RewardRunner:
         for i, value in enumerate(raw):
             try:
                 values.append(_as_reward(value))
-            except BadRewardOutput as error:
+            except Exception as error:  # BadRewardOutput, or the exception the reward returned for it
                 self._log_once(name, error, f"completion {i}")
                 values.append(None)
                 failed += 1
@@ -218,6 +220,8 @@ def _as_list(raw, n: int) -> list:
 def _as_reward(value) -> float | None:
     if value is None:
         return None
+    if isinstance(value, Exception):
+        raise value
     if isinstance(value, numbers.Real) and math.isfinite(value):
         return float(value)
     raise BadRewardOutput(f"returned {_describe(value)}, expected a finite number or None")
