@@ -30,6 +30,7 @@ import pytest
 import yaml
 
 from conftest import REPO_ROOT, scored_copy, shared, stop_group
+from data.manifest import read_manifest
 
 pytestmark = pytest.mark.slow
 
@@ -103,7 +104,6 @@ class Services:
             GRPOFLOW_PYTHON=sys.executable,
             PREFECT_SERVER_API_AUTH_STRING=self.auth,
             PREFECT_UI_ENABLED="false",  # lighter on 2 cores; the API is what is tested
-            PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="5",  # the test's schedule fires within seconds
             PREFECT_WORKER_QUERY_SECONDS="3",
             GRPOFLOW_HEARTBEAT_S="30",
             GRPOFLOW_ZOMBIE_AFTER_S="40",
@@ -137,9 +137,16 @@ class Services:
         with urllib.request.urlopen(req, timeout=30) as resp:
             return json.loads(resp.read() or b"null")
 
-    def flow_runs(self, deployment_id: str, scheduled: bool | None = None) -> list[dict]:
-        """The deployment's flow runs, oldest first: all, only the schedule's, or only those triggered."""
-        runs = self.request("POST", "/flow_runs/filter", {"deployments": {"id": {"any_": [deployment_id]}}})
+    def flow_runs(
+        self, deployment_id: str, scheduled: bool | None = None, tag: str | None = None
+    ) -> list[dict]:
+        """The deployment's flow runs, oldest first: all, only the schedule's, or only those triggered; only
+        those carrying `tag` when given (a test tags the runs it triggers and so finds its own, whatever the
+        module's other tests ran before it)."""
+        body = {"deployments": {"id": {"any_": [deployment_id]}}}
+        if tag:
+            body["flow_runs"] = {"tags": {"all_": [tag]}}
+        runs = self.request("POST", "/flow_runs/filter", body)
         return sorted(
             (r for r in runs if scheduled is None or r["auto_scheduled"] == scheduled),
             key=lambda r: r["created"],
@@ -235,6 +242,11 @@ def grpoflow(
         text=True,
         timeout=timeout,
     )
+
+
+def run_tag(what: str) -> str:
+    """A flow-run tag no other run carries (`prefect deployment run --tag`): how a test finds its own runs."""
+    return f"{what}-{secrets.token_hex(4)}"
 
 
 def prefect(services: Services, *args: str, timeout: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
@@ -457,9 +469,11 @@ def test_up_with_the_prefect_port_taken_fails_and_stops_what_it_started(tmp_path
 
 
 @pytest.fixture(scope="module")
-def deployed(services, tiny_base, tmp_path_factory):
-    """infra/prefect.yaml deployed as it is, then again from a copy whose nightly schedule is a short interval
-    (its first run due in a few seconds) and whose parameters make the run small."""
+def deployed(services, tiny_base):
+    """infra/prefect.yaml deployed as it is; then, through the API, its nightly deployment given parameters
+    that make the run small and, for its schedule, a weekly interval anchored a minute ago. Nothing of that
+    schedule comes due while the module runs (its next run is a week away): `scheduled_run` asks the server
+    for the run at the anchor, so that no run starts by itself in the middle of another test."""
     proc = grpoflow(services, "deploy", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     as_shipped = {
@@ -467,28 +481,23 @@ def deployed(services, tiny_base, tmp_path_factory):
         "nightly": services.deployment("grpo-pipeline/nightly"),
         "gate": services.deployment("regression-eval/gate"),
     }
-    spec = yaml.safe_load((REPO_ROOT / "infra" / "prefect.yaml").read_text())
-    nightly = next(d for d in spec["deployments"] if d["name"] == "nightly")
-    nightly["parameters"]["overrides"] = overrides(tiny_base)
-    copy = tmp_path_factory.mktemp("deploy") / "prefect.yaml"
-    # The first run is due at the anchor if the deployment exists by then, else an hour later: on busy cores
-    # one `grpoflow deploy` took over 10 s (CI: the run was scheduled for anchor + 3600 s and the test waited
-    # in vain). Deploy again with a later anchor until the deployment is there ahead of its first run.
-    for _ in range(3):
-        anchor = time.time() + 45
-        nightly["schedules"] = [
-            {"interval": 3600, "anchor_date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime(anchor))}
-        ]
-        copy.write_text(yaml.safe_dump(spec))
-        proc = grpoflow(services, "deploy", "--prefect-file", str(copy), "--json")
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        if time.time() < anchor - 5:
-            break
-    else:
-        raise AssertionError(
-            "grpoflow deploy took over 40 s three times: the schedule's first run was never ahead"
-        )
+    nightly = as_shipped["nightly"]
+    anchor = int(time.time()) - 60
+    services.request(
+        "PATCH",
+        f"/deployments/{nightly['id']}",
+        {
+            "parameters": {**nightly["parameters"], "overrides": overrides(tiny_base)},
+            "schedules": [
+                {"schedule": {"interval": 7 * 24 * 3600, "anchor_date": utc_iso(anchor)}, "active": True}
+            ],
+        },
+    )
     return {**as_shipped, "anchor": anchor}
+
+
+def utc_iso(timestamp: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime(timestamp))
 
 
 def test_deploy_creates_both_deployments_with_the_shipped_schedule_and_pool(services, deployed):
@@ -592,21 +601,37 @@ def test_serve_with_json_prints_what_it_paused_once_stopped(services, tmp_path):
 
 @pytest.fixture(scope="module")
 def scheduled_run(services, deployed):
-    """The first run the interval schedule made, run by the worker to its end."""
+    """The interval schedule's run at its anchor, run by the worker to its end. The server makes it from the
+    deployment's schedule when asked (POST /deployments/{id}/schedule for the anchor, past by then, so the run
+    is due at once): the run its scheduler makes for a schedule, auto-scheduled, at a time the test chooses
+    rather than one it races."""
     deployment = services.deployment("grpo-pipeline/nightly")
-    deadline = time.monotonic() + 300
+    at = utc_iso(deployed["anchor"])
+    services.request(
+        "POST",
+        f"/deployments/{deployment['id']}/schedule",
+        {"start_time": at, "end_time": at, "min_runs": 1, "max_runs": 1},
+    )
+    runs = services.flow_runs(deployment["id"], scheduled=True)
+    at_anchor = [
+        r for r in runs if datetime.fromisoformat(r["expected_start_time"]).timestamp() == deployed["anchor"]
+    ]
+    assert len(at_anchor) == 1, (at, [r["expected_start_time"] for r in runs])
+    return services.wait_for_final(at_anchor[0]["id"])
 
-    def due_at_the_anchor() -> list[dict]:  # not one an earlier deploy's schedule made for an hour later
-        return [
-            r
-            for r in services.flow_runs(deployment["id"], scheduled=True)
-            if abs(datetime.fromisoformat(r["expected_start_time"]).timestamp() - deployed["anchor"]) < 30
-        ]
 
-    while not (runs := due_at_the_anchor()):
-        assert time.monotonic() < deadline, "the schedule made no flow run due at its anchor within 300 s"
-        time.sleep(2)
-    return services.wait_for_final(runs[0]["id"])
+@pytest.fixture(scope="module")
+def scheduled_version(services, scheduled_run):
+    """The model version the scheduled run registered, found by its `prefect_flow_run_id` tag: the module's
+    other runs register versions of their own, before or after it."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=services.mlflow, registry_uri=services.mlflow)  # not the run's client
+    versions = client.search_model_versions(
+        f"name='grpoflow-tiny' and tags.prefect_flow_run_id = '{scheduled_run['id']}'"
+    )
+    assert len(versions) == 1, (scheduled_run["state"], [v.version for v in versions])
+    return versions[0]
 
 
 def test_a_scheduled_run_is_picked_up_by_the_worker_and_completes(services, scheduled_run):
@@ -615,13 +640,12 @@ def test_a_scheduled_run_is_picked_up_by_the_worker_and_completes(services, sche
 
 
 def test_the_run_registered_a_version_with_its_lineage_on_the_mlflow_server(
-    services, scheduled_run, tmp_path
+    services, scheduled_version, tmp_path
 ):
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=services.mlflow, registry_uri=services.mlflow)  # a second client
-    [version] = client.search_model_versions("name='grpoflow-tiny'")
-    assert version.tags["prefect_flow_run_id"] == scheduled_run["id"]
+    version = scheduled_version
     for tag in ("dataset_sha256", "recipe_sha256", "checkpoint_sha256", "git_commit", "base_model"):
         assert version.tags[tag], tag
     run = client.get_run(version.run_id)
@@ -646,48 +670,61 @@ def test_the_run_registered_a_version_with_its_lineage_on_the_mlflow_server(
 
 
 def test_a_triggered_rerun_is_served_from_cache_and_a_deleted_checkpoint_is_trained_again(
-    services, scheduled_run
+    services, scheduled_version
 ):
-    proc = prefect(services, "deployment", "run", "grpo-pipeline/nightly", "--watch")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     deployment = services.deployment("grpo-pipeline/nightly")
-    [triggered] = services.flow_runs(deployment["id"], scheduled=False)
+    tag = run_tag("rerun")
+    proc = prefect(services, "deployment", "run", "grpo-pipeline/nightly", "--tag", tag, "--watch")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [triggered] = services.flow_runs(deployment["id"], tag=tag)
     cached = task_states(services, triggered["id"])
     assert cached["train-policy"] == "Cached" and cached["prepare-data"] == "Cached", cached
 
-    checkpoints = sorted(
-        (services.dir / "state").glob("runs/*/*/checkpoint-*"), key=lambda p: int(p.name[11:])
-    )
-    checkpoint = checkpoints[-1]  # the one the cached train result points to
+    # the one the cached train result points to: the checkpoint the scheduled run registered
+    [checkpoint] = [
+        c
+        for c in (services.dir / "state").glob("runs/*/*/checkpoint-*")
+        if read_manifest(c)["sha256"] == scheduled_version.tags["checkpoint_sha256"]
+    ]
     shutil.rmtree(checkpoint)
-    proc = prefect(services, "deployment", "run", "grpo-pipeline/nightly", "--watch")
+    tag = run_tag("retrain")
+    proc = prefect(services, "deployment", "run", "grpo-pipeline/nightly", "--tag", tag, "--watch")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    states = task_states(services, services.flow_runs(deployment["id"], scheduled=False)[-1]["id"])
+    [retrained] = services.flow_runs(deployment["id"], tag=tag)
+    states = task_states(services, retrained["id"])
     assert states["prepare-data"] == "Cached" and states["train-policy"] == "Completed", states
     assert checkpoint.is_dir()  # trained again, not a dead path handed on
 
 
-def task_states(services: Services, flow_run_id: str) -> dict[str, str]:
-    """Each task's final state name in a flow run, by task name (the last attempt)."""
+def task_runs(services: Services, flow_run_id: str) -> dict[str, dict]:
+    """Each task's run in a flow run as the Prefect API has it, by task name (the latest, for a stage run
+    again)."""
     runs = services.request(
         "POST",
         "/task_runs/filter",
         {"flow_runs": {"id": {"any_": [flow_run_id]}}, "sort": "EXPECTED_START_TIME_ASC"},
     )
-    return {r["name"].rsplit("-", 1)[0]: r["state"]["name"] for r in runs}
+    return {r["name"].rsplit("-", 1)[0]: r for r in runs}
+
+
+def task_states(services: Services, flow_run_id: str) -> dict[str, str]:
+    """Each task's final state name in a flow run, by task name (the last attempt)."""
+    return {name: r["state"]["name"] for name, r in task_runs(services, flow_run_id).items()}
 
 
 # ---- the regression gate, as CI triggers it ----------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def eval_dirs(services, scheduled_run, tmp_path_factory):
-    """The pipeline's own EvalScope work dir, as a clearly better and a clearly worse copy."""
-    [report] = sorted((services.dir / "state").rglob("report.json"))[:1]
+def eval_dirs(services, scheduled_version, tmp_path_factory):
+    """The EvalScope work dir of the scheduled run's evaluation (of the version it registered), as a clearly
+    better and a clearly worse copy."""
+    work_dir = services.dir / "state" / "eval" / f"grpoflow-tiny-v{scheduled_version.version}"
+    assert (work_dir / "report.json").is_file(), sorted((services.dir / "state" / "eval").iterdir())
     root = tmp_path_factory.mktemp("scored")
     return {
-        "good": scored_copy(report.parent, root / "good", BENCH, [1.0, 1.0]),
-        "bad": scored_copy(report.parent, root / "bad", BENCH, [0.0, 0.0]),
+        "good": scored_copy(work_dir, root / "good", BENCH, [1.0, 1.0]),
+        "bad": scored_copy(work_dir, root / "bad", BENCH, [0.0, 0.0]),
     }
 
 
@@ -702,14 +739,15 @@ def gate_params(candidate: str, baseline: str, tiny_base: dict) -> list[str]:
     ]
 
 
-def test_the_gate_deployment_passes_a_model_against_itself(services, scheduled_run, tiny_base):
+def test_the_gate_deployment_passes_a_model_against_itself(services, scheduled_version, tiny_base):
+    model = f"models:/grpoflow-tiny/{scheduled_version.version}"
     proc = prefect(
         services,
         "deployment",
         "run",
         "regression-eval/gate",
         "--watch",
-        *gate_params("models:/grpoflow-tiny/1", "models:/grpoflow-tiny/1", tiny_base),
+        *gate_params(model, model, tiny_base),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -717,28 +755,32 @@ def test_the_gate_deployment_passes_a_model_against_itself(services, scheduled_r
 def test_the_gate_deployment_fails_a_clearly_worse_model_and_its_state_says_why(
     services, eval_dirs, tiny_base
 ):
+    tag = run_tag("worse")
     proc = prefect(
         services,
         "deployment",
         "run",
         "regression-eval/gate",
+        "--tag",
+        tag,
         "--watch",
         *gate_params(str(eval_dirs["bad"]), str(eval_dirs["good"]), tiny_base),
     )
     assert proc.returncode != 0, proc.stdout[-3000:]
     gate = services.deployment("regression-eval/gate")
-    final = services.flow_runs(gate["id"], scheduled=False)[-1]
+    [final] = services.flow_runs(gate["id"], tag=tag)
     assert final["state"]["type"] == "FAILED" and final["state"]["name"] == "Regression", final["state"]
     assert f"{BENCH} -1.0000" in final["state"]["message"] and "max_drop 0.02" in final["state"]["message"]
 
 
 def test_serve_runs_the_files_deployments_with_their_schedules_without_a_worker(
-    services, scheduled_run, tiny_base, tmp_path
+    services, scheduled_version, tiny_base, tmp_path
 ):
     """`grpoflow serve` on a copy of infra/prefect.yaml whose deployments are renamed (`-served`): they appear
     on the server with the file's schedule, and a triggered gate runs in the serving process."""
     import signal
 
+    model = f"models:/grpoflow-tiny/{scheduled_version.version}"
     spec = yaml.safe_load((REPO_ROOT / "infra" / "prefect.yaml").read_text())
     for d in spec["deployments"]:
         d["name"] += "-served"
@@ -774,7 +816,7 @@ def test_serve_runs_the_files_deployments_with_their_schedules_without_a_worker(
             "run",
             "regression-eval/gate-served",
             "--watch",
-            *gate_params("models:/grpoflow-tiny/1", "models:/grpoflow-tiny/1", tiny_base),
+            *gate_params(model, model, tiny_base),
         )
         assert proc.returncode == 0, proc.stdout[-3000:] + (tmp_path / "serve.log").read_text()[-3000:]
         [ran] = services.flow_runs(gate["id"], scheduled=False)
@@ -829,7 +871,7 @@ def run_workflow(services: Services, tmp: Path, values: dict) -> tuple[int, str,
 
 
 def test_the_ci_workflow_passes_an_equal_candidate_and_fails_a_worse_one_with_exit_1(
-    services, eval_dirs, tiny_base, tmp_path
+    services, scheduled_version, eval_dirs, tiny_base, tmp_path
 ):
     job_env, steps = workflow_steps()
     assert {"MLFLOW_TRACKING_URI", "CANDIDATE", "BASELINE", "MAX_DROP", "GATE_CONFIG"} <= set(job_env)
@@ -844,8 +886,8 @@ def test_the_ci_workflow_passes_an_equal_candidate_and_fails_a_worse_one_with_ex
         "MLFLOW_TRACKING_URI": services.mlflow,
         "MAX_DROP": "0.02",
         "GATE_CONFIG": str(config),
-        "CANDIDATE": "models:/grpoflow-tiny/1",
-        "BASELINE": "models:/grpoflow-tiny/1",
+        "CANDIDATE": f"models:/grpoflow-tiny/{scheduled_version.version}",
+        "BASELINE": f"models:/grpoflow-tiny/{scheduled_version.version}",
     }
     code, out, summary = run_workflow(services, tmp_path / "same", values)
     assert code == 0, out
@@ -881,10 +923,10 @@ def test_a_run_killed_with_its_worker_is_crashed_and_a_rerun_on_a_new_worker_res
     }
     deployment = services.deployment("grpo-pipeline/nightly")
     runs_root = services.dir / "state" / "runs" / "tiny-cpu"
-    before = set(runs_root.iterdir())
+    before = set(runs_root.glob("*"))  # none yet when no run of the module has trained before this test
     run = services.request("POST", f"/deployments/{deployment['id']}/create_flow_run", {"parameters": params})
     deadline = time.monotonic() + RUN_TIMEOUT_S
-    while not (new := [d for d in runs_root.iterdir() if d not in before and (d / "checkpoint-10").is_dir()]):
+    while not (new := [d for d in runs_root.glob("*") if d not in before and (d / "checkpoint-10").is_dir()]):
         assert time.monotonic() < deadline, (
             f"no checkpoint-10 within {RUN_TIMEOUT_S} s\n{services.worker_log()}"
         )
@@ -931,24 +973,51 @@ def test_a_run_killed_with_its_worker_is_crashed_and_a_rerun_on_a_new_worker_res
     assert (out / f"checkpoint-{steps}").is_dir()
 
 
-def test_mlflow_stopped_during_registration_and_back_within_the_retry_window_gives_one_version(
-    services, scheduled_run, tiny_base
-):
-    """The MLflow server SIGKILLed the moment training is done (registration starts next), then started again
-    by up.sh: the registration's retries (5 s, then 20 s apart) reach it, and the checkpoint is one
-    version."""
-    import signal
+# The run whose MLflow server is stopped gets a patient MLflow client, through its own environment (Prefect's
+# job variables; grpoflow keeps a value the user set): a refused connection retried for about 30 s per call
+# (0, 2, 4, 8 and 16 s apart) instead of grpoflow's 2 s. The registration's three attempts (5 s, then 20 s
+# apart) then span about 90 s from the first one's failure: the time up.sh has to bring MLflow back.
+PATIENT_MLFLOW_CLIENT = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "5", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
 
+
+def retried(run: dict) -> bool:
+    """The task run's first attempt failed: it waits for its retry, or runs it."""
+    return run["run_count"] >= 2 or run["state"]["name"] in ("AwaitingRetry", "Retrying")
+
+
+def test_mlflow_stopped_during_registration_and_back_within_the_retry_window_gives_one_version(
+    services, deployed, tiny_base
+):
+    """The MLflow server SIGKILLed the moment training is done (registration starts next), and started again
+    by up.sh once the registration has failed and waits for its retry (its task run's state on the Prefect
+    API): a retry reaches it, and the checkpoint is one version."""
     from mlflow import MlflowClient
 
-    params = {"config": "configs/tiny-cpu.yaml", "overrides": overrides(tiny_base) + ["train.max_steps=6"]}
+    params = {"config": "configs/tiny-cpu.yaml", "overrides": overrides(tiny_base) + ["train.max_steps=2"]}
     deployment = services.deployment("grpo-pipeline/nightly")
-    run = services.request("POST", f"/deployments/{deployment['id']}/create_flow_run", {"parameters": params})
+    run = services.request(
+        "POST",
+        f"/deployments/{deployment['id']}/create_flow_run",
+        {"parameters": params, "job_variables": {"env": PATIENT_MLFLOW_CLIENT}},
+    )
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while task_states(services, run["id"]).get("train-policy") != "Completed":
         assert time.monotonic() < deadline, services.worker_log()
         time.sleep(0.05)
     os.killpg(int((services.dir / "pids" / "mlflow-server").read_text()), signal.SIGKILL)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    # MLflow stays down until the registration's first attempt has failed on it, and no longer
+    while True:
+        register = task_runs(services, run["id"]).get("register-checkpoint")
+        if register and retried(register):
+            break
+        assert not (register and register["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED")), (
+            f"the registration ended {register['state']['name']} at its first attempt, as if MLflow had not "
+            f"been stopped\n{services.worker_log()}"
+        )
+        assert time.monotonic() < deadline, f"no retry of the registration\n{services.worker_log()}"
+        time.sleep(0.5)
+    restarting = time.monotonic()
     up = subprocess.run(
         ["bash", str(SERVICES / "up.sh"), str(services.dir)],
         cwd=REPO_ROOT,
@@ -958,22 +1027,25 @@ def test_mlflow_stopped_during_registration_and_back_within_the_retry_window_giv
         timeout=300,
     )
     assert up.returncode == 0 and "mlflow-server started" in up.stderr, up.stderr
+    restarted_s = time.monotonic() - restarting
     final = services.wait_for_final(run["id"])
     assert final["state"]["type"] == "COMPLETED", (final["state"], services.worker_log())
-    register = [
-        r
-        for r in services.request("POST", "/task_runs/filter", {"flow_runs": {"id": {"any_": [run["id"]]}}})
-        if r["name"].startswith("register-checkpoint")
-    ]
-    assert register, "no register-checkpoint task run"
+    register = task_runs(services, run["id"])["register-checkpoint"]
     print(
-        f"MLflow killed as training ended: registration ran {register[0]['run_count']} times, "
-        f"flow run {final['state']['name']} in {final['total_run_time']:.0f} s"
+        f"MLflow killed as training ended, restarted once the registration waited for its retry (up.sh took "
+        f"{restarted_s:.0f} s): registration ran {register['run_count']} times, flow run "
+        f"{final['state']['name']} in {final['total_run_time']:.0f} s"
     )
-    assert register and register[0]["run_count"] >= 2  # the stop did hit the registration: it was retried
+    assert register["run_count"] >= 2 and register["state"]["type"] == "COMPLETED", register["state"]
     client = MlflowClient(tracking_uri=services.mlflow, registry_uri=services.mlflow)
-    shas = [v.tags.get("checkpoint_sha256") for v in client.search_model_versions("name='grpoflow-tiny'")]
-    assert len(shas) == len(set(shas))  # one version per checkpoint: the retries made no second one
+    [version] = client.search_model_versions(
+        f"name='grpoflow-tiny' and tags.prefect_flow_run_id = '{run['id']}'"
+    )
+    same_checkpoint = client.search_model_versions(
+        f"name='grpoflow-tiny' and tags.checkpoint_sha256 = '{version.tags['checkpoint_sha256']}'"
+    )
+    # one version per checkpoint: the retries made no second one
+    assert [v.version for v in same_checkpoint] == [version.version]
 
 
 # ---- secrets and bad services ------------------------------------------------------------------------------
