@@ -132,6 +132,64 @@ def test_killed_rollout_worker_fails_the_run_naming_it_and_rerun_resumes(tmp_pat
     assert rows[checkpoint_step]["staleness"] == 0.0 and rows[checkpoint_step + 1]["staleness"] == 1.0
 
 
+def test_stalled_rollout_worker_fails_the_run_after_the_sync_timeout_naming_it(
+    tmp_path, tiny_base, tiny_data
+):
+    """A worker that is alive but makes no progress (SIGSTOP) is waited on for rollout.sync_timeout_s, not
+    forever: the run exits 1 with an error naming the worker's pid and the setting, and does not leave the
+    worker behind."""
+    timeout_s = 20
+    cmd = _train(
+        tmp_path,
+        tiny_base,
+        tiny_data,
+        "rollout.async=true",
+        f"rollout.sync_timeout_s={timeout_s}",
+        "train.max_steps=40",
+        "train.save_steps=1000",
+        "train.eval_heldout=0",
+    )
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    worker = None
+    try:
+        deadline = time.time() + 300
+        while (
+            not (metrics.exists() and metrics.stat().st_size)
+            and time.time() < deadline
+            and proc.poll() is None
+        ):
+            time.sleep(0.1)  # a first step trained: the worker is up and serving batches
+        assert metrics.exists(), proc.communicate()[1][-3000:]
+        workers = [
+            c
+            for c in psutil.Process(proc.pid).children(recursive=True)
+            if "spawn_main" in " ".join(c.cmdline())
+        ]
+        assert workers, "no rollout worker process found"
+        worker = workers[0]
+        worker.send_signal(signal.SIGSTOP)  # alive, holding its pipes and sockets, answering nothing
+        try:  # a bound against hanging, not a speed check: the timeout, then 10x its length of slack
+            out, err = proc.communicate(timeout=11 * timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"the run still waits on the stalled worker {11 * timeout_s} s later"
+            ) from None
+        assert proc.returncode == 1, err[-3000:]
+        assert f"rollout worker 1 (pid {worker.pid})" in err, err[-3000:]
+        assert f"rollout.sync_timeout_s={timeout_s}" in err, err[-3000:]
+        assert json.loads(out.strip().splitlines()[-1])["exit_code"] == 1
+        # the failed run stopped its worker on the way out, also a stopped one
+        assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
+    finally:
+        if worker is not None and worker.is_running():
+            worker.send_signal(signal.SIGCONT)
+            worker.kill()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
 DDP_SCRIPT = """
 import sys, torch
 from trainer.grpo import GRPOTrainer

@@ -195,6 +195,10 @@ def _stream_to_engine(engine, stream: Iterator[tuple[str, torch.Tensor]], device
         )
 
 
+# what the trainer waits for when it expects each kind of answer (named when it does not come)
+_AWAITED = {"ready": "its engine to start", "synced": "a weight sync to be applied", "weights": "its weights"}
+
+
 class RolloutWorkers:
     """Trainer-side handle on N rollout worker processes (ranks 1..N of the sync group)."""
 
@@ -217,7 +221,7 @@ class RolloutWorkers:
         """`model_cfg`: the recipe's model settings (`ModelConfig()`'s defaults when None). `devices[k]` is
         worker k+1's device as it sees it, started with `cuda_visible_devices[k]` (None: the trainer's own;
         see `trainer.placement`). `trainer_device`: where the weights `sync_weights` sends are."""
-        from trainer.rollout.weight_sync import SyncGroup, choose_transport
+        from trainer.rollout.weight_sync import SyncGroup, WeightSyncError, choose_transport
 
         self.timeout_s = timeout_s
         devices = devices or ["cpu"] * num_engines
@@ -256,16 +260,29 @@ class RolloutWorkers:
                 p.start()
             self.commands.append(q)
             self.procs.append(p)
-        self.group = SyncGroup("127.0.0.1", port, 0, world, timeout_s, self.transport.backend)
         self._pending: dict[int, dict] = {}
         self.busy_s = 0.0
-        for _ in self.procs:
-            self._expect("ready")
+        try:
+            try:
+                self.group = SyncGroup("127.0.0.1", port, 0, world, timeout_s, self.transport.backend)
+            except WeightSyncError as e:
+                raise self._named_failure("forming the weight-sync group", e) from e
+            self._expect("ready", self.ranks)
+        except BaseException:  # no worker outlives a start that failed
+            self.close()
+            raise
 
     # ---------------------------------------------------------------------------------------- plumbing
+    @property
+    def ranks(self) -> list[int]:
+        return list(range(1, len(self.procs) + 1))
+
     def _name(self, rank: int) -> str:
         p = self.procs[rank - 1]
         return f"rollout worker {rank} (pid {p.pid})"
+
+    def _names(self, ranks: list[int]) -> str:
+        return ", ".join(self._name(rank) for rank in ranks)
 
     def _check_alive(self, grace_s: float = 0.0) -> None:
         deadline = time.monotonic() + grace_s
@@ -278,15 +295,19 @@ class RolloutWorkers:
             time.sleep(0.05)
 
     def _named_failure(self, what: str, error: Exception) -> RolloutWorkerError:
-        """A collective failed (gloo/NCCL say only 'connection closed'): name the worker that died, if one
-        did."""
+        """A collective failed (gloo/NCCL say only 'connection closed' or 'timed out'): name the worker that
+        died, if one did, else the workers it was with (one of them stalled, or the network between)."""
         try:
             self._check_alive(grace_s=2.0)
         except RolloutWorkerError as dead:
             return RolloutWorkerError(f"{dead} during {what}")
-        return RolloutWorkerError(f"{what} failed: {type(error).__name__}: {error}")
+        return RolloutWorkerError(
+            f"{what} with {self._names(self.ranks)} failed: {type(error).__name__}: {error}"
+        )
 
-    def _get(self, what: str):
+    def _get(self, what: str, waiting: list[int]):
+        """The next answer from any worker; `waiting`: the ranks whose answer is still due, named if none
+        comes within the timeout (alive, yet silent: stopped, deadlocked, or slower than the timeout)."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
@@ -295,24 +316,31 @@ class RolloutWorkers:
                 self._check_alive()
                 if time.monotonic() > deadline:
                     raise RolloutWorkerError(
-                        f"no answer from the rollout workers within {self.timeout_s:.0f}s "
-                        f"while waiting for {what}"
+                        f"{self._names(waiting)} sent nothing within rollout.sync_timeout_s="
+                        f"{self.timeout_s:g} s while the trainer waited for {what}: alive but stalled "
+                        "(stopped, deadlocked, swapping), or slower than that timeout allows"
                     ) from None
                 continue
             if kind == "error":
                 raise RolloutWorkerError(f"{self._name(rank)} failed:\n{payload}")
             return kind, rank, payload
 
-    def _expect(self, kind_wanted: str):
-        kind, rank, payload = self._get(kind_wanted)
-        if kind == "generated":  # a result that arrives while we wait for something else
-            self._stash(rank, payload)
-            return self._expect(kind_wanted)
-        if kind != kind_wanted:
-            raise RolloutWorkerError(
-                f"{self._name(rank)} answered {kind!r} while {kind_wanted!r} was expected"
-            )
-        return rank, payload
+    def _expect(self, kind_wanted: str, ranks: list[int]) -> dict[int, object]:
+        """The `kind_wanted` answer of each of `ranks`, by rank; generated batches that arrive meanwhile are
+        kept for `collect`."""
+        answers = {}
+        while len(answers) < len(ranks):
+            waiting = [rank for rank in ranks if rank not in answers]
+            kind, rank, payload = self._get(_AWAITED[kind_wanted], waiting)
+            if kind == "generated":  # a result that arrives while we wait for something else
+                self._stash(rank, payload)
+                continue
+            if kind != kind_wanted or rank not in waiting:
+                raise RolloutWorkerError(
+                    f"{self._name(rank)} answered {kind!r} while {kind_wanted!r} was expected"
+                )
+            answers[rank] = payload
+        return answers
 
     def _stash(self, rank: int, payload) -> None:
         step, out, seconds = payload
@@ -335,7 +363,8 @@ class RolloutWorkers:
     def collect(self, step: int) -> list:
         """The groups of batch `step`, in prompt order (blocks until every shard is back)."""
         while len(self._pending.get(step, {})) < len(self.procs):
-            kind, rank, payload = self._get(f"batch {step}")
+            waiting = [rank for rank in self.ranks if rank not in self._pending.get(step, {})]
+            kind, rank, payload = self._get(f"batch {step}", waiting)
             if kind != "generated":
                 raise RolloutWorkerError(
                     f"{self._name(rank)} answered {kind!r} while generating batch {step}"
@@ -359,14 +388,12 @@ class RolloutWorkers:
             sent = broadcast_weights(named, self.group)
         except RuntimeError as e:
             raise self._named_failure(f"the weight sync to version {version}", e) from e
-        for _ in self.procs:
-            self._expect("synced")
+        self._expect("synced", self.ranks)
         return WeightSync(time.perf_counter() - started, sent)
 
     def worker_weights(self, rank: int = 1) -> dict[str, torch.Tensor]:
         self.commands[rank - 1].put(("weights", None))
-        _, payload = self._expect("weights")
-        return payload
+        return self._expect("weights", [rank])[rank]
 
     def close(self) -> None:
         for q, p in zip(self.commands, self.procs, strict=True):
