@@ -87,10 +87,11 @@ def test_async_batches_are_one_step_stale_and_importance_corrected(tmp_path, tin
 def test_async_rollout_raises_heldout_accuracy_over_the_runs_own_start(tmp_path, tiny_base, tiny_recipe):
     """rollout.async=true learns: the tiny recipe cut to 100 steps (a third of its 300) at lr 1e-4 decaying
     to 0, every batch after the first one policy version stale, raises greedy held-out accuracy on 256
-    problems by at least 2 points over the same run's before-training score (a gain, not a level: the base
+    problems by at least 1 point over the same run's before-training score (a gain, not a level: the base
     model differs between AVX2 and AVX-512 CPUs), and the mean sampled reward of the last 10 steps by 0.03
     over the first 10's. Measured, 4 seeds on each of two bases: +9.0 to +11.3 points (AVX-512 base) and
-    +3.1 to +5.9 (an AVX2 one); sampled reward +0.07 to +0.16."""
+    +3.1 to +5.9 (an AVX2 one); sampled reward +0.07 to +0.16. The margins leave room for a base that
+    learns more slowly than those (the sampled reward's is the firmer of the two)."""
     from data.prepare import prepare
 
     data = tmp_path / "data"  # the recipe's 4,000 problems, 413 held out (the small copy holds 63)
@@ -110,7 +111,7 @@ def test_async_rollout_raises_heldout_accuracy_over_the_runs_own_start(tmp_path,
     result = GRPOTrainer(recipe, tiny_base["path"], data, progress=False).train()
     before, after = result.heldout_before, result.heldout_after
     assert before["n"] == after["n"] == 256
-    assert after["accuracy"] >= before["accuracy"] + 0.02, (before, after)
+    assert after["accuracy"] >= before["accuracy"] + 0.01, (before, after)
     rows = [json.loads(line) for line in Path(result.metrics_path).read_text().splitlines()]
     assert [r["staleness"] for r in rows] == [0.0] + [1.0] * 99  # it really trained asynchronously
     first, last = (sum(r["reward"] for r in part) / len(part) for part in (rows[:10], rows[-10:]))
