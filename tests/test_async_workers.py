@@ -81,6 +81,7 @@ def test_two_workers_shard_the_prompts_and_return_each_group_to_its_prompt(tmp_p
         recipe.rollout,
         cfg,
         tiny_base["path"],
+        0,
         recipe.model,
         rank=0,
         world=1,

@@ -67,6 +67,7 @@ from data.manifest import (
     write_json_atomic,
 )
 from data.progress import quiet_transformers_progress
+from trainer.lora import is_adapter_dir
 from trainer.recipe import Recipe
 from trainer.typed_config import ConfigError
 from trainer.vision import save_tokenizer
@@ -430,9 +431,13 @@ def serving_copy(checkpoint: str | os.PathLike, dest: str | os.PathLike) -> dict
     with `files` and `sha256` over what `dest` holds (so `verify_output` checks it), and `checkpoint_sha256`
     (the whole checkpoint's, its identity in the registry) and `left_out` added. Returns that manifest.
 
+    A LoRA run's checkpoint (an adapter) is served as the merged model (`_merged_serving_copy`).
+
     Raises IntegrityError naming the file when the checkpoint no longer matches its own manifest."""
     checkpoint, dest = Path(checkpoint), Path(dest)
     manifest = verify_output(checkpoint)
+    if is_adapter_dir(checkpoint):
+        return _merged_serving_copy(checkpoint, dest, manifest)
     kept = {name: sha for name, sha in manifest["files"].items() if name.split("/")[0] not in TRAINING_STATE}
     dest.mkdir(parents=True)
     for name in kept:
@@ -448,6 +453,32 @@ def serving_copy(checkpoint: str | os.PathLike, dest: str | os.PathLike) -> dict
         "sha256": combined_sha256(kept),
         "checkpoint_sha256": manifest["sha256"],
         "left_out": sorted(set(manifest["files"]) - set(kept)),
+    }
+    write_json_atomic(dest / MANIFEST, served)
+    return served
+
+
+def _merged_serving_copy(checkpoint: Path, dest: Path, manifest: dict) -> dict:
+    """`serving_copy` of an adapter checkpoint: the base model with the adapter merged in, in the base's own
+    dtype, and the tokenizer, as a plain HF model folder (what serves, registers and evaluates without PEFT
+    or the base model's files). Its manifest is the checkpoint's with `files` over `dest`, `merged_lora`
+    true and the adapter's files among `left_out`."""
+    from trainer.model_loading import load_model
+    from trainer.recipe import ModelConfig
+
+    model, tokenizer = load_model(str(checkpoint), ModelConfig(dtype="auto"), verify=False)
+    quiet_transformers_progress()
+    dest.mkdir(parents=True)
+    model.save_pretrained(dest)
+    save_tokenizer(tokenizer, dest)
+    files = file_hashes(dest)
+    served = {
+        **manifest,
+        "files": files,
+        "sha256": combined_sha256(files),
+        "checkpoint_sha256": manifest["sha256"],
+        "merged_lora": True,
+        "left_out": sorted(set(manifest["files"]) - set(files)),
     }
     write_json_atomic(dest / MANIFEST, served)
     return served

@@ -70,6 +70,7 @@ from trainer.checkpoint import (
 from trainer.divergence import NonFiniteError, stop_unless_finite, updated_policy_extremes
 from trainer.heldout import HELDOUT_BATCH_SIZE, evaluate_greedy, write_samples
 from trainer.launch import distributed_exit
+from trainer.lora import attach as attach_lora
 from trainer.memory_plan import check_gpu_memory, engine_rollout, heldout_rows
 from trainer.metrics import MetricsFile, TrainerCallback, TrainResult
 from trainer.model_loading import load_model
@@ -127,10 +128,18 @@ class GRPOTrainer:
             self.start_step = state["step"]
             log.info("resuming from %s (step %d)", self.checkpoint, self.start_step)
         device = self.strategy.device  # this rank's GPU in the plan (trainer.placement), or cpu
-        # a resumed checkpoint was verified just now; the base model is verified when it is loaded
+        # a resumed checkpoint was verified just now; the base model is verified when it is loaded. A LoRA
+        # checkpoint holds the adapter alone: the base loads, then the checkpoint's adapter goes on it.
+        lora = self.recipe.model.lora
+        self.engine_path, engine_version = self.engine_start()
         self.model, self.tokenizer = load_model(
-            str(self.checkpoint or self.model_path), self.recipe.model, device, verify=self.checkpoint is None
+            self.model_path if lora else self.engine_path,
+            self.recipe.model,
+            device,
+            verify=lora is not None or self.checkpoint is None,
         )
+        if lora is not None:
+            self.model = attach_lora(self.model, lora, self.model_path, self.checkpoint)
         self.model.train()
         self.ref_model = None
         if cfg.beta > 0:  # the reference is the starting policy, never the resumed one
@@ -143,14 +152,14 @@ class GRPOTrainer:
         self.rollout = engine_rollout(self.recipe)
         engine = make_engine(
             self.rollout,
-            str(self.checkpoint or self.model_path),
+            self.engine_path,
             model=self.model,
             tokenizer=self.tokenizer,
             model_cfg=self.recipe.model,
             seed=cfg.seed,
             max_model_len=cfg.max_prompt_length + cfg.max_completion_length,
         )
-        self.local_engine = LocalEngine(engine, self.rollout, version=self.start_step)
+        self.local_engine = LocalEngine(engine, self.rollout, version=engine_version)
         self.callbacks += [load_plugin(spec, what="training callback")() for spec in cfg.callbacks]
         self.rewards = RewardRunner(
             [(s.label, s.reward_function(), s.weight) for s in self.recipe.rewards],
@@ -172,6 +181,15 @@ class GRPOTrainer:
         elif self.metrics.path.exists():
             self.metrics.path.unlink()  # a fresh run in a reused directory without a checkpoint
         self.version = self.start_step
+
+    def engine_start(self) -> tuple[str, int]:
+        """What the rollout engines load when they start, and the policy version that is: the checkpoint
+        resumed from, or the base model. A LoRA checkpoint holds the adapter alone, which an engine cannot
+        load: they start from the base model, policy version 0 (fresh adapters add nothing), and get the
+        resumed policy by weight sync before they first generate."""
+        if self.checkpoint is None or self.recipe.model.lora is not None:
+            return self.model_path, 0
+        return str(self.checkpoint), self.start_step
 
     @property
     def rank(self) -> int:
@@ -268,7 +286,7 @@ class GRPOTrainer:
         return AsyncRollout(
             self.rollout,
             self.cfg,
-            str(self.checkpoint or self.model_path),
+            *self.engine_start(),
             self.recipe.model,
             prompts=prompts,
             score=functools.partial(score_groups, self.rewards, self.cfg),
@@ -409,6 +427,7 @@ class GRPOTrainer:
             "entropy": entropy / totals["total_tokens"],
             "grad_norm": grad_norms[-1],
             "learning_rate": rate,
+            "memory/optimizer_bytes": float(self.strategy.optimizer_bytes()),
             "timing/train_s": time.perf_counter() - t0,
             "staleness": float(staleness),
         }

@@ -18,6 +18,7 @@ import torch
 
 from data.manifest import MANIFEST, verify_output
 from data.progress import quiet_transformers_progress
+from trainer.lora import base_model_of, is_adapter_dir, merged_from
 from trainer.recipe import ModelConfig
 
 log = logging.getLogger("grpoflow.model_loading")
@@ -36,6 +37,8 @@ def load_model(
 
     A grpoflow checkpoint or base model (a directory with our manifest) is first checked against the sha256
     its manifest recorded (`verify=False` when the caller has just done so): IntegrityError names the file.
+    A LoRA run's checkpoint (an adapter) loads as its base model with the adapter merged in: a plain model,
+    like any other checkpoint's (`trainer.lora`).
     """
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
@@ -49,8 +52,12 @@ def load_model(
         kwargs["attn_implementation"] = attention_implementation(cfg.attn_implementation)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=cfg.trust_remote_code)
-        auto = AutoModelForImageTextToText if cfg.modality == "vision" else AutoModelForCausalLM
-        model = auto.from_pretrained(name_or_path, **kwargs)
+        if is_adapter_dir(name_or_path):  # a LoRA run's checkpoint: its base with the adapter merged in
+            base, _ = load_model(base_model_of(name_or_path), cfg, "cpu", verify=verify)
+            model = merged_from(name_or_path, base)
+        else:
+            auto = AutoModelForImageTextToText if cfg.modality == "vision" else AutoModelForCausalLM
+            model = auto.from_pretrained(name_or_path, **kwargs)
         if cfg.modality == "vision":
             tokenizer.vision = _vision_encoder(name_or_path, tokenizer, model.config, cfg)
     except OSError as e:

@@ -31,6 +31,21 @@ def _f(default, help: str, **meta):
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters (PEFT's LoRA) trained on a frozen base model; see `trainer.lora`."""
+
+    r: int = _f(8, "rank of each adapter's two factors", ge=1, le=MAX_WIDTH)
+    alpha: float = _f(16.0, "scaling numerator: an adapter adds (alpha / r) * B A to its weight", gt=0)
+    dropout: float = _f(0.0, "dropout on an adapter's input while training", ge=0, lt=1)
+    target_modules: list[str] = _f(
+        ["all-linear"],
+        "module names (or name suffixes) that get adapters; ['all-linear']: every linear layer but the "
+        "output head",
+        min_len=1,
+    )
+
+
+@dataclass
 class ModelConfig:
     name_or_path: str = _f(
         "bootstrap",
@@ -42,6 +57,11 @@ class ModelConfig:
     trust_remote_code: bool = _f(False, "passed to from_pretrained")
     attn_implementation: str | None = _f(
         None, "e.g. 'sdpa' or 'flash_attention_2'; None lets transformers choose"
+    )
+    lora: LoraConfig | None = _f(
+        None,
+        "train LoRA adapters instead of every weight ({r, alpha, dropout, target_modules}); checkpoints "
+        "hold the adapter, engines and the registry get the merged model",
     )
 
 
@@ -472,6 +492,7 @@ __all__ = [
     "DataConfig",
     "ENGINE_ALONE_UTILIZATION",
     "EvalConfig",
+    "LoraConfig",
     "ModelConfig",
     "Recipe",
     "RegistryConfig",

@@ -53,9 +53,13 @@ def load_policy(engine: RolloutEngine, model, version: int) -> None:
 
 def policy_tensors(model):
     """(name, whole tensor) for every checkpoint tensor of `model`, also out of ZeRO-3 shards (collective
-    there: every trainer rank iterates to the end, also those that send nothing)."""
+    there: every trainer rank iterates to the end, also those that send nothing); a LoRA policy's are its
+    base model's with the adapters merged in (`trainer.lora`)."""
     from trainer.deepspeed_setup import gathered
+    from trainer.lora import is_lora, merged, plain_state
 
+    if is_lora(model):
+        return merged(model, plain_state(model))
     return gathered(model.state_dict(keep_vars=True).items())
 
 

@@ -241,6 +241,7 @@ class AsyncRollout(RolloutSource):
         rollout: RolloutConfig,
         cfg: TrainConfig,
         model_path: str,
+        model_version: int,
         model: ModelConfig,
         *,
         prompts: Callable[[int], StepPrompts],
@@ -251,7 +252,9 @@ class AsyncRollout(RolloutSource):
     ):
         self.prompts, self.score, self.policy, self.cfg = prompts, score, policy, cfg
         self.overlap, self.world, self.workers, self.inflight = rollout.max_staleness >= 1, world, None, None
-        self.synced_version = policy()[1]  # on every rank: the others follow rank 0's syncs (ZeRO-3 gathers)
+        # the policy version the workers hold (that of `model_path`), on every rank: the others follow rank
+        # 0's syncs (ZeRO-3 gathers)
+        self.synced_version = model_version
         if rank != 0:
             return
         from trainer.placement import this_trainer
@@ -274,8 +277,12 @@ class AsyncRollout(RolloutSource):
         )
 
     def start(self, step: int) -> None:
+        """Start batch `step`, from the current policy: workers started from another version (a LoRA run's
+        from its base model) are synced first."""
         if self.workers is not None:
-            self._submit(step)
+            self._sync_and_submit(step)
+        else:
+            self._follow()
 
     def next(self, step: int) -> tuple[RolloutBatch, dict]:
         if self.workers is not None:

@@ -176,9 +176,19 @@ def receive_stream(
                 yield name, view
 
 
+def _named_parameters(model, remove_duplicate: bool = True) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """The parameters that define the policy, under a plain model's names: a LoRA policy's base parameters
+    (`trainer.lora.plain_parameters`; `sync_tensors` merges its adapters into them), else the module's own."""
+    from trainer.lora import is_lora, plain_parameters
+
+    if is_lora(model):
+        return plain_parameters(model, remove_duplicate)
+    return model.named_parameters(remove_duplicate=remove_duplicate)
+
+
 def _unique_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
     seen, out = set(), []
-    for name, p in model.named_parameters():
+    for name, p in _named_parameters(model):
         if id(p) not in seen:
             seen.add(id(p))
             out.append((name, p))
@@ -195,7 +205,7 @@ def sync_layout(model) -> Layout:
     copy of a tied `lm_head`, which must be sent under its name too), its dtype and its whole shape (ZeRO-3
     keeps that in `ds_shape`, its parameters being shards)."""
     names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
+    for name, p in _named_parameters(model, remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
     return [
         (tuple(names[id(p)]), p.dtype, tuple(getattr(p, "ds_shape", p.shape)))
@@ -205,8 +215,10 @@ def sync_layout(model) -> Layout:
 
 def sync_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
     """The sender's side of `sync_order`: the same tensors in the same order, whole also when ZeRO-3 shards
-    them (gathered a group at a time). Collective under ZeRO-3: every trainer rank iterates it to the end at
+    them (gathered a group at a time), a LoRA policy's with its adapters merged in. Collective under ZeRO-3: every trainer rank iterates it to the end at
     the same moment, also those that send nothing."""
     from trainer.deepspeed_setup import gathered
+    from trainer.lora import is_lora, merged
 
-    return gathered(_unique_parameters(model))
+    whole = gathered(_unique_parameters(model))
+    return merged(model, whole) if is_lora(model) else whole

@@ -87,6 +87,17 @@ class TrainingStrategy(ABC):
         """The learning rate the next update applies."""
         return self.scheduler.get_last_lr()[0]
 
+    def optimizer_bytes(self) -> int:
+        """Bytes of optimizer state this rank keeps (AdamW's moments and step counts, over the parameters it
+        steps: a LoRA policy's adapters alone): `memory/optimizer_bytes`."""
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # DeepSpeed's wraps torch's
+        return sum(
+            t.numel() * t.element_size()
+            for state in optimizer.state.values()
+            for t in state.values()
+            if isinstance(t, torch.Tensor)
+        )
+
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         """`values` summed over the trainer ranks (the ranks' shares of the batch metrics add up)."""
         if self.world > 1:

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import torch
 
+from trainer.lora import trainable_parameters
+
 
 class MasterWeights:
     """The parameters an optimizer steps for `model`: fp32 copies when any parameter is in a lower precision,
     else the module's own."""
 
     def __init__(self, model: torch.nn.Module):
-        self.module_params = list(model.parameters())
+        self.module_params = trainable_parameters(model)  # a LoRA policy's adapters alone
         low = any(p.is_floating_point() and p.dtype != torch.float32 for p in self.module_params)
         self.masters = (
             [

@@ -43,6 +43,11 @@ class SingleProcessStrategy(TrainingStrategy):
         self.weights.masters_to_module()
         return float(norm)
 
+    def optimizer_bytes(self) -> int:
+        """The moments and step counts, and the fp32 master copies of a policy computing in bf16."""
+        masters = self.weights.masters or []
+        return super().optimizer_bytes() + sum(m.numel() * m.element_size() for m in masters)
+
     def save(self, output_dir: Path, state: dict, write: Write) -> Path | None:
         if self.rank != 0:  # every rank holds the same optimizer state: rank 0 writes it
             return None

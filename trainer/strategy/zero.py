@@ -33,6 +33,11 @@ class ZeroStrategy(TrainingStrategy):
                 "model.modality: vision trains with rollout.engine: transformers and without "
                 "DeepSpeed for now; images do not reach ZeRO ranks yet"
             )
+        if recipe.model.lora is not None:  # its adapters' checkpoints and merged syncs are untested there
+            raise ConfigError(
+                "model.lora trains in one process or on DDP ranks for now, not under train.deepspeed "
+                f"({recipe.train.deepspeed}): unset one of them"
+            )
         if recipe.train.deepspeed in ZERO_PRESETS:  # a JSON config's stage is checked at setup
             ds.check_stage(int(recipe.train.deepspeed[-1]), recipe)
 
