@@ -79,7 +79,8 @@ def attach(model: torch.nn.Module, cfg: LoraConfig, base: str, checkpoint: str |
         raise ValueError(f"model.lora.target_modules {targets}: {e}") from e
     # recorded in adapter_config.json: a checkpoint must find its base from any working directory
     local = Path(base)
-    peft_model.peft_config["default"].base_model_name_or_path = str(local.resolve()) if local.exists() else base
+    recorded = str(local.resolve()) if local.exists() else base
+    peft_model.peft_config["default"].base_model_name_or_path = recorded
     return peft_model
 
 
