@@ -216,8 +216,7 @@ def sync_layout(model) -> Layout:
 def sync_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
     """The sender's side of `sync_order`: the same tensors in the same order, whole also when ZeRO-3 shards
     them (gathered a group at a time), a LoRA policy's with its adapters merged in. Collective under
-    ZeRO-3: every trainer rank iterates it to the end at
-    the same moment, also those that send nothing."""
+    ZeRO-3: every trainer rank iterates it to the end at the same moment, also those that send nothing."""
     from trainer.deepspeed_setup import gathered
     from trainer.lora import is_lora, merged
 
