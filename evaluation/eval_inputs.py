@@ -20,6 +20,7 @@ from urllib.parse import urlsplit, urlunsplit
 from data.errors import GrpoflowUserError, MissingPathError
 from data.redact import mask_uri
 from evaluation.evalscope_child import OFFLINE_ENV, WORKER
+from trainer.lora import is_adapter_dir
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 ENDPOINT_PROBE_TIMEOUT_S = 15.0  # the check before EvalScope starts (never longer than request_timeout_s)
@@ -48,9 +49,10 @@ def check_model_and_paths(
                 f"model checkpoint directory not found: {path} (pass a save_pretrained "
                 "directory, or api_url=... to evaluate a served model)"
             )
-        if not (path / "config.json").is_file():
+        if not (path / "config.json").is_file() and not is_adapter_dir(path):
             raise EvalInputError(
-                f"model {path} is not a save_pretrained checkpoint directory: no config.json in it"
+                f"model {path} is not a save_pretrained checkpoint directory: no config.json in it (nor a "
+                "LoRA adapter's adapter_config.json)"
             )
         model = str(path)
     elif api_url is not None and not re.match(r"https?://", api_url):

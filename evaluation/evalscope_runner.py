@@ -27,6 +27,7 @@ from sending to the last byte of the answer, and an answer of at most `response_
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -207,13 +208,18 @@ def run_evalscope(
         if checkpoint
         else {"timeout_s": request_timeout_s, "max_bytes": response_limit(max_tokens)},
     }
-    log_path = _run_worker(
-        outputs,
-        spec,
-        settings["offline"],
-        echo,
-        {CREDENTIALS_ENV: json.dumps(credentials)} if credentials else {},
-    )
+    from trainer.checkpoint import plain_model_dir
+
+    # a LoRA checkpoint is evaluated as its merged model, written beside the outputs for the run's length
+    with plain_model_dir(model, scratch=work_dir) if checkpoint else contextlib.nullcontext(model) as loaded:
+        task_config["model"] = str(loaded)
+        log_path = _run_worker(
+            outputs,
+            spec,
+            settings["offline"],
+            echo,
+            {CREDENTIALS_ENV: json.dumps(credentials)} if credentials else {},
+        )
     reports = {}
     for bench in benchmarks:
         path = report_path(outputs, model_id, bench)

@@ -147,6 +147,23 @@ def plain_eval(tiny_base, tmp_path_factory):
     return evaluate_known_problems(tiny_base["path"], shared(), tmp_path_factory.mktemp("eval") / "plain")
 
 
+@pytest.fixture()
+def store(tmp_path, monkeypatch):
+    """A real MLflow tracking store and registry (sqlite) under `tmp_path`: (client, experiment id,
+    artifact root)."""
+    from mlflow import MlflowClient
+
+    from tasks import tracking
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_REGISTRY_URI", uri)
+    client = MlflowClient(uri, registry_uri=uri)
+    experiment = tracking.ensure_experiment(client, "grpoflow", str(tmp_path / "artifacts"))
+    return client, experiment, tmp_path / "artifacts"
+
+
 def registrable_copy(model: str | Path, base: str | Path, dst: Path) -> Path:
     """A copy of `model` with the manifest registration reads (the base model's, with `model`'s files): the
     memorising model as a version to register."""

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import typing
 
 import pytest
 
@@ -34,14 +35,17 @@ def test_docs_recipe_md_is_the_generated_table():
 
 def leaf_fields(cls: type, prefix: str = "") -> list[str]:
     """Every field of the recipe dataclasses by dotted key, walked here independently of recipe_help."""
-    keys = []
+    keys, hints = [], typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         key = prefix + f.metadata.get("key", f.name)
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        optional = [t for t in typing.get_args(hints[f.name]) if dataclasses.is_dataclass(t)]
         if dataclasses.is_dataclass(default):
             keys += leaf_fields(type(default), key + ".")
         elif key == "rewards":
             keys += [key] + leaf_fields(recipe_module.RewardSpec, "rewards[].")
+        elif optional:  # off by default (model.lora: null), with settings of its own when set
+            keys += [key] + leaf_fields(optional[0], key + ".")
         else:
             keys.append(key)
     return keys
@@ -89,11 +93,22 @@ def test_a_field_shows_its_type_default_bounds_and_help():
 
 
 def test_a_printed_default_loads_back_as_the_default():
-    # Each default, pasted into a recipe as printed, gives the default recipe again.
-    lines = [f"{doc.key}={value_text(doc.default)}" for doc in recipe_fields() if "[]" not in doc.key]
+    # Each default, pasted into a recipe as printed, gives the default recipe again; the settings inside an
+    # off-by-default block (model.lora: null) would switch it on, and are pasted on their own below.
+    lines = [
+        f"{doc.key}={value_text(doc.default)}"
+        for doc in recipe_fields()
+        if "[]" not in doc.key and not doc.key.startswith("model.lora.")
+    ]
     entry_fields = len(dataclasses.fields(recipe_module.RewardSpec))
-    assert len(lines) == len(KEYS) - entry_fields  # all but the fields of one `rewards` entry
+    lora_fields = len(dataclasses.fields(recipe_module.LoraConfig))
+    assert len(lines) == len(KEYS) - entry_fields - lora_fields  # and not those of one `rewards` entry
     assert load_recipe(None, lines) == load_recipe(None)
+    lora = [
+        f"{doc.key}={value_text(doc.default)}" for doc in recipe_fields() if doc.key.startswith("model.lora.")
+    ]
+    assert load_recipe(None, ["model.lora={}"]).model.lora == recipe_module.LoraConfig()
+    assert load_recipe(None, lora).model.lora == recipe_module.LoraConfig()
 
 
 def test_a_section_gives_its_fields_and_no_key_gives_every_field():

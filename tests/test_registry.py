@@ -55,21 +55,6 @@ def checkpoint(tiny_base, tmp_path_factory) -> Path:
     )
 
 
-@pytest.fixture()
-def store(tmp_path, monkeypatch):
-    from mlflow import MlflowClient
-
-    from tasks import tracking
-
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    monkeypatch.setenv("MLFLOW_REGISTRY_URI", uri)
-    client = MlflowClient(uri, registry_uri=uri)
-    experiment = tracking.ensure_experiment(client, "grpoflow", str(tmp_path / "artifacts"))
-    return client, experiment, tmp_path / "artifacts"
-
-
 def register(client, experiment: str, checkpoint: Path) -> tuple[str, bool]:
     from tasks.registry import register_checkpoint
 

@@ -16,6 +16,7 @@ import torch
 from conftest import REPO_ROOT
 from trainer.grpo import GRPOTrainer
 from trainer.logprobs import completion_logps
+from trainer.model_loading import load_model
 from trainer.recipe import load_recipe
 from trainer.rollout.source import prompt_indices
 
@@ -199,6 +200,10 @@ def test_sigkill_then_rerun_resumes_exactly(tmp_path, tiny_base, tiny_data):
 
     a, b = steps(straight), steps(crashed)
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+    # full fine-tuning's optimizer state: AdamW's two fp32 moments per parameter, a 4-byte step per tensor
+    params = list(load_model(tiny_base["path"])[0].parameters())
+    full = 8 * sum(p.numel() for p in params) + 4 * len(params)
+    assert {r["memory/optimizer_bytes"] for r in a + b} == {full}
     for x, y in zip(a, b, strict=True):  # same data, same samples, same rewards
         assert x["reward"] == y["reward"] and x["completions/mean_length"] == y["completions/mean_length"]
 

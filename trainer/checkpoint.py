@@ -47,6 +47,7 @@ import random
 import re
 import shutil
 import socket
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -482,3 +483,20 @@ def _merged_serving_copy(checkpoint: Path, dest: Path, manifest: dict) -> dict:
     }
     write_json_atomic(dest / MANIFEST, served)
     return served
+
+
+@contextlib.contextmanager
+def plain_model_dir(path: str | os.PathLike, scratch: str | os.PathLike | None = None) -> Iterator[Path]:
+    """A directory any engine loads as a plain model (vLLM, EvalScope's transformers): `path` itself, or for
+    a LoRA run's checkpoint its merged `serving_copy` in a temporary directory under `scratch` (the system's
+    when None), removed when the block ends."""
+    path = Path(path)
+    if not is_adapter_dir(path):
+        yield path
+        return
+    tmp = Path(tempfile.mkdtemp(prefix=".merged-", dir=scratch))
+    try:
+        serving_copy(path, tmp / path.name)
+        yield tmp / path.name
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

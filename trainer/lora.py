@@ -136,6 +136,25 @@ def merged(model, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[s
         yield name, weight.to(t.dtype)
 
 
+def adapter_parameters(model: torch.nn.Module, cfg: LoraConfig) -> int:
+    """The parameters `cfg`'s adapters add to `model` (built on the meta device: no weights needed), as PEFT
+    places them: r x (inputs + outputs) per targeted linear layer; "all-linear" is every linear layer but
+    the output head, a list names modules by name or name suffix. The memory plan's count of what trains."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    targets = set(cfg.target_modules)
+    total = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        if targets == {"all-linear"}:
+            hit = module is not head
+        else:
+            hit = any(name == t or name.endswith(f".{t}") for t in targets)
+        if hit:
+            total += cfg.r * (module.in_features + module.out_features)
+    return total
+
+
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The parameters an optimizer steps: all of a full fine-tune's, the adapters' alone under LoRA."""
     return [p for p in model.parameters() if p.requires_grad]
@@ -143,6 +162,7 @@ def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 __all__ = [
     "ADAPTER_CONFIG",
+    "adapter_parameters",
     "attach",
     "base_model_of",
     "is_adapter_dir",

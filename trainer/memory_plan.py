@@ -11,6 +11,8 @@ Per trainer rank, for P parameters computing in a dtype of `a` bytes over N trai
 - master_weights: fp32 copies whenever the compute dtype is bf16/fp16 (DeepSpeed's ZeRO optimizer and
   `trainer/strategy/precision.py` both keep them), 4P, ZeRO-1/2/3: 4P/N;
 - optimizer_states: AdamW's two fp32 moments, 8P, ZeRO-1/2/3: 8P/N (offloaded to the CPU: 0);
+- under `model.lora` the gradients, master weights and moments are those of the adapters' T parameters
+  (`trainer.lora.adapter_parameters`) in place of P: the base model's weights only run forward;
 - reference: the whole reference model, P*a, when train.beta > 0;
 - activations: an estimate of what autograd keeps for backward at one micro-batch (`activation_bytes`);
 - kv_cache: the engine's memory on the GPU: vLLM / LMDeploy take rollout.gpu_memory_utilization of it (their
@@ -30,6 +32,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from trainer.heldout import HELDOUT_BATCH_SIZE
+from trainer.lora import adapter_parameters
 from trainer.placement import plan, planned_node
 from trainer.recipe import ENGINE_ALONE_UTILIZATION, Recipe, RolloutConfig
 from trainer.typed_config import ConfigError
@@ -118,6 +121,11 @@ class ModelShape:
     kv_width: int  # key/value heads x head dim: one layer's K (or V) per token
     dtype: str  # the checkpoint's own dtype (what model.dtype "auto" loads)
     source: str  # where the shape was read
+    trainable: int | None = None  # the parameters the optimizer steps: the LoRA adapters' (None: all)
+
+    @property
+    def stepped(self) -> int:
+        return self.params if self.trainable is None else self.trainable
 
 
 # ---- the model's shape, from its config --------------------------------------------------------------------
@@ -184,6 +192,7 @@ def _shape(config, model, source: str) -> ModelShape:
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
     dtype = str(dtype).removeprefix("torch.")
     return ModelShape(
+        trainable=None if model.lora is None else adapter_parameters(built, model.lora),
         params=sum(p.numel() for p in built.parameters()),
         hidden=text.hidden_size,
         layers=text.num_hidden_layers,
@@ -265,14 +274,14 @@ def compute_dtype(recipe: Recipe, shape: ModelShape) -> str:
 def trainer_parts(recipe: Recipe, shape: ModelShape, ranks: int) -> dict[str, float]:
     """Bytes each part takes on one of `ranks` trainer ranks' GPU (kv_cache 0: the engine's is added per
     device)."""
-    cfg, P = recipe.train, shape.params
+    cfg, P, T = recipe.train, shape.params, shape.stepped  # T: what trains (a LoRA run: its adapters)
     a = DTYPE_BYTES[compute_dtype(recipe, shape)]
     masters = a < 4
     z = _zero(recipe)
     shard = ranks if z.stage >= 1 else 1
     weights = P * a / ranks + min(P, z.live_parameters) * a if z.stage == 3 else P * a
     if z.stage == 0:
-        gradients = (4 * P if masters else P * a) + (P * a if ranks > 1 else 0)  # DDP's buckets
+        gradients = (4 * T if masters else T * a) + (T * a if ranks > 1 else 0)  # DDP's buckets
     else:
         low = P * a if z.stage == 1 else P * a / ranks
         gradients = (
@@ -284,8 +293,8 @@ def trainer_parts(recipe: Recipe, shape: ModelShape, ranks: int) -> dict[str, fl
     return {
         "weights": weights,
         "gradients": gradients,
-        "master_weights": 0 if not masters or z.offload_optimizer else 4 * P / shard,
-        "optimizer_states": 0 if z.offload_optimizer else 8 * P / shard,
+        "master_weights": 0 if not masters or z.offload_optimizer else 4 * T / shard,
+        "optimizer_states": 0 if z.offload_optimizer else 8 * T / shard,
         "reference": P * a if cfg.beta > 0 else 0,
         "activations": activation_bytes(shape, a, cfg.micro_batch_size, seq, cfg.max_completion_length),
         "kv_cache": 0,

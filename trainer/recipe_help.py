@@ -118,8 +118,18 @@ def recipe_fields() -> list[FieldDoc]:
 
 
 def _fields_of(cls: type, prefix: str, section: str) -> list[FieldDoc]:
-    hints = get_type_hints(cls)
-    return [_doc(f, hints[f.name], prefix + yaml_key(f), section) for f in dataclasses.fields(cls) if f.init]
+    """The fields of `cls`, and after a field holding a settings dataclass of its own (`model.lora`), its
+    fields, one row each (`model.lora.r`)."""
+    hints, docs = get_type_hints(cls), []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        key, tp = prefix + yaml_key(f), hints[f.name]
+        docs.append(_doc(f, tp, key, section))
+        nested = [t for t in (tp, *get_args(tp)) if dataclasses.is_dataclass(t)]
+        if nested:
+            docs += _fields_of(nested[0], f"{key}.", section)
+    return docs
 
 
 def _doc(f: dataclasses.Field, tp: Any, key: str, section: str) -> FieldDoc:

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from data.errors import MissingPathError
 from evaluation.serving.guards import LOOPBACK, ServerLimits, ServingInputError, api_key_from_env, bind_socket
+from trainer.lora import is_adapter_dir
 
 ENGINES = ("auto", "transformers", "vllm")
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback never goes via a proxy
@@ -61,8 +62,11 @@ def check_checkpoint(checkpoint: str | os.PathLike) -> Path:
     path = Path(checkpoint).expanduser().resolve()
     if not path.is_dir():
         raise MissingPathError(f"checkpoint directory not found: {path}")
-    if not (path / "config.json").is_file():
-        raise ServingInputError(f"{path} is not a save_pretrained checkpoint directory: no config.json in it")
+    if not (path / "config.json").is_file() and not is_adapter_dir(path):
+        raise ServingInputError(
+            f"{path} is not a save_pretrained checkpoint directory: no config.json in it (nor a LoRA "
+            "adapter's adapter_config.json)"
+        )
     return path
 
 
@@ -150,7 +154,10 @@ def serve(
     if engine == "vllm":
         port = sock.getsockname()[1]
         sock.close()  # vLLM binds it itself
-        served = _run_vllm(path, host, port, name, max_batch_size, api_key, ready)
+        from trainer.checkpoint import plain_model_dir
+
+        with plain_model_dir(path) as model_dir:  # a LoRA checkpoint: vLLM serves its merged model
+            served = _run_vllm(model_dir, host, port, name, max_batch_size, api_key, ready)
     else:
         from evaluation.serving.server import run_server
 
