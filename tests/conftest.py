@@ -233,6 +233,15 @@ CLI_GUARD_S = 240  # a command that hangs fails its test here instead of hanging
 URL_SECRET = "s3cr3t-Pa55"  # a password in a URL: checked never to be printed
 
 
+def stopped_after(run: Path, step: int) -> None:
+    """The run directory as a run stopped right after writing checkpoint `step` leaves it: the newer
+    checkpoints gone, `latest` naming that one (metrics.jsonl keeps its later rows: resuming cuts them)."""
+    for path in run.glob("checkpoint-*"):
+        if int(path.name.split("-")[1]) > step:
+            shutil.rmtree(path)
+    (run / "latest").write_text(f"checkpoint-{step}\n")
+
+
 def tree_digest(root: Path) -> dict[str, str]:
     """Every path under `root` (hidden ones too) with its sha256 ('dir' for directories)."""
     from data.manifest import sha256_file

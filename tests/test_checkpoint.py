@@ -463,6 +463,7 @@ def test_a_corrupt_checkpoint_is_not_loaded_as_a_model(run, tiny_recipe, capsys)
         ("train.learning_rate=1e-3", "train.learning_rate"),
         ("train.beta=0.04", "train.beta"),
         ("data.out=data2", "data.out"),
+        ("model.lora={r: 4}", "model.lora.r: (unset) -> 4"),  # full fine-tuning's run resumed as LoRA
     ],
 )
 def test_resuming_with_a_changed_configuration_is_refused(run, tiny_base, capsys, override, key):

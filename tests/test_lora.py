@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO_ROOT, eval_cli_args, grpoflow_run, last_json
+from conftest import REPO_ROOT, eval_cli_args, grpoflow_run, last_json, stopped_after
 from data.manifest import read_manifest
 
 TINY = REPO_ROOT / "configs" / "tiny-cpu.yaml"
@@ -48,15 +48,6 @@ def adapters(checkpoint: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(checkpoint / "adapter_model.safetensors")
-
-
-def back_to(run: Path, step: int) -> None:
-    """The run directory as a run stopped right after checkpoint `step` leaves it: the newer checkpoints
-    gone, `latest` naming that one (metrics.jsonl keeps its later rows: resume cuts them)."""
-    for path in run.glob("checkpoint-*"):
-        if int(path.name.split("-")[1]) > step:
-            shutil.rmtree(path)
-    (run / "latest").write_text(f"checkpoint-{step}\n")
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +159,7 @@ def test_an_async_lora_run_syncs_the_merged_weights_and_resumes_exactly_from_its
     assert [r["weight_sync/bytes"] for r in rows[:-1]] == [plain_bytes] * 3
 
     shutil.copytree(straight, resumed)
-    back_to(resumed, 2)
+    stopped_after(resumed, 2)
     again = grpoflow_run(*train_args(resumed, tiny_base, tiny_data, *args))
     assert again.returncode == 0, again.stderr[-4000:]
     assert last_json(again)["resumed_from_step"] == 2

@@ -18,6 +18,7 @@ import copy
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO_ROOT, require_vllm, shared, stop_group
+from conftest import REPO_ROOT, require_vllm, shared, stop_group, stopped_after
 
 require_vllm("`make test-vllm` runs these tests in .venv-vllm")
 
@@ -306,6 +307,38 @@ def test_train_with_vllm_rollouts_learns_on_the_tiny_recipe(tmp_path, tiny_base,
     assert summary["steps"] == 300 and gain >= 0.10, summary
     rows = metrics_rows(tmp_path / "run")
     assert len(rows) == 300 and all(r["staleness"] == 0.0 for r in rows)
+
+
+def test_lora_training_sends_vllm_the_merged_weights_and_a_resumed_run_sends_them_before_it_samples(
+    tmp_path, tiny_base, tiny_data
+):
+    """`model.lora` with the in-process vLLM engine: the engine loads the base model (an adapter checkpoint
+    is no model it can load) and gets the merged weights after each update, so it samples the trainer's
+    policy (log-probs equal to float noise). Resumed from checkpoint 2 it starts from the base model again
+    and must get the checkpoint's policy before its first batch: the rerun's steps are the straight run's."""
+    lora = (
+        "model.lora={r: 4, alpha: 8}",
+        "train.learning_rate=5e-3",
+        "train.max_steps=4",
+        "train.save_steps=2",
+    )
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    proc = grpoflow("train", *small_run(straight, tiny_base, tiny_data, *lora))
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-4000:]
+    assert (straight / "run" / "checkpoint-4" / "adapter_model.safetensors").is_file()
+    rows = metrics_rows(straight / "run")
+    assert max(r["sampling/sampling_logp_difference/max"] for r in rows) < 1e-4, rows
+
+    shutil.copytree(straight, resumed)
+    stopped_after(resumed / "run", 2)
+    proc = grpoflow("train", *small_run(resumed, tiny_base, tiny_data, *lora))
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-4000:]
+    assert json.loads(out.strip().splitlines()[-1])["resumed_from_step"] == 2
+    again = metrics_rows(resumed / "run")
+    assert max(r["sampling/sampling_logp_difference/max"] for r in again[2:]) < 1e-4, again
+    assert [r["reward"] for r in again] == [r["reward"] for r in rows]
 
 
 def test_colocated_training_on_cpu_runs_with_a_logged_no_op_sleep(tmp_path, tiny_base, tiny_data):
