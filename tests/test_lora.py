@@ -219,3 +219,27 @@ def test_grpoflow_eval_evaluates_a_lora_checkpoint(lora_run, tmp_path):
     report = last_json(proc)
     assert report["scores"]["aime24"] is not None, report
     assert not list((tmp_path / "state").rglob(".merged-*"))  # the merged copy lived for the evaluation only
+
+
+def test_the_memory_plan_counts_the_adapters_for_gradients_and_optimizer_state(tiny_base):
+    from trainer.memory_plan import model_shape, trainer_parts
+    from trainer.recipe import load_recipe
+
+    overrides = [f"bootstrap.out={tiny_base['path']}", "model.dtype=bfloat16"]
+    full = load_recipe(TINY, overrides)
+    lora = load_recipe(TINY, [*overrides, LORA])
+    # per block, r = 4: q, k, v, o are 128 -> 128 (4 heads, 4 key/value heads): 4 x 4 x (128 + 128) = 4096;
+    # gate and up 128 -> 384, down 384 -> 128: 3 x 4 x (128 + 384) = 6144; 4 blocks: 40,960
+    shape = model_shape(lora)
+    assert shape.trainable == 40_960 and model_shape(full).trainable is None
+    P = shape.params
+    parts = trainer_parts(lora, shape, ranks=1)
+    # the adapters train in fp32 (PEFT widens a bf16 model's), so they are their own master weights
+    assert (parts["gradients"], parts["master_weights"], parts["optimizer_states"]) == (
+        4 * 40_960,
+        0,
+        8 * 40_960,
+    )
+    assert parts["weights"] == 2 * P  # the whole bf16 model still runs
+    whole = trainer_parts(full, model_shape(full), ranks=1)
+    assert (whole["gradients"], whole["master_weights"], whole["optimizer_states"]) == (4 * P, 4 * P, 8 * P)

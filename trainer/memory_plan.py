@@ -11,8 +11,9 @@ Per trainer rank, for P parameters computing in a dtype of `a` bytes over N trai
 - master_weights: fp32 copies whenever the compute dtype is bf16/fp16 (DeepSpeed's ZeRO optimizer and
   `trainer/strategy/precision.py` both keep them), 4P, ZeRO-1/2/3: 4P/N;
 - optimizer_states: AdamW's two fp32 moments, 8P, ZeRO-1/2/3: 8P/N (offloaded to the CPU: 0);
-- under `model.lora` the gradients, master weights and moments are those of the adapters' T parameters
-  (`trainer.lora.adapter_parameters`) in place of P: the base model's weights only run forward;
+- under `model.lora` the gradients and moments are those of the adapters' T parameters
+  (`trainer.lora.adapter_parameters`) in place of P, in fp32 (PEFT keeps a bf16 model's adapters in fp32,
+  so there are no master copies): the base model's weights only run forward;
 - reference: the whole reference model, P*a, when train.beta > 0;
 - activations: an estimate of what autograd keeps for backward at one micro-batch (`activation_bytes`);
 - kv_cache: the engine's memory on the GPU: vLLM / LMDeploy take rollout.gpu_memory_utilization of it (their
@@ -276,12 +277,14 @@ def trainer_parts(recipe: Recipe, shape: ModelShape, ranks: int) -> dict[str, fl
     device)."""
     cfg, P, T = recipe.train, shape.params, shape.stepped  # T: what trains (a LoRA run: its adapters)
     a = DTYPE_BYTES[compute_dtype(recipe, shape)]
-    masters = a < 4
+    lora = shape.trainable is not None
+    masters = a < 4 and not lora  # PEFT keeps a bf16 model's adapters in fp32: their own master weights
+    g = 4 if lora else a  # bytes of a trained parameter (and its gradient)
     z = _zero(recipe)
     shard = ranks if z.stage >= 1 else 1
     weights = P * a / ranks + min(P, z.live_parameters) * a if z.stage == 3 else P * a
     if z.stage == 0:
-        gradients = (4 * T if masters else T * a) + (T * a if ranks > 1 else 0)  # DDP's buckets
+        gradients = (4 * T if masters else T * g) + (T * g if ranks > 1 else 0)  # DDP's buckets
     else:
         low = P * a if z.stage == 1 else P * a / ranks
         gradients = (
