@@ -239,7 +239,8 @@ batch.advantages = torch.linspace(-1, 1, len(batch))
 grads = {}
 def keep_grads(optimizer, args, kwargs):  # the gradient the optimizer steps with (after DDP's all-reduce)
     for name, p in trainer.model.named_parameters():
-        grads[name] = p.grad.detach().clone()
+        if p.requires_grad:  # under LoRA the adapters alone
+            grads[name] = p.grad.detach().clone()
 trainer.strategy.optimizer.register_step_pre_hook(keep_grads)
 trainer.optimize(batch)
 if trainer.rank == 0:
@@ -250,10 +251,13 @@ from trainer.launch import leave_distributed; leave_distributed()  # no rank exi
 """
 
 
-def test_two_rank_gloo_ddp_update_equals_one_rank(tmp_path, tiny_base, tiny_data):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_two_rank_gloo_ddp_update_equals_one_rank(tmp_path, tiny_base, tiny_data, lora):
     script = tmp_path / "one_update.py"
     script.write_text(DDP_SCRIPT)
     args = small(tmp_path, tiny_base, tiny_data, "train.learning_rate=1e-3", "train.micro_batch_size=2")
+    if lora:  # DDP over a PEFT model: the adapters' gradients are all-reduced, the frozen base has none
+        args = [*args, "model.lora={r: 4, alpha: 8}"]
     results = {}
     for ranks in (1, 2):
         out = tmp_path / f"weights-{ranks}.pt"
@@ -283,6 +287,11 @@ def test_two_rank_gloo_ddp_update_equals_one_rank(tmp_path, tiny_base, tiny_data
 
     base = load_file(Path(tiny_base["path"]) / "model.safetensors")
     one, two = results[1], results[2]
+    if lora:
+        adapters = {n for n in one["weights"] if "lora_" in n}
+        assert set(one["grads"]) == adapters and len(adapters) == 2 * 4 * 7  # A and B of 7 projections x 4
+        # B starts at zero and A's gradient is B-weighted: after one update only B has moved
+        base = {n: torch.zeros_like(one["weights"][n]) for n in adapters if "lora_B" in n}
     assert any(not torch.equal(base[n], one["weights"][n]) for n in base), "the update changed nothing"
     # The same gradient reaches the optimizer: summed over two ranks' halves of the batch (DDP) it equals
     # the one-rank gradient up to float summation order. That order noise reached 1.8e-7 on a component of
