@@ -191,6 +191,20 @@ def test_recipe_with_a_model_reward_loads_and_builds_its_function(tmp_path, monk
     assert KEY not in repr(recipe) + json.dumps(recipe.to_dict())
 
 
+def test_a_model_reward_whose_retries_outlast_the_reward_call_is_warned_about(tmp_path):
+    from trainer.rewards.model_reward import outlasting_rewards
+
+    entry = {"name": "judge", "kind": "model", "endpoint": "http://judge:8000/v1"}
+    entry["args"] = {"timeout_s": 4, "retries": 2}  # 3 tries of 4 s, pauses of 0.1 and 0.2 s: 12.3 s
+    recipe = load_recipe(write_recipe(tmp_path, entry))
+    [warning] = outlasting_rewards(recipe.rewards, 10.0)
+    assert (
+        warning.startswith("rewards[1] (judge): one request may take 12.3 s")
+        and "reward_timeout_s=10" in warning
+    )
+    assert outlasting_rewards(recipe.rewards, 12.3) == []  # within the call's bound: nothing to say
+
+
 @pytest.mark.parametrize(
     "change, expected",
     [

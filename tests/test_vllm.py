@@ -339,6 +339,12 @@ def test_lora_training_sends_vllm_the_merged_weights_and_a_resumed_run_sends_the
     again = metrics_rows(resumed / "run")
     assert max(r["sampling/sampling_logp_difference/max"] for r in again[2:]) < 1e-4, again
     assert [r["reward"] for r in again] == [r["reward"] for r in rows]
+    from safetensors.torch import load_file
+
+    a, b = (load_file(d / "run" / "checkpoint-4" / "adapter_model.safetensors") for d in (straight, resumed))
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-6, atol=1e-7)
 
 
 def test_colocated_training_on_cpu_runs_with_a_logged_no_op_sleep(tmp_path, tiny_base, tiny_data):

@@ -77,6 +77,7 @@ from trainer.model_loading import load_model
 from trainer.plugins import load_plugin
 from trainer.recipe import Recipe
 from trainer.rewards import RewardRunner, accuracy_reward, format_reward
+from trainer.rewards.model_reward import outlasting_rewards
 from trainer.rollout.batch import RolloutBatch
 from trainer.rollout.engines import make_engine, served_by_rank_zero
 from trainer.rollout.source import AsyncRollout, LocalEngine, RolloutSource, SyncRollout, step_prompts
@@ -165,6 +166,8 @@ class GRPOTrainer:
             [(s.label, s.reward_function(), s.weight) for s in self.recipe.rewards],
             timeout_s=cfg.reward_timeout_s,
         )
+        for warning in outlasting_rewards(self.recipe.rewards, cfg.reward_timeout_s):
+            log.warning(warning)
         # `model` stays the plain module (engines, checkpoints); the strategy holds what the loss runs through
         self.strategy.wrap(
             self.model,

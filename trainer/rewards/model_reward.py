@@ -114,6 +114,29 @@ class ModelRewardSettings:
         return mask_uri(self.endpoint)
 
 
+def outlasting_rewards(rewards, reward_timeout_s: float) -> list[str]:
+    """A warning for each `kind: model` entry of `rewards` (the recipe's RewardSpecs) whose single request,
+    with its retries and their pauses, may take longer than the whole reward call is given
+    (`train.reward_timeout_s`): the trainer would abandon the call, and count its whole batch as errors,
+    before the entry's own retries are through."""
+    warnings = []
+    for i, spec in enumerate(rewards):
+        if spec.kind != "model":
+            continue
+        settings = ModelRewardSettings(endpoint=spec.endpoint, **spec.args)
+        pauses = sum(min(0.1 * 2**attempt, 2.0) for attempt in range(settings.retries))
+        worst = settings.timeout_s * (settings.retries + 1) + pauses
+        if worst > reward_timeout_s:
+            warnings.append(
+                f"rewards[{i}] ({spec.label}): one request may take {worst:g} s with its retries "
+                f"(args.timeout_s {settings.timeout_s:g} x {settings.retries + 1} tries), more than "
+                f"train.reward_timeout_s={reward_timeout_s:g} gives the whole call: a slow endpoint's batch "
+                "is abandoned and counted as errors before its retries end. Raise train.reward_timeout_s "
+                "(or lower args.timeout_s / args.retries)"
+            )
+    return warnings
+
+
 def model_reward(endpoint: str, **args):
     """The reward function of a `kind: model` entry: `f(prompts, completions, **columns)` scoring through
     the endpoint; raises ValueError naming the bad setting."""
