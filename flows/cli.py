@@ -147,11 +147,13 @@ def cmd_train(args) -> dict | None:
         if value is not None and not args.dry_run:
             raise UsageError(f"{flag} plans a node for --dry-run; a real run uses the GPUs it sees")
     if args.dry_run:  # where each process would run and what its GPU holds; nothing is loaded, no GPU touched
-        from trainer.grpo import check_supported
         from trainer.memory_plan import estimate, refuse_unless_fits
         from trainer.placement import dry_run
+        from trainer.strategy import check_recipe
 
-        check_supported(recipe)  # what the run would refuse at its start, the plan refuses too
+        # a mode the trainer ranks would refuse (LoRA under ZeRO) has no memory plan either; a recipe refused
+        # for its engine (images and vLLM) still shows where its processes would run
+        check_recipe(recipe)
         summary, text = dry_run(recipe.rollout, args.gpus)
         _say(args, f"{recipe.name}: {text}")
         memory = estimate(recipe, args.gpus, args.gpu_memory_gib or 80.0)

@@ -278,6 +278,17 @@ BUILDS = {
         ("7", "8"),
         (1.2, 0.2, 0.0),
     ),
+    "tiny-cpu-lora": (
+        0,
+        "in-process",
+        [None],
+        [],
+        None,
+        {"format": 0.2, "accuracy": 1.0},
+        {"answer": ["7"]},
+        ("7", "8"),
+        (1.2, 0.2, 0.0),
+    ),
     "tiny-vl-counting-cpu": (
         0,
         "in-process",
