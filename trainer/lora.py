@@ -24,10 +24,12 @@ import json
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from trainer.recipe import LoraConfig
+
+if TYPE_CHECKING:  # torch is imported where it is used: checking a directory (serving, eval) needs none
+    import torch
 
 ADAPTER_CONFIG = "adapter_config.json"  # PEFT's: its presence makes a directory an adapter checkpoint
 _BASE_LAYER = ".base_layer."  # PEFT's name for the wrapped layer inside a LoRA layer
@@ -98,19 +100,21 @@ def _plain_name(name: str) -> str | None:
     return name.replace(_BASE_LAYER, ".")
 
 
+def _plain(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, t in items:
+        if (plain := _plain_name(name)) is not None:
+            yield plain, t
+
+
 def plain_parameters(model, remove_duplicate: bool = True) -> Iterator[tuple[str, torch.nn.Parameter]]:
     """The base model's parameters of a PEFT `model` under a plain model's names and in its order (the
     adapters left out): what `merged` turns into the policy's weights."""
-    for name, p in model.get_base_model().named_parameters(remove_duplicate=remove_duplicate):
-        if (plain := _plain_name(name)) is not None:
-            yield plain, p
+    return _plain(model.get_base_model().named_parameters(remove_duplicate=remove_duplicate))
 
 
 def plain_state(model) -> Iterator[tuple[str, torch.Tensor]]:
     """`plain_parameters` for every checkpoint tensor (`state_dict`: tied ones under each name)."""
-    for name, t in model.get_base_model().state_dict(keep_vars=True).items():
-        if (plain := _plain_name(name)) is not None:
-            yield plain, t
+    return _plain(model.get_base_model().state_dict(keep_vars=True).items())
 
 
 def merged(model, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -118,6 +122,7 @@ def merged(model, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[s
     adapters' active deltas where the layer has adapters, the base tensor itself elsewhere. Computed one
     tensor at a time and out of place: the base weights are never touched (merging in place and back would
     round them a little at every sync)."""
+    import torch
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()
@@ -140,6 +145,8 @@ def adapter_parameters(model: torch.nn.Module, cfg: LoraConfig) -> int:
     """The parameters `cfg`'s adapters add to `model` (built on the meta device: no weights needed), as PEFT
     places them: r x (inputs + outputs) per targeted linear layer; "all-linear" is every linear layer but
     the output head, a list names modules by name or name suffix. The memory plan's count of what trains."""
+    import torch
+
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     targets = set(cfg.target_modules)
     total = 0
