@@ -114,6 +114,12 @@ class ModelRewardSettings:
         return mask_uri(self.endpoint)
 
 
+def retry_pause(attempt: int) -> float:
+    """Seconds a request waits before its retry after failed attempt `attempt` (0-based): doubling from
+    0.1 s, at most 2 s."""
+    return min(0.1 * 2**attempt, 2.0)
+
+
 def outlasting_rewards(rewards, reward_timeout_s: float) -> list[str]:
     """A warning for each `kind: model` entry of `rewards` (the recipe's RewardSpecs) whose single request,
     with its retries and their pauses, may take longer than the whole reward call is given
@@ -124,7 +130,7 @@ def outlasting_rewards(rewards, reward_timeout_s: float) -> list[str]:
         if spec.kind != "model":
             continue
         settings = ModelRewardSettings(endpoint=spec.endpoint, **spec.args)
-        pauses = sum(min(0.1 * 2**attempt, 2.0) for attempt in range(settings.retries))
+        pauses = sum(retry_pause(attempt) for attempt in range(settings.retries))
         worst = settings.timeout_s * (settings.retries + 1) + pauses
         if worst > reward_timeout_s:
             warnings.append(
@@ -243,7 +249,7 @@ class _EndpointClient:
                     raise ModelRewardError(
                         f"{mask_uri(self.url)}: {error} (tried {attempts} time{'s' * (attempts > 1)})"
                     ) from None
-                time.sleep(min(0.1 * 2**attempt, 2.0))
+                time.sleep(retry_pause(attempt))
         raise AssertionError("unreachable")
 
     def _read(self, answer, n: int) -> list:
