@@ -448,15 +448,7 @@ def serving_copy(checkpoint: str | os.PathLike, dest: str | os.PathLike) -> dict
             os.link(checkpoint / name, target)
         except OSError:  # another filesystem, or one without hard links
             shutil.copy2(checkpoint / name, target)
-    served = {
-        **manifest,
-        "files": kept,
-        "sha256": combined_sha256(kept),
-        "checkpoint_sha256": manifest["sha256"],
-        "left_out": sorted(set(manifest["files"]) - set(kept)),
-    }
-    write_json_atomic(dest / MANIFEST, served)
-    return served
+    return _write_served_manifest(dest, manifest, kept)
 
 
 def _merged_serving_copy(checkpoint: Path, dest: Path, manifest: dict) -> dict:
@@ -472,13 +464,18 @@ def _merged_serving_copy(checkpoint: Path, dest: Path, manifest: dict) -> dict:
     dest.mkdir(parents=True)
     model.save_pretrained(dest)
     save_tokenizer(tokenizer, dest)
-    files = file_hashes(dest)
+    return _write_served_manifest(dest, manifest, file_hashes(dest), merged_lora=True)
+
+
+def _write_served_manifest(dest: Path, manifest: dict, files: dict, **extra) -> dict:
+    """A serving copy's manifest (the checkpoint's `manifest` with `files` and `sha256` over what `dest`
+    holds, `checkpoint_sha256`, `left_out`, and `extra`), written into `dest` and returned."""
     served = {
         **manifest,
         "files": files,
         "sha256": combined_sha256(files),
         "checkpoint_sha256": manifest["sha256"],
-        "merged_lora": True,
+        **extra,
         "left_out": sorted(set(manifest["files"]) - set(files)),
     }
     write_json_atomic(dest / MANIFEST, served)
