@@ -278,17 +278,6 @@ BUILDS = {
         ("7", "8"),
         (1.2, 0.2, 0.0),
     ),
-    "tiny-cpu-lora": (
-        0,
-        "in-process",
-        [None],
-        [],
-        None,
-        {"format": 0.2, "accuracy": 1.0},
-        {"answer": ["7"]},
-        ("7", "8"),
-        (1.2, 0.2, 0.0),
-    ),
     "tiny-vl-counting-cpu": (
         0,
         "in-process",
@@ -334,6 +323,7 @@ BUILDS = {
         (1.1, 0.1, 0.0),
     ),
 }
+BUILDS["tiny-cpu-lora"] = BUILDS["tiny-cpu"]  # LoRA changes what trains, not where or what it earns
 
 
 def test_every_shipped_recipe_has_its_builds_written_down():

@@ -132,9 +132,9 @@ class GRPOTrainer:
         # a resumed checkpoint was verified just now; the base model is verified when it is loaded. A LoRA
         # checkpoint holds the adapter alone: the base loads, then the checkpoint's adapter goes on it.
         lora = self.recipe.model.lora
-        self.engine_path, engine_version = self.engine_start()
+        engine_path, engine_version = self.engine_start()
         self.model, self.tokenizer = load_model(
-            self.model_path if lora else self.engine_path,
+            self.model_path if lora else engine_path,
             self.recipe.model,
             device,
             verify=lora is not None or self.checkpoint is None,
@@ -153,7 +153,7 @@ class GRPOTrainer:
         self.rollout = engine_rollout(self.recipe)
         engine = make_engine(
             self.rollout,
-            self.engine_path,
+            engine_path,
             model=self.model,
             tokenizer=self.tokenizer,
             model_cfg=self.recipe.model,
