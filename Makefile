@@ -61,6 +61,8 @@ PYTEST = OMP_NUM_THREADS=$(TEST_THREADS) $(1) -m pytest -m "not bench" -n $(TEST
 # rounding depends on the thread count, and this recipe lands in its accuracy band with the machine's default
 # (on one thread with AVX2 kernels it ended at 0.133 < 0.3 after 700 steps). Cached after the first time.
 BASE_MODEL = $(1) -m flows.cli bootstrap-model
+# and the multi-turn demo's (tests/test_multiturn.py), as `grpoflow run --config configs/tiny-tools-cpu.yaml` makes it
+TOOLS_BASE_MODEL = $(1) -m flows.cli bootstrap-model --config configs/tiny-tools-cpu.yaml
 
 # both suites run whatever the first one gives, so one CI log shows every failure. The two venvs install side
 # by side: each pip uses one core (measured on a fresh 2-core machine: 4 min 42 s and 5 min 33 s one after the other)
@@ -71,6 +73,7 @@ test:
 	@test -d $(SHARED_DATA) || { echo "make test: the reference data $(SHARED_DATA) is missing: about fifty tests read MATH-500, AIME-2024, GSM8K and Countdown there (see SOURCES.md beside it); refusing to run without them" >&2; exit 2; }
 	@$(MAKE) --no-print-directory -j2 $(STAMP) $(VLLM_STAMP)
 	$(call BASE_MODEL,$(PY))
+	$(call TOOLS_BASE_MODEL,$(PY))
 	@status=0; $(call PYTEST,$(PY)) --dist loadfile tests $(VLLM_TESTS:%=--ignore=%) --ignore=$(ENGINE_BENCH) $(ARGS) || status=$$?; \
 	$(MAKE) test-vllm || status=$$?; exit $$status
 

@@ -20,6 +20,8 @@ the location and turns the `Example` into a prepared row with `data.schema.make_
 - A gold answer in `<answer>` tags or a \\boxed{} is read by `data.answers.extract_answer`, the reader the
   rewards use for the model's answer, so both sides read `\\boxed {12}` and repeated tags alike.
 - synthetic: `question`, `answer`, columns `nums`, `target`, `solution` when present; `split` is honoured.
+- Any task: a record's `tools` (the tool schemas its prompt offers, OpenAI / Qwen function format) is checked
+  (`data.schema.check_tools`) and kept as the `tools` column; the chat template shows them to the model.
 """
 
 from __future__ import annotations

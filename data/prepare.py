@@ -48,7 +48,7 @@ from data.manifest import (
     sha256_dir,
     sha256_file,
 )
-from data.schema import make_row, resolve_system_prompt
+from data.schema import check_tools, make_row, resolve_system_prompt, resolve_tools
 from data.sources import Source, open_source
 
 __all__ = ["DataError", "prepare", "load_prepared", "SPLITS"]
@@ -71,10 +71,13 @@ def prepare(
     hub_config: str | None = None,
     synthetic_rows: int = 2000,
     system_prompt: str | None = None,
+    tools: list[str] | None = None,
 ) -> dict:
     """Prepare `source` for `task` into the directory `out`; see the module docstring for the layout.
 
-    `system_prompt` is a preset of `data.schema.SYSTEM_PROMPTS` (default `r1`) or literal text.
+    `system_prompt` is a preset of `data.schema.SYSTEM_PROMPTS` (default `r1`) or literal text. `tools`: the
+    tools every row offers unless it names its own (`data.schema.resolve_tools`: built-in names or JSON files
+    of schemas), as its `tools` column.
     """
     adapter = get_adapter(task)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
@@ -88,7 +91,8 @@ def prepare(
     check_replaceable(final, KIND)  # before any work: an unrelated --out is refused, untouched
 
     drops = _Drops(task, skip_invalid)
-    rows, presplit = _collect(task, adapter, src, drops, limit, resolve_system_prompt(system_prompt))
+    offered = resolve_tools(tools or [])
+    rows, presplit = _collect(task, adapter, src, drops, limit, resolve_system_prompt(system_prompt), offered)
     if not rows:
         raise DataError(
             f"source '{source}': no usable rows for task '{task}' (dropped: {dict(drops.counts)})"
@@ -120,6 +124,7 @@ def prepare(
             "split": split,
             "limit": limit,
             "skip_invalid": skip_invalid,
+            "tools": list(tools or []),
             "dropped": dict(drops.counts),
             "dropped_examples": drops.examples,
             "code_version": code_version(),
@@ -247,7 +252,13 @@ class _Drops:
 
 
 def _collect(
-    task: str, adapter: Adapter, src: Source, drops: _Drops, limit: int | None, system_prompt: str
+    task: str,
+    adapter: Adapter,
+    src: Source,
+    drops: _Drops,
+    limit: int | None,
+    system_prompt: str,
+    tools: list[dict],
 ) -> tuple[list[dict], list[str | None]]:
     """The usable rows, and the split each names for itself (an empty list when none does)."""
     rows: list[dict] = []
@@ -262,6 +273,10 @@ def _collect(
             continue
         try:
             example: Example = adapter(record.data, record.base_dir)
+            if record.data.get("tools") is not None:  # any task's rows may offer tools
+                example.columns["tools"] = check_tools(record.data["tools"])
+            elif tools:
+                example.columns["tools"] = tools
         except FieldError as e:
             drops.bad(record.where, e.reason, str(e))
             continue

@@ -31,6 +31,22 @@ SYSTEM_PROMPTS = {"r1": SYSTEM_PROMPT, "brief": BRIEF_SYSTEM_PROMPT, "none": ""}
 
 REQUIRED_FIELDS = ("id", "prompt", "answer", "task")
 
+# The calculator as the `tools` column of a row offers it (OpenAI / Qwen function schema); the tool itself is
+# `trainer.multiturn.tools.CALCULATOR`, built from this.
+CALCULATOR_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression over integers with + - * / and parentheses.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "description": "e.g. 37 * 48"}},
+            "required": ["expression"],
+        },
+    },
+}
+TOOL_SCHEMAS = {"calculator": CALCULATOR_SCHEMA}  # the built-in tools' schemas, by name
+
 
 def resolve_system_prompt(name_or_text: str | None) -> str:
     """A preset name (`r1`, the default; `brief`; `none`) or the literal system prompt text."""
@@ -53,3 +69,63 @@ def make_row(
 def user_text(row: dict) -> str:
     """The user turn of a prepared row (the problem statement)."""
     return next(m["content"] for m in reversed(row["prompt"]) if m["role"] == "user")
+
+
+TOOLS_EXPECTED = (
+    'a list of tool schemas, each {"type": "function", "function": {"name": ..., "parameters": {...}}} '
+    '(or the bare {"name": ..., "parameters": {...}})'
+)
+
+
+def check_tools(value: object) -> list[dict]:
+    """A row's `tools` column (the tools its prompt offers) in the OpenAI / Qwen function format, each entry
+    as `{"type": "function", "function": {...}}`; raises `FieldError` naming what is wrong."""
+    from data.errors import FieldError
+
+    if isinstance(value, str):  # a CSV / Parquet column may hold the JSON as text
+        import json
+
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise FieldError("tools", TOOLS_EXPECTED, value) from None
+    if not isinstance(value, list) or not value:
+        raise FieldError("tools", TOOLS_EXPECTED, value)
+    tools = []
+    for i, entry in enumerate(value):
+        function = entry.get("function", entry) if isinstance(entry, dict) else None
+        if (
+            not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+            or not function["name"].strip()
+            or not isinstance(function.get("parameters", {}), dict)
+        ):
+            raise FieldError(f"tools[{i}]", TOOLS_EXPECTED, entry)
+        tools.append({"type": "function", "function": function})
+    return tools
+
+
+def resolve_tools(specs: list[str]) -> list[dict]:
+    """The tool schemas `specs` name (`data.tools`): a built-in tool's name (`TOOL_SCHEMAS`) or a JSON file
+    holding a list of schemas."""
+    import json
+    from pathlib import Path
+
+    from data.errors import DataError, FieldError
+
+    tools = []
+    for spec in specs:
+        if spec in TOOL_SCHEMAS:
+            tools.append(TOOL_SCHEMAS[spec])
+            continue
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise DataError(
+                f"data.tools: {spec!r} is neither a built-in tool ({', '.join(sorted(TOOL_SCHEMAS))}) nor a "
+                "JSON file of tool schemas"
+            )
+        try:
+            tools += check_tools(json.loads(path.read_text()))
+        except (json.JSONDecodeError, FieldError) as e:
+            raise DataError(f"data.tools: {path}: {e}") from None
+    return tools

@@ -9,6 +9,9 @@ Two kinds:
   measured on problems no stage has trained on.
 - `countdown`: three numbers and a target reachable with + - * / using each number once (the target is
   computed from a random expression over the numbers, so a solution exists).
+- `multiplication`: "What is a * b?" with a, b in [10, 99], rows offering the `calculator` tool (column
+  `tools`, `CALCULATOR_SCHEMA`): products the tiny model cannot work out in its head but can with the tool
+  (the multi-turn demo). A tenth of the problems (by hash) are the evaluation pool, as for addition.
 - `counting`: a PNG of 1-6 shapes (`data.shapes`) and "How many objects are there in the image?", for the
   embedded vision demo. A tenth of the rows (every tenth) come from the held-out image stream
   (`split: heldout`), which the tiny vision model's warm-up never draws from.
@@ -20,10 +23,14 @@ format; it is what the tiny base model is warmed up on.
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from fractions import Fraction
 
-KINDS = ("addition", "countdown", "counting")
+from data.schema import CALCULATOR_SCHEMA
+
+KINDS = ("addition", "countdown", "counting", "multiplication")
+TOOL_KINDS = ("multiplication",)  # whose rows offer a tool
 # The most rows one call generates: they are built in memory (a counting row holds its PNG, ~400 bytes), and a
 # million is far past what any of these tasks needs (addition has 10,000 distinct problems).
 MAX_ROWS = 1_000_000
@@ -32,8 +39,30 @@ MAX_ROWS = 1_000_000
 POOLS = ("all", "train", "eval")
 
 
-def in_eval_pool(a: int, b: int) -> bool:
-    return hashlib.sha256(f"{a}+{b}".encode()).digest()[0] % 10 == 0
+def in_eval_pool(a: int, b: int, op: str = "+") -> bool:
+    return hashlib.sha256(f"{a}{op}{b}".encode()).digest()[0] % 10 == 0
+
+
+def _multiplication(n: int, rng: random.Random, pool: str) -> list[dict]:
+    pairs = [
+        (a, b)
+        for a in range(10, 100)
+        for b in range(10, 100)
+        if pool == "all" or in_eval_pool(a, b, "*") == (pool == "eval")
+    ]
+    rows = []
+    while len(rows) < n:
+        rng.shuffle(pairs)
+        rows += [
+            {
+                "question": f"What is {a} * {b}?",
+                "answer": str(a * b),
+                "split": "heldout" if in_eval_pool(a, b, "*") else "train",
+                "tools": [CALCULATOR_SCHEMA],
+            }
+            for a, b in pairs[: n - len(rows)]
+        ]
+    return rows
 
 
 def _addition_row(a: int, b: int) -> dict:
@@ -120,7 +149,8 @@ def _apply(x: Fraction, y: Fraction, op: str) -> Fraction | None:
 def generate(n: int, seed: int, kind: str = "addition", pool: str = "all") -> list[dict]:
     """`n` rows of the given kind; the same (n, seed, kind, pool) always gives the same rows.
 
-    `pool` (addition only) restricts problems to the train pool, the evaluation pool, or neither.
+    `pool` (addition and multiplication) restricts problems to the train pool, the evaluation pool, or
+    neither.
     """
     if kind not in KINDS:
         raise ValueError(f"unknown synthetic kind {kind!r}; expected one of {', '.join(KINDS)}")
@@ -133,6 +163,8 @@ def generate(n: int, seed: int, kind: str = "addition", pool: str = "all") -> li
     rng = random.Random(f"{kind}:{seed}")
     if kind == "addition":
         return _addition(n, rng, pool)
+    if kind == "multiplication":
+        return _multiplication(n, rng, pool)
     return [_countdown(rng) for _ in range(n)]
 
 
@@ -145,5 +177,25 @@ def worked_solution(row: dict) -> str:
         if "question" in row
         else next(m["content"] for m in row["prompt"] if m["role"] == "user")
     )
+    if " * " in question:  # in the head: the tiny model mostly gets these wrong, which is the point
+        a, b = (int(t) for t in question.removeprefix("What is ").removesuffix("?").split(" * "))
+        return f"<think>{a}*{b}</think><answer>{a * b}</answer>"
     a, b = (int(t) for t in question.removeprefix("What is ").removesuffix("?").split(" + "))
     return f"<think>{a}+{b}={a + b}</think><answer>{a + b}</answer>"
+
+
+def tool_transcript(row: dict) -> tuple[str, str, str]:
+    """A multiplication row solved with the calculator: (the model's call, the tool's answer, the model's
+    final turn), in Qwen2.5's tool-call format."""
+    question = (
+        row["question"]
+        if "question" in row
+        else next(m["content"] for m in row["prompt"] if m["role"] == "user")
+    )
+    a, b = (int(t) for t in question.removeprefix("What is ").removesuffix("?").split(" * "))
+    call = json.dumps({"name": "calculator", "arguments": {"expression": f"{a} * {b}"}})
+    return (
+        f"<tool_call>\n{call}\n</tool_call>",
+        str(a * b),
+        f"<think>{a}*{b}={a * b}</think><answer>{a * b}</answer>",
+    )

@@ -15,6 +15,7 @@ the score is the held-out accuracy training reports, kept here problem by proble
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -24,7 +25,7 @@ from data.manifest import MANIFEST, read_manifest, write_json_atomic, write_json
 HELDOUT = "heldout"  # the benchmark name of the held-out evaluation in report.json and in comparisons
 SAMPLES = f"{HELDOUT}/samples.jsonl"
 # What decides the scores: the same rows (data and count), the same token budgets
-SETTING_KEYS = ("data_sha256", "limit", "max_tokens", "max_prompt_length")
+SETTING_KEYS = ("data_sha256", "limit", "max_tokens", "max_prompt_length", "env")
 
 
 def heldout_settings(recipe) -> dict:
@@ -39,6 +40,8 @@ def heldout_settings(recipe) -> dict:
         "limit": recipe.train.eval_heldout,
         "max_tokens": recipe.train.max_completion_length,
         "max_prompt_length": recipe.train.max_prompt_length,
+        # a multi-turn recipe's held-out problems are solved in its environment (with its tools)
+        "env": None if recipe.rollout.env is None else dataclasses.asdict(recipe.rollout.env),
     }
 
 

@@ -7,6 +7,7 @@ an OpenAI-compatible endpoint URL. Registered versions are downloaded once into 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import secrets
@@ -170,18 +171,29 @@ def thinking_scores(work_dir: Path, tokenizer: str) -> dict[str, float]:
 
 
 def _score_heldout(
-    model_path, model_cfg, rows: list[dict], *, max_tokens: int, max_prompt_length: int, samples: bool = False
+    model_path,
+    model_cfg,
+    rows: list[dict],
+    *,
+    max_tokens: int,
+    max_prompt_length: int,
+    samples: bool = False,
+    env: dict | None = None,
 ) -> dict:
     """`trainer.heldout.evaluate_greedy` (the one held-out scorer) on a checkpoint loaded from disk: for a
-    model whose training's own held-out answers (`trainer.heldout.write_samples`) are not at hand."""
+    model whose training's own held-out answers (`trainer.heldout.write_samples`) are not at hand. `env`: the
+    recipe's `rollout.env` (as a dict), whose environment the problems are solved in."""
     from trainer.heldout import evaluate_greedy
     from trainer.model_loading import load_model
+    from trainer.multiturn.rollout import in_environment
+    from trainer.recipe import EnvConfig
     from trainer.rewards import accuracy_reward, format_reward
     from trainer.rollout.hf_engine import HFEngine
 
     model, tokenizer = load_model(str(model_path), model_cfg)
+    env_cfg = None if env is None else EnvConfig(**env)
     return evaluate_greedy(
-        HFEngine(model.eval(), tokenizer),
+        in_environment(HFEngine(model.eval(), tokenizer), tokenizer, env_cfg),
         tokenizer,
         rows,
         accuracy_reward,
@@ -207,6 +219,7 @@ def heldout_accuracy(model_path: str, data_dir: str | Path, recipe) -> float | N
         rows,
         max_tokens=recipe.train.max_completion_length,
         max_prompt_length=recipe.train.max_prompt_length,
+        env=None if recipe.rollout.env is None else dataclasses.asdict(recipe.rollout.env),
     )["accuracy"]
 
 
@@ -236,6 +249,7 @@ def evaluate_heldout(model_path: str | Path, model_cfg, settings: dict, work_dir
         max_tokens=settings["max_tokens"],
         max_prompt_length=settings["max_prompt_length"],
         samples=True,
+        env=settings.get("env"),
     )
     return write_heldout_evaluation(work_dir, model_path, settings, result)
 

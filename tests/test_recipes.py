@@ -324,6 +324,15 @@ BUILDS = {
     ),
 }
 BUILDS["tiny-cpu-lora"] = BUILDS["tiny-cpu"]  # LoRA changes what trains, not where or what it earns
+# multi-turn recipes: their rewards read the final turn, as a single-turn one's do
+BUILDS["tiny-tools-cpu"] = (*BUILDS["tiny-cpu"][:6], {"answer": ["1776"]}, ("1776", "1777"), (1.2, 0.2, 0.0))
+BUILDS["qwen2.5-7b-tools-8gpu"] = (
+    *BUILDS["qwen2.5-7b-numina-8gpu"][:5],
+    {"accuracy": 1.0, "format": 0.5},
+    {"answer": ["72"]},
+    ("72", "71"),
+    (1.5, 0.5, 0.0),
+)
 
 
 def test_every_shipped_recipe_has_its_builds_written_down():

@@ -494,6 +494,63 @@ def test_train_through_a_vllm_server_syncs_the_final_weights(
     assert logp_gap(final.eval(), tokenizer, prompts, groups, 1.0) < 1e-4
 
 
+# ---- multi-turn trajectories (trainer.multiturn) ------------------------------------------------------------
+
+# a user environment (tests/feedback_env.py): after a wrong answer the model reads "Wrong, try again." and
+# answers again, so the tiny addition model plays multi-turn episodes without calling any tool
+FEEDBACK_ENV = 'rollout.env={name: "tests/feedback_env.py:FeedbackEnvironment", tools: [], max_turns: 3}'
+
+
+def multi_turn_run(tmp_path, tiny_base, tiny_data, *overrides: str) -> list[dict]:
+    """Three steps of `grpoflow train` with vLLM rollouts in the feedback environment; its metrics rows."""
+    proc = grpoflow(
+        "train",
+        *small_run(
+            tmp_path,
+            tiny_base,
+            tiny_data,
+            FEEDBACK_ENV,
+            "train.max_completion_length=48",  # a whole trajectory: answer, feedback, answer
+            "train.max_steps=3",
+            "train.learning_rate=1e-3",
+            *overrides,
+        ),
+    )
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-4000:]
+    rows = metrics_rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    return rows
+
+
+def assert_multi_turn_on_policy(rows: list[dict]) -> None:
+    """Trajectories of more than one turn, whose model tokens' engine log-probs equal the trainer's."""
+    assert max(r["multiturn/turns"] for r in rows) > 1.2
+    assert all(r["multiturn/model_tokens"] < r["completions/mean_length"] for r in rows)  # feedback is out
+    for r in rows:
+        assert r["sampling/sampling_logp_difference/max"] < 1e-4, r
+
+
+@pytest.mark.parametrize("mode", ["in-process", "async-workers"])
+def test_multi_turn_vllm_rollouts_sample_the_trainers_log_probs(mode, tmp_path, tiny_base, tiny_data):
+    extra = ["rollout.async=true", "rollout.max_staleness=0"] if mode == "async-workers" else []
+    assert_multi_turn_on_policy(multi_turn_run(tmp_path, tiny_base, tiny_data, *extra))
+
+
+@ROLLOUT_SERVER
+def test_multi_turn_rollouts_through_a_vllm_server_sample_the_trainers_log_probs(
+    rollout_server, tmp_path, tiny_base, tiny_data
+):
+    rows = multi_turn_run(
+        tmp_path,
+        tiny_base,
+        tiny_data,
+        f"rollout.server_url={rollout_server}",
+        f"rollout.weights_dir={tmp_path / 'shared-weights'}",
+    )
+    assert_multi_turn_on_policy(rows)
+
+
 @contextmanager
 def serve_model_vllm(checkpoint: str, *args: str, env: dict | None = None):
     proc = grpoflow(

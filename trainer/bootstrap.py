@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import logging
+import random
 import time
 from pathlib import Path
 
@@ -47,11 +48,14 @@ from data.manifest import (
 from data.progress import Progress, quiet_transformers_progress
 from data.schema import make_row, resolve_system_prompt
 from trainer.heldout import evaluate_greedy
+from trainer.multiturn.environment import ToolEnvironment
+from trainer.multiturn.rollout import MultiTurnEngine
+from trainer.multiturn.tools import CALCULATOR
 from trainer.recipe import BootstrapConfig, ModelConfig
 from trainer.rewards import accuracy_reward, format_reward
 from trainer.rollout.hf_engine import HFEngine
 from trainer.vision import save_tokenizer
-from trainer.warmup import build_tokenizer, sft_batches, worked_solution
+from trainer.warmup import TOOL_TOKENS, TOOL_USE, build_tokenizer, sft_batches, worked_solution
 
 KIND = "base-model"
 log = logging.getLogger("grpoflow.bootstrap")
@@ -60,6 +64,8 @@ log = logging.getLogger("grpoflow.bootstrap")
 def config_hash(cfg: BootstrapConfig, system_prompt: str) -> str:
     settings = dataclasses.asdict(cfg)
     settings.pop("out")  # where it is saved does not change what is made
+    if cfg.task not in synthetic.TOOL_KINDS:  # nor does the share of tool calls where no tool is offered
+        settings.pop("tool_fraction")
     return sha256_json({**settings, "system_prompt": system_prompt})
 
 
@@ -103,7 +109,7 @@ def _rows(task: str, n: int, seed: int, pool: str, system_prompt: str) -> list[d
             r["answer"],
             "synthetic",
             system_prompt,
-            **{k: v for k, v in r.items() if k in ("nums", "target")},
+            **{k: v for k, v in r.items() if k in ("nums", "target", "tools")},
         )
         for i, r in enumerate(raw)
     ]
@@ -170,8 +176,14 @@ def _make(cfg: BootstrapConfig, out: Path, system_prompt: str, digest: str, prog
         kit = TextKit
     train_rows = kit.rows(cfg.task, cfg.sft_rows, cfg.seed, "train", system_prompt)
     heldout_rows = kit.rows(cfg.task, cfg.heldout_rows, cfg.seed, "eval", system_prompt)
+    tools = cfg.task in synthetic.TOOL_KINDS
+    if tools:  # a seeded share of the worked solutions call the tool, the others answer in the head
+        pick = random.Random(f"tool-use:{cfg.seed}")
+        train_rows = [{**r, TOOL_USE: pick.random() < cfg.tool_fraction} for r in train_rows]
     model, tokenizer = kit.build(cfg, train_rows, system_prompt)
     engine = HFEngine(model, tokenizer)
+    if tools:  # held-out problems are solved as in training: with the calculator at hand
+        engine = MultiTurnEngine(engine, tokenizer, ToolEnvironment([CALCULATOR]), max_turns=2)
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
     warmup = max(1, cfg.max_steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -186,7 +198,7 @@ def _make(cfg: BootstrapConfig, out: Path, system_prompt: str, digest: str, prog
         heldout_rows,
         accuracy_reward,
         format_reward,
-        max_tokens=24,
+        max_tokens=64 if tools else 24,
     )
     with Progress(total=cfg.max_steps, description="warm-up", enabled=progress) as bar:
         for step in range(1, cfg.max_steps + 1):
@@ -256,7 +268,8 @@ class TextKit:
 
     @staticmethod
     def build(cfg: BootstrapConfig, train_rows: list[dict], system_prompt: str):
-        tokenizer = build_tokenizer(_corpus(train_rows[:2000], system_prompt), cfg.vocab_size)
+        extra = TOOL_TOKENS if cfg.task in synthetic.TOOL_KINDS else []
+        tokenizer = build_tokenizer(_corpus(train_rows[:2000], system_prompt), cfg.vocab_size, extra)
         return build_model(cfg, tokenizer), tokenizer
 
     sft_batches = staticmethod(sft_batches)

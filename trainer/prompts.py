@@ -9,7 +9,8 @@ from __future__ import annotations
 
 
 def encode_prompts(tokenizer, rows: list[dict], max_prompt_length: int | None = None) -> list[list[int]]:
-    """Chat-template each row's `prompt` messages and tokenize; left-truncate to `max_prompt_length`.
+    """Chat-template each row's `prompt` messages (with the tool schemas of its `tools` column) and tokenize;
+    left-truncate to `max_prompt_length`. A text prompt carries its row (`RowPrompt`).
 
     A row with `images` becomes a `trainer.vision.PromptIds` carrying its vision inputs (a vision model's
     tokenizer has its `trainer.vision.VisionEncoder` as `tokenizer.vision`); image placeholders are never cut:
@@ -37,12 +38,30 @@ def encode_prompts(tokenizer, rows: list[dict], max_prompt_length: int | None = 
 
 def _encode_text(tokenizer, rows: list[dict], max_prompt_length: int | None) -> list[list[int]]:
     texts = [
-        tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows
+        tokenizer.apply_chat_template(
+            r["prompt"],
+            tokenize=False,
+            add_generation_prompt=True,
+            **({"tools": r["tools"]} if r.get("tools") else {}),
+        )
+        for r in rows
     ]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     if max_prompt_length:
         ids = [s[-max_prompt_length:] for s in ids]
-    return ids
+    return [RowPrompt(s, r) for s, r in zip(ids, rows, strict=True)]
+
+
+class RowPrompt(list):
+    """A text prompt's token ids, with the row it was encoded from (`row`): a multi-turn environment starts
+    its episode from it (`trainer.multiturn`)."""
+
+    def __init__(self, ids=(), row: dict | None = None):
+        super().__init__(ids)
+        self.row = row
+
+    def __reduce__(self):
+        return RowPrompt, (list(self), self.row)
 
 
 def columns_of(rows: list[dict]) -> dict[str, list]:

@@ -46,6 +46,26 @@ class LoraConfig:
 
 
 @dataclass
+class EnvConfig:
+    """A multi-turn environment the policy acts in (`trainer.multiturn`): each trajectory is model turns
+    and the environment's observations (tool results), the loss on the model's tokens only."""
+
+    name: str = _f(
+        "tools",
+        "'tools' (call the tools below until a turn without a call: the final answer), or a user environment "
+        "'package.module:Class' / 'path/to/file.py:Class'",
+    )
+    tools: list[str] = _f(
+        ["calculator"], "tools the model may call: built-in names, or 'package.module:name' naming a Tool"
+    )
+    max_turns: int = _f(
+        4, "model turns per trajectory; one still calling tools after this many is cut", ge=1, le=MAX_DEPTH
+    )
+    tool_timeout_s: float = _f(10.0, "a tool call longer than this answers the model with a timeout", gt=0)
+    args: dict = _f({}, "keyword arguments of a user environment's constructor")
+
+
+@dataclass
 class ModelConfig:
     name_or_path: str = _f(
         "bootstrap",
@@ -77,6 +97,13 @@ class BootstrapConfig:
     num_heads: int = _f(4, "attention heads", ge=1, le=MAX_DEPTH)
     intermediate_size: int = _f(384, "MLP width", ge=1, le=MAX_WIDTH)
     sft_rows: int = _f(20000, "synthetic worked solutions for the warm-up", ge=1, le=MAX_ROWS)
+    tool_fraction: float = _f(
+        0.5,
+        "a task whose rows offer tools (multiplication): the share of warm-up solutions that call the tool "
+        "(the others answer in the head)",
+        ge=0,
+        le=1,
+    )
     heldout_rows: int = _f(256, "held-out problems for the accuracy check", ge=1, le=MAX_ROWS)
     batch_size: int = _f(64, "warm-up batch size", ge=1, le=MAX_BATCH)
     learning_rate: float = _f(3e-3, "warm-up peak learning rate (AdamW, linear decay)", gt=0)
@@ -125,6 +152,11 @@ class DataConfig:
         "system prompt preset (r1, brief, none) or literal text; the tiny base model "
         "is warmed up with this one too",
     )
+    tools: list[str] = _f(
+        [],
+        "tools every row offers unless it has its own `tools` column: built-in names (calculator) or JSON "
+        "files of tool schemas; the chat template shows them, rollout.env runs them",
+    )
 
     def __post_init__(self):
         if self.task is None:  # a guessed adapter would store a gsm8k worked solution as the "answer"
@@ -157,6 +189,7 @@ class DataConfig:
             "hub_config": self.hub_config,
             "synthetic_rows": self.synthetic_rows,
             "system_prompt": self.system_prompt,
+            "tools": self.tools,
         }
 
 
@@ -360,6 +393,11 @@ class RolloutConfig:
         "temporary one on this machine)",
     )
     sync_timeout_s: float = _f(600.0, "timeout of every weight sync and rollout request", gt=0)
+    env: EnvConfig | None = _f(
+        None,
+        "multi-turn rollouts in an environment ({name, tools, max_turns, tool_timeout_s, args}); "
+        "train.max_completion_length then bounds a whole trajectory after the prompt",
+    )
 
     def __post_init__(self):
         if (
@@ -468,6 +506,11 @@ class Recipe:
                 "rollout.async with rollout.colocate is not supported: colocated engines sleep "
                 "while training, so there is nothing to overlap"
             )
+        if self.rollout.env is not None and self.model.modality == "vision":
+            raise ValueError(
+                "rollout.env with model.modality vision is not supported: multi-turn trajectories are text "
+                "only (an observation cannot carry images)"
+            )
 
     def to_dict(self) -> dict:
         return to_dict(self)
@@ -491,6 +534,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "ENGINE_ALONE_UTILIZATION",
+    "EnvConfig",
     "EvalConfig",
     "LoraConfig",
     "ModelConfig",

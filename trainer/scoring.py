@@ -16,6 +16,7 @@ import time
 import torch
 
 from trainer import loss as L
+from trainer.multiturn.rollout import multiturn_metrics
 from trainer.prompts import columns_of
 from trainer.recipe import TrainConfig
 from trainer.rewards import RewardResult, RewardRunner
@@ -42,11 +43,16 @@ def reward_groups(rewards: RewardRunner, cfg: TrainConfig, rows: list[dict], gro
     G = cfg.num_generations
     expanded = [r for r in rows for _ in range(G)]
     completions = [c for g in groups for c in g]
+    # a multi-turn batch: reward functions may also read each whole trajectory (the text is its last turn)
+    trajectories = (
+        {"trajectory": [c.trajectory for c in completions]} if any(c.trajectory for c in completions) else {}
+    )
     return rewards(
         [r["prompt"] for r in expanded],
         [c.text for c in completions],
         completion_ids=[c.token_ids for c in completions],
         **columns_of(expanded),
+        **trajectories,
     )
 
 
@@ -83,6 +89,7 @@ def score_rewarded(
         "completions/max_length": max(lengths),
         "completions/clipped_ratio": truncated.float().mean().item(),
         "reward_errors": float(sum(result.errors.values())),
+        **multiturn_metrics(completions),
     }
     if started is not None:
         metrics["timing/reward_s"] = time.perf_counter() - started

@@ -52,7 +52,11 @@ class Completion:
     logprobs: list[float]  # behaviour log-probs of token_ids under log_softmax(logits / temperature)
     finish_reason: str  # "stop" (EOS) or "length" (hit max_tokens)
     policy_version: int = 0
-    text: str = field(default="", repr=False)
+    text: str = field(default="", repr=False)  # a multi-turn trajectory's: its final model turn's
+    # a multi-turn trajectory (`trainer.multiturn`): 1 on the tokens the model wrote, 0 on the observations
+    # between its turns (which the loss never sees); None: every token is the model's
+    token_mask: list[int] | None = field(default=None, repr=False)
+    trajectory: dict | None = field(default=None, repr=False)  # turns, tool calls, errors, cut, messages
 
 
 class RolloutEngine(Protocol):

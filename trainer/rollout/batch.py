@@ -23,7 +23,7 @@ class MicroBatch:
     input_ids: torch.Tensor  # [b, P + C] left-padded prompt | right-padded completion
     attention_mask: torch.Tensor  # [b, P + C]
     position_ids: torch.Tensor  # [b, P + C] counting real tokens only
-    completion_mask: torch.Tensor  # [b, C] float: 1 on the completion tokens that take part in the loss
+    completion_mask: torch.Tensor  # [b, C] float: 1 on the model-written completion tokens in the loss
     behaviour_logps: torch.Tensor  # [b, C] the sampling engine's log-probs of those tokens (0 on padding)
     advantages: torch.Tensor  # [b]
     prompt_width: int  # P
@@ -88,6 +88,8 @@ class RolloutBatch:
                 ids[r, p_len : p_len + n] = torch.tensor(c.token_ids)
                 attn[r, p_len : p_len + n] = 1
                 cmask[r, :n] = float(self.loss_mask[i])
+                if c.token_mask is not None:  # observations between a trajectory's turns: not the model's
+                    cmask[r, :n] *= torch.tensor(c.token_mask, dtype=cmask.dtype)
                 behaviour[r, :n] = torch.tensor(c.logprobs)
                 if (vision := vision_of(p)) is not None and vision.image_token_id in c.token_ids:
                     # A sampled image placeholder has no image behind it: fed back it would make the model

@@ -36,7 +36,7 @@ def shares_weights(engine: RolloutEngine) -> bool:
     samples them. vLLM and LMDeploy hold their own copy, which `load_policy` refreshes."""
     from trainer.rollout.hf_engine import HFEngine
 
-    return isinstance(engine, HFEngine)
+    return isinstance(getattr(engine, "inner", engine), HFEngine)  # a multi-turn engine: the one it wraps
 
 
 def load_policy(engine: RolloutEngine, model, version: int) -> None:
@@ -110,6 +110,8 @@ def make_engine(
     transformers engine over the trainer's module when rollout is asynchronous (the recipe's engine runs in
     the rollout workers; this one serves the held-out evaluation), or in server mode the server's client on
     rank 0 and a `ServedByRankZero` stand-in on the other ranks. A rollout worker names its `device`.
+    With `cfg.env` the engine is wrapped in a `trainer.multiturn.rollout.MultiTurnEngine`: it generates
+    whole trajectories in that environment.
 
     transformers: wraps `model` and `tokenizer` when given (the trainer's own copy: generation then always
     sees the current weights), else loads both from `model_path` onto `device`.
@@ -118,6 +120,44 @@ def make_engine(
     `cfg.server_url`. lmdeploy: an in-process pipeline; `lmdeploy_backend` "pytorch" is the one whose
     weights can be updated in place.
     """
+    engine = _make_engine(
+        cfg,
+        model_path,
+        model=model,
+        tokenizer=tokenizer,
+        device=device,
+        model_cfg=model_cfg,
+        seed=seed,
+        lmdeploy_backend=lmdeploy_backend,
+        max_model_len=max_model_len,
+    )
+    if cfg.env is None:
+        return engine
+    from trainer.multiturn.rollout import in_environment
+
+    if tokenizer is None:
+        tokenizer = getattr(engine, "tokenizer", None)
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_path, trust_remote_code=bool(model_cfg and model_cfg.trust_remote_code)
+        )
+    return in_environment(engine, tokenizer, cfg.env)
+
+
+def _make_engine(
+    cfg: RolloutConfig,
+    model_path: str,
+    *,
+    model,
+    tokenizer,
+    device: str | None,
+    model_cfg: ModelConfig | None,
+    seed: int,
+    lmdeploy_backend: str,
+    max_model_len: int | None,
+) -> RolloutEngine:
     model_cfg = model_cfg or ModelConfig(dtype="auto")
     kind, executor = cfg.engine, None
     if device is None:
