@@ -494,7 +494,7 @@ def test_train_through_a_vllm_server_syncs_the_final_weights(
     assert logp_gap(final.eval(), tokenizer, prompts, groups, 1.0) < 1e-4
 
 
-# ---- multi-turn trajectories (trainer.multiturn) ------------------------------------------------------------
+# ---- multi-turn trajectories (trainer.multiturn) ----------------------------------------------------------
 
 # a user environment (tests/feedback_env.py): after a wrong answer the model reads "Wrong, try again." and
 # answers again, so the tiny addition model plays multi-turn episodes without calling any tool

@@ -98,7 +98,7 @@ class BootstrapConfig:
     intermediate_size: int = _f(384, "MLP width", ge=1, le=MAX_WIDTH)
     sft_rows: int = _f(20000, "synthetic worked solutions for the warm-up", ge=1, le=MAX_ROWS)
     tool_fraction: float = _f(
-        0.5,
+        0.2,
         "a task whose rows offer tools (multiplication): the share of warm-up solutions that call the tool "
         "(the others answer in the head)",
         ge=0,
