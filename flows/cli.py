@@ -141,6 +141,25 @@ def _memory_text(memory: dict) -> str:
     return "\n".join(lines + [f"  note: {n}" for n in memory["notes"]])
 
 
+def _environment_plan(env) -> dict | None:
+    """The multi-turn environment a recipe trains in, its tools loaded (a tool that does not load is an error
+    naming rollout.env.tools); None for single-turn training."""
+    if env is None:
+        return None
+    from trainer.multiturn.tools import load_tool
+
+    try:
+        tools = [load_tool(spec).name for spec in env.tools]
+    except Exception as e:  # noqa: BLE001 - any failure to load a user's tool is the recipe's error
+        raise UsageError(f"rollout.env.tools: {e}") from None
+    return {
+        "name": env.name,
+        "tools": tools,
+        "max_turns": env.max_turns,
+        "tool_timeout_s": env.tool_timeout_s,
+    }
+
+
 def cmd_train(args) -> dict | None:
     recipe = _recipe(args)
     for flag, value in (("--gpus", args.gpus), ("--gpu-memory-gib", args.gpu_memory_gib)):
@@ -159,7 +178,10 @@ def cmd_train(args) -> dict | None:
         memory = estimate(recipe, args.gpus, args.gpu_memory_gib or 80.0)
         _say(args, _memory_text(memory))
         refuse_unless_fits(recipe, memory)
-        return {"dry_run": True, "recipe": recipe.name, **summary, "memory": memory}
+        env = _environment_plan(recipe.rollout.env)
+        if env is not None:
+            _say(args, f"environment: {env['name']}, tools {env['tools']}, at most {env['max_turns']} turns")
+        return {"dry_run": True, "recipe": recipe.name, **summary, "env": env, "memory": memory}
     from trainer.grpo import prepare_inputs, train_recipe
     from trainer.launch import launch_ranks, needs_launch
 

@@ -462,7 +462,9 @@ def test_the_calculator_demo_runs_the_whole_pipeline_and_gains_15_points_which_t
     assert proc.returncode == 0, proc.stderr[-4000:]
     s = last_json(proc)
     before, after = s["heldout_accuracy_before"], s["scores"]["heldout_accuracy"]
-    assert after == pytest.approx(s["heldout_accuracy_after"])  # the evaluation stage scored what training did
+    assert after == pytest.approx(
+        s["heldout_accuracy_after"]
+    )  # the evaluation stage scored what training did
     print(f"tiny-tools-cpu: held-out {before:.3f} -> {after:.3f}")
     assert after >= before + 0.15, s
     uri = f"sqlite:///{tmp_path / 'state' / 'mlflow.db'}"
@@ -479,3 +481,19 @@ def test_the_calculator_demo_runs_the_whole_pipeline_and_gains_15_points_which_t
     alone = evaluate_greedy(engine, tokenizer, rows, accuracy_reward, format_reward, max_tokens=64)
     print(f"tiny-tools-cpu without the calculator: {alone['accuracy']:.3f}")
     assert alone["accuracy"] <= before + 0.05 < after
+
+
+def test_the_8gpu_tools_recipe_dry_run_shows_its_placement_environment_and_memory_plan():
+    recipe = str(REPO_ROOT / "configs" / "qwen2.5-7b-tools-8gpu.yaml")
+    proc = grpoflow_run("train", "--dry-run", "--json", "--config", recipe)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plan = last_json(proc)
+    assert plan["train_devices"] == [0, 1, 2, 3, 4, 5] and plan["rollout_devices"] == [[6], [7]]
+    assert plan["env"] == {"name": "tools", "tools": ["calculator"], "max_turns": 4, "tool_timeout_s": 5.0}
+    assert all(d["fits"] for d in plan["memory"]["devices"])
+    bad = grpoflow_run(
+        "train", "--dry-run", "--json", "--config", recipe, "rollout.env.tools=[calculator, nope]"
+    )
+    assert bad.returncode == 2 and last_json(bad)["error"].startswith(
+        "rollout.env.tools: unknown tool 'nope'"
+    )

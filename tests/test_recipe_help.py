@@ -94,21 +94,25 @@ def test_a_field_shows_its_type_default_bounds_and_help():
 
 def test_a_printed_default_loads_back_as_the_default():
     # Each default, pasted into a recipe as printed, gives the default recipe again; the settings inside an
-    # off-by-default block (model.lora: null) would switch it on, and are pasted on their own below.
+    # off-by-default block (model.lora: null, rollout.env: null) would switch it on, and are pasted on their
+    # own below.
+    blocks = {"model.lora.": recipe_module.LoraConfig, "rollout.env.": recipe_module.EnvConfig}
     lines = [
         f"{doc.key}={value_text(doc.default)}"
         for doc in recipe_fields()
-        if "[]" not in doc.key and not doc.key.startswith("model.lora.")
+        if "[]" not in doc.key and not doc.key.startswith(tuple(blocks))
     ]
     entry_fields = len(dataclasses.fields(recipe_module.RewardSpec))
-    lora_fields = len(dataclasses.fields(recipe_module.LoraConfig))
-    assert len(lines) == len(KEYS) - entry_fields - lora_fields  # and not those of one `rewards` entry
+    block_fields = sum(len(dataclasses.fields(cls)) for cls in blocks.values())
+    assert len(lines) == len(KEYS) - entry_fields - block_fields  # and not those of one `rewards` entry
     assert load_recipe(None, lines) == load_recipe(None)
-    lora = [
-        f"{doc.key}={value_text(doc.default)}" for doc in recipe_fields() if doc.key.startswith("model.lora.")
-    ]
-    assert load_recipe(None, ["model.lora={}"]).model.lora == recipe_module.LoraConfig()
-    assert load_recipe(None, lora).model.lora == recipe_module.LoraConfig()
+    for prefix, cls in blocks.items():
+        pasted = [
+            f"{doc.key}={value_text(doc.default)}" for doc in recipe_fields() if doc.key.startswith(prefix)
+        ]
+        section, name = prefix.rstrip(".").split(".")
+        assert getattr(getattr(load_recipe(None, [f"{section}.{name}={{}}"]), section), name) == cls()
+        assert getattr(getattr(load_recipe(None, pasted), section), name) == cls()
 
 
 def test_a_section_gives_its_fields_and_no_key_gives_every_field():

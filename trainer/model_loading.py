@@ -40,7 +40,7 @@ def load_model(
     A LoRA run's checkpoint (an adapter) loads as its base model with the adapter merged in: a plain model,
     like any other checkpoint's (`trainer.lora`).
     """
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     quiet_transformers_progress()
     if verify:
@@ -51,7 +51,7 @@ def load_model(
     if cfg.attn_implementation:
         kwargs["attn_implementation"] = attention_implementation(cfg.attn_implementation)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=cfg.trust_remote_code)
+        tokenizer = load_tokenizer(name_or_path, cfg)
         if is_adapter_dir(name_or_path):  # a LoRA run's checkpoint: its base with the adapter merged in
             base, _ = load_model(base_model_of(name_or_path), cfg, "cpu", verify=verify)
             model = merged_from(name_or_path, base)
@@ -73,6 +73,15 @@ def load_model(
 
 # transformers' FlashAttention implementations and the package each imports; no grpoflow extra installs them
 FLASH_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
+
+
+def load_tokenizer(name_or_path: str, cfg: ModelConfig | None = None):
+    """The tokenizer of a model (what `load_model` returns beside it), for a process that needs only that (a
+    multi-turn engine over vLLM renders the environment's messages with it)."""
+    from transformers import AutoTokenizer
+
+    cfg = cfg or ModelConfig()
+    return AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=cfg.trust_remote_code)
 
 
 @functools.cache  # one warning per process, however many models it loads

@@ -138,11 +138,9 @@ def make_engine(
     if tokenizer is None:
         tokenizer = getattr(engine, "tokenizer", None)
     if tokenizer is None:
-        from transformers import AutoTokenizer
+        from trainer.model_loading import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(
-            model_path, trust_remote_code=bool(model_cfg and model_cfg.trust_remote_code)
-        )
+        tokenizer = load_tokenizer(model_path, model_cfg)
     return in_environment(engine, tokenizer, cfg.env)
 
 
