@@ -106,6 +106,8 @@ class MultiTurnEngine:
         self.inner.version = value
 
     def __getattr__(self, name):  # update_weights, sleep, wake_up, model, ... are the engine's
+        if name == "inner":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams) -> list[list[Completion]]:

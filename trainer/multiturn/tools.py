@@ -14,13 +14,13 @@ answer; none of them raises.
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from data.synthetic import CALCULATOR_SCHEMA
+from data.schema import CALCULATOR_SCHEMA
+from trainer.rewards.runner import call_with_timeout
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 UNCLOSED_CALL = re.compile(r"<tool_call>(?!.*</tool_call>)", re.DOTALL)
@@ -85,14 +85,13 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
 
 
 class ToolRunner:
-    """Runs calls against a set of tools, each within `timeout_s` (in a worker thread: a call that outlasts it
-    is answered with a timeout error and left to finish on its own, so a tool should not hold resources
+    """Runs calls against a set of tools, each within `timeout_s` (in a daemon thread: a call that outlasts
+    it is answered with a timeout error and left to finish on its own, so a tool should not hold resources
     forever)."""
 
     def __init__(self, tools: list[Tool], timeout_s: float):
         self.tools = {t.name: t for t in tools}
         self.timeout_s = timeout_s
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="tool")
 
     def run(self, call: ToolCall) -> ToolResult:
         if call.error is not None:
@@ -106,10 +105,9 @@ class ToolRunner:
         missing = [k for k in tool.parameters.get("required", []) if k not in call.arguments]
         if missing:
             return ToolResult(call.name, f"error: missing argument {missing[0]!r}", "bad arguments")
-        future = self._pool.submit(tool.fn, **call.arguments)
         try:
-            value = future.result(timeout=self.timeout_s)
-        except concurrent.futures.TimeoutError:
+            value = call_with_timeout(tool.fn, self.timeout_s, f"tool-{tool.name}", **call.arguments)
+        except TimeoutError:
             return ToolResult(
                 call.name, f"error: {call.name} timed out after {self.timeout_s:g} s", "timeout"
             )
@@ -118,9 +116,6 @@ class ToolRunner:
         except Exception as e:  # noqa: BLE001 - the model reads what went wrong, training goes on
             return ToolResult(call.name, f"error: {type(e).__name__}: {e}", "raised")
         return ToolResult(call.name, str(value)[:MAX_RESULT_CHARS])
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def calculate(expression: str) -> str:

@@ -42,6 +42,28 @@ class RewardTimeout(TimeoutError):
     """A reward call ran past the runner's timeout and was abandoned."""
 
 
+def call_with_timeout(fn: Callable, timeout_s: float, name: str, *args, **kwargs):
+    """`fn(*args, **kwargs)`, or TimeoutError after `timeout_s` seconds (the call is abandoned, left to end
+    on its own in a daemon thread named `name`). Its exception, if it raises, is raised here.
+
+    A daemon thread rather than a ThreadPoolExecutor: executors join their threads at interpreter exit, so
+    one hung call (a reward, a tool) would keep the process from ever ending."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def work() -> None:
+        future.set_running_or_notify_cancel()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as error:  # handed to the caller, which decides what to count
+            future.set_exception(error)
+
+    threading.Thread(target=work, name=name, daemon=True).start()
+    done, _ = concurrent.futures.wait([future], timeout=timeout_s)
+    if not done:
+        raise TimeoutError(f"no result after {timeout_s} s")
+    return future.result()
+
+
 class BadRewardOutput(TypeError):
     """A reward returned something other than one finite number or None per completion."""
 
@@ -166,22 +188,11 @@ class RewardRunner:
     def _call(self, fn: RewardFn, prompts, completions, columns):
         if self.timeout_s is None:
             return fn(prompts, completions, **columns)
-        # A daemon thread rather than a ThreadPoolExecutor: executors join their threads at interpreter exit,
-        # so one hung reward would keep the process from ever ending.
-        future: concurrent.futures.Future = concurrent.futures.Future()
-
-        def work() -> None:
-            future.set_running_or_notify_cancel()
-            try:
-                future.set_result(fn(prompts, completions, **columns))
-            except BaseException as error:  # handed to the caller, which decides what to count
-                future.set_exception(error)
-
-        threading.Thread(target=work, name=f"reward-{getattr(fn, '__name__', 'fn')}", daemon=True).start()
-        done, _ = concurrent.futures.wait([future], timeout=self.timeout_s)
-        if not done:
-            raise RewardTimeout(f"no result after {self.timeout_s} s (call abandoned)")
-        return future.result()
+        name = f"reward-{getattr(fn, '__name__', 'fn')}"
+        try:
+            return call_with_timeout(fn, self.timeout_s, name, prompts, completions, **columns)
+        except TimeoutError:
+            raise RewardTimeout(f"no result after {self.timeout_s} s (call abandoned)") from None
 
     def _log_once(self, name: str, error: BaseException, where: str) -> None:
         key = (name, type(error).__name__)
