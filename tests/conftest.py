@@ -242,6 +242,22 @@ def stopped_after(run: Path, step: int) -> None:
     (run / "latest").write_text(f"checkpoint-{step}\n")
 
 
+def rollout_workers_once(proc: subprocess.Popen, marker: Path, timeout_s: float = 300) -> list:
+    """The rollout worker processes (`psutil.Process`) of the training run `proc` once `marker` exists (e.g.
+    its `latest` file: a checkpoint written); fails the test with the run's stderr if it never appears."""
+    import psutil
+
+    deadline = time.time() + timeout_s
+    while not marker.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    assert marker.exists(), proc.communicate()[1][-4000:]
+    workers = [
+        c for c in psutil.Process(proc.pid).children(recursive=True) if "spawn_main" in " ".join(c.cmdline())
+    ]
+    assert workers, "no rollout worker process found"
+    return workers
+
+
 def tree_digest(root: Path) -> dict[str, str]:
     """Every path under `root` (hidden ones too) with its sha256 ('dir' for directories)."""
     from data.manifest import sha256_file

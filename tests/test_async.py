@@ -15,7 +15,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, rollout_workers_once
 from trainer.grpo import GRPOTrainer
 from trainer.recipe import load_recipe
 
@@ -143,14 +143,7 @@ def test_killed_rollout_worker_fails_the_run_naming_it_and_rerun_resumes(tmp_pat
     )
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     latest = tmp_path / "run" / "latest"
-    deadline = time.time() + 300
-    while not latest.exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.1)
-    assert latest.exists(), proc.communicate()[1][-3000:]
-    workers = [
-        c for c in psutil.Process(proc.pid).children(recursive=True) if "spawn_main" in " ".join(c.cmdline())
-    ]
-    assert workers, "no rollout worker process found"
+    workers = rollout_workers_once(proc, latest)
     os.kill(workers[0].pid, signal.SIGKILL)
     killed = time.time()
     _, err = proc.communicate(timeout=120)

@@ -15,11 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
-from conftest import REPO_ROOT, grpoflow_run, last_json
+from conftest import REPO_ROOT, clean_env, grpoflow_run, last_json, rollout_workers_once
 from trainer.multiturn.environment import ToolEnvironment
 from trainer.multiturn.rollout import MultiTurnEngine, observation_text
 from trainer.multiturn.tools import CALCULATOR, Tool, ToolCall, calculate, parse_tool_calls
@@ -393,19 +392,12 @@ def test_a_killed_async_worker_mid_trajectory_fails_the_run_naming_it_and_a_reru
             "train.eval_heldout=0",
         ),
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env = clean_env()
     proc = subprocess.Popen(
         cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
     latest = tmp_path / "run" / "latest"
-    deadline = time.time() + 300
-    while not latest.exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.1)
-    assert latest.exists(), proc.communicate()[1][-3000:]
-    workers = [
-        c for c in psutil.Process(proc.pid).children(recursive=True) if "spawn_main" in " ".join(c.cmdline())
-    ]
-    assert workers, "no rollout worker process found"
+    workers = rollout_workers_once(proc, latest)
     os.kill(workers[0].pid, signal.SIGKILL)  # it is generating the next batch's trajectories
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 1
@@ -436,28 +428,18 @@ def test_the_calculator_demo_runs_the_whole_pipeline_and_gains_15_points_which_t
     from trainer.rewards import accuracy_reward, format_reward
     from trainer.rollout.hf_engine import HFEngine
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "flows.cli",
-            "run",
-            "--config",
-            str(TOOLS),
-            "--state-dir",
-            str(tmp_path / "state"),
-            "--json",
-            f"bootstrap.out={tools_base['path']}",
-            f"data.out={tmp_path / 'data'}",
-            f"train.output_dir={tmp_path / 'runs'}",
-            f"eval.out={tmp_path / 'eval'}",
-        ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
+    proc = grpoflow_run(
+        "run",
+        "--config",
+        str(TOOLS),
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--json",
+        f"bootstrap.out={tools_base['path']}",
+        f"data.out={tmp_path / 'data'}",
+        f"train.output_dir={tmp_path / 'runs'}",
+        f"eval.out={tmp_path / 'eval'}",
         timeout=1500,  # about 3 minutes on 2 idle cores: a bound against a hang, not a speed check
-        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     s = last_json(proc)

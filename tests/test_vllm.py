@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO_ROOT, require_vllm, shared, stop_group, stopped_after
+from conftest import REPO_ROOT, require_vllm, rollout_workers_once, shared, stop_group, stopped_after
 
 require_vllm("`make test-vllm` runs these tests in .venv-vllm")
 
@@ -359,7 +359,6 @@ def test_colocated_training_on_cpu_runs_with_a_logged_no_op_sleep(tmp_path, tiny
 
 
 def test_async_vllm_worker_killed_fails_the_run_naming_it_and_a_rerun_resumes(tmp_path, tiny_base, tiny_data):
-    import psutil
 
     args = small_run(
         tmp_path,
@@ -372,14 +371,7 @@ def test_async_vllm_worker_killed_fails_the_run_naming_it_and_a_rerun_resumes(tm
     )
     proc = grpoflow("train", *args)
     latest = tmp_path / "run" / "latest"
-    deadline = time.time() + 900
-    while not latest.exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.2)
-    assert latest.exists(), proc.communicate()[1][-4000:]
-    workers = [
-        c for c in psutil.Process(proc.pid).children(recursive=True) if "spawn_main" in " ".join(c.cmdline())
-    ]
-    assert workers, "no rollout worker process found"
+    workers = rollout_workers_once(proc, latest, timeout_s=900)
     # the worker generates with vLLM: its compiled kernels are mapped into that process
     assert any("vllm" in m.path for m in workers[0].memory_maps()), "the rollout worker has not loaded vLLM"
     os.kill(workers[0].pid, signal.SIGKILL)
