@@ -9,8 +9,10 @@ design, rather than skip."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -58,10 +60,17 @@ def rank_env() -> dict:
     return env
 
 
-def on_hosts(hosts: Hosts, runs: list[Path], tiny_base: dict, data: Path, timeout: float = 300) -> list:
-    """`grpoflow train` as one trainer rank on each host (torchrun, c10d rendezvous at host 0), host k writing
-    to `runs[k]`; (returncode, stdout, stderr) per host."""
-    procs = [
+def on_hosts(hosts: Hosts, runs: list[Path], tiny_base: dict, data: Path, *overrides: str) -> list:
+    """`grpoflow train` as one trainer rank on each host, to its end: (returncode, stdout, stderr) each."""
+    procs = start_on_hosts(hosts, runs, tiny_base, data, *overrides)
+    outputs = [p.communicate(timeout=300) for p in procs]
+    return [(p.returncode, *out) for p, out in zip(procs, outputs, strict=True)]
+
+
+def start_on_hosts(hosts: Hosts, runs: list[Path], tiny_base: dict, data: Path, *overrides: str) -> list:
+    """`grpoflow train` started as one trainer rank on each host (torchrun, c10d rendezvous at host 0), host k
+    writing to `runs[k]`; the processes."""
+    return [
         hosts.popen(
             k,
             [
@@ -75,7 +84,7 @@ def on_hosts(hosts: Hosts, runs: list[Path], tiny_base: dict, data: Path, timeou
                 "--rdzv_id=grpoflow-test",
                 f"--rdzv_conf=is_host={str(k == 0).lower()},join_timeout=60",
                 f"--local_addr={hosts.address(k)}",
-                *train_args(run, tiny_base, data),
+                *train_args(run, tiny_base, data, *overrides),
             ],
             cwd=REPO_ROOT,
             env=rank_env(),
@@ -85,8 +94,26 @@ def on_hosts(hosts: Hosts, runs: list[Path], tiny_base: dict, data: Path, timeou
         )
         for k, run in enumerate(runs)
     ]
-    outputs = [p.communicate(timeout=timeout) for p in procs]
-    return [(p.returncode, *out) for p, out in zip(procs, outputs, strict=True)]
+
+
+def on_this_host(run: Path, tiny_base: dict, data: Path, *overrides: str) -> None:
+    """The same training as two local gloo ranks (torchrun --standalone)."""
+    local = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            *train_args(run, tiny_base, data, *overrides),
+        ],
+        cwd=REPO_ROOT,
+        env=rank_env() | {"GLOO_SOCKET_IFNAME": "lo"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert local.returncode == 0, local.stderr[-3000:]
 
 
 def metrics(run: Path) -> list[dict]:
@@ -100,22 +127,7 @@ def test_two_hosts_train_as_two_local_ranks_do(tmp_path, tiny_base, tiny_data):
     all-reduce over two ranks sums in the same order, whatever carries its bytes)."""
     from safetensors.torch import load_file
 
-    local = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            *train_args(tmp_path / "local", tiny_base, tiny_data),
-        ],
-        cwd=REPO_ROOT,
-        env=rank_env() | {"GLOO_SOCKET_IFNAME": "lo"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert local.returncode == 0, local.stderr[-3000:]
+    on_this_host(tmp_path / "local", tiny_base, tiny_data)
     with Hosts(2) as hosts:
         answers = on_hosts(hosts, [tmp_path / "hosts"] * 2, tiny_base, tiny_data)
     for code, _, err in answers:
@@ -143,3 +155,38 @@ def test_a_run_directory_the_hosts_do_not_share_is_refused_at_start_naming_it(tm
     assert (
         not (host0 / "metrics.jsonl").exists() and not (tmp_path / "host1" / "run" / "metrics.jsonl").exists()
     )
+
+
+def test_a_host_lost_mid_run_fails_the_run_naming_it_and_the_rerun_resumes_to_the_uninterrupted_metrics(
+    tmp_path, tiny_base, tiny_data
+):
+    """Host 1's processes SIGKILLed right after checkpoint 2 of 8: host 0's rank fails within seconds (its
+    next collective finds the peer gone) naming the lost host, its address and rank, and the same command on
+    both hosts resumes from checkpoint 2; the resumed run's metrics equal those of two local ranks that were
+    never interrupted (tolerance 0, as above)."""
+    steps = ("train.max_steps=8", "train.save_steps=2")
+    on_this_host(tmp_path / "straight", tiny_base, tiny_data, *steps)
+    run = tmp_path / "run"
+    with Hosts(2) as hosts:
+        procs = start_on_hosts(hosts, [run, run], tiny_base, tiny_data, *steps)
+        deadline = time.monotonic() + 240
+        while not (run / "latest").exists() and time.monotonic() < deadline and procs[0].poll() is None:
+            time.sleep(0.05)
+        assert (run / "latest").exists(), procs[0].communicate()[1][-3000:]
+        assert hosts.kill(1), "host 1 had no processes to kill"
+        lost_at = time.monotonic()
+        _, err = procs[0].communicate(timeout=120)
+        assert procs[0].returncode != 0
+        assert time.monotonic() - lost_at < 60  # noticed at the next collective, not at a timeout
+        assert f"lost trainer rank 1 on host {socket.gethostname()} ({hosts.address(1)}) mid-run" in err
+        assert "Rerun the same command on every node" in err
+    checkpoint = int((run / "latest").read_text().split("-")[1])
+    assert 2 <= checkpoint < 8
+    with Hosts(2) as hosts:  # the host is back
+        answers = on_hosts(hosts, [run, run], tiny_base, tiny_data, *steps)
+    for code, _, err in answers:
+        assert code == 0, err[-3000:]
+    summary = json.loads(answers[0][1].strip().splitlines()[-1])
+    assert summary["resumed_from_step"] == checkpoint and summary["steps"] == 8
+    resumed, straight = metrics(run), metrics(tmp_path / "straight")
+    assert [r["step"] for r in resumed] == list(range(1, 9)) and resumed == straight

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -111,17 +112,60 @@ def init_distributed(timeout_s: float, rollout: RolloutConfig | None = None) -> 
 
     if not dist.is_initialized():
         dist.init_process_group(process_group_backend(cuda), timeout=timedelta(seconds=timeout_s))
+        global _PEERS
+        _PEERS = [None] * dist.get_world_size()  # where each rank runs, to name a host that is lost later
+        dist.all_gather_object(_PEERS, (socket.gethostname(), own_address(os.environ.get("MASTER_ADDR"))))
     return dist.get_rank(), dist.get_world_size()
+
+
+_PEERS: list[tuple[str, str]] | None = None  # (hostname, address) of every trainer rank, by rank
+# gloo's words for a peer that went away mid-collective: "Connection closed by peer [10.0.0.2]:45736"
+_LOST_PEER = re.compile(r"(?:closed by peer|reset by peer|Connection refused)\D*?\[?(\d+\.\d+\.\d+\.\d+)\]?")
+
+
+def own_address(master: str | None) -> str:
+    """This rank's address on the network it shares with the rendezvous host `master` (the local end of a
+    route to it; nothing is sent); 127.0.0.1 on one node."""
+    if not master or master in ("localhost", "127.0.0.1"):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master, 1))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostname()
+
+
+def lost_peer(error: BaseException) -> str | None:
+    """What to say when `error` is a collective failing because another trainer rank's host went away: the
+    host (name and address) and its ranks; None for any other error."""
+    match = _LOST_PEER.search(str(error))
+    if match is None or _PEERS is None:
+        return None
+    address = match.group(1)
+    ranks = [r for r, (_, a) in enumerate(_PEERS) if a == address]
+    if not ranks:
+        return None
+    host = _PEERS[ranks[0]][0]
+    which = ", ".join(map(str, ranks))
+    return (
+        f"lost trainer rank{'s' if len(ranks) > 1 else ''} {which} on host {host} ({address}) mid-run: "
+        f"{str(error).splitlines()[0][:200]}. Rerun the same command on every node: it resumes from the "
+        "last checkpoint"
+    )
 
 
 @contextlib.contextmanager
 def distributed_exit():
     """Leave the process group (`leave_distributed`) when the block ends: cleanly after a success, at once
-    after an error."""
+    after an error. An error that is another trainer rank's host going away is raised again naming that host
+    (`lost_peer`)."""
     try:
         yield
-    except BaseException:
+    except BaseException as e:
         leave_distributed(clean=False)
+        if (message := lost_peer(e)) is not None:  # another node is gone: say which, not gloo's socket error
+            raise RuntimeError(message) from e
         raise
     leave_distributed()
 
