@@ -34,9 +34,12 @@ def vllm_settings(cfg: RolloutConfig, max_model_len: int | None = None) -> dict:
 def shares_weights(engine: RolloutEngine) -> bool:
     """True for the transformers engine: it generates with the module the weights live in, so it always
     samples them. vLLM and LMDeploy hold their own copy, which `load_policy` refreshes."""
+    from trainer.multiturn.rollout import MultiTurnEngine
     from trainer.rollout.hf_engine import HFEngine
 
-    return isinstance(getattr(engine, "inner", engine), HFEngine)  # a multi-turn engine: the one it wraps
+    if isinstance(engine, MultiTurnEngine):  # trajectories over an engine: that engine's weights
+        engine = engine.inner
+    return isinstance(engine, HFEngine)
 
 
 def load_policy(engine: RolloutEngine, model, version: int) -> None:
