@@ -79,7 +79,7 @@ test:
 
 # the real vLLM (CPU build) tests, in the vLLM venv: the engine's own, and the multi-GPU logic (placement, process
 # groups, vLLM under the external launcher, rank 0 alone driving a vLLM server), whose vLLM tests must not skip
-VLLM_TESTS := tests/test_vllm.py tests/test_multigpu.py tests/test_multihost_vllm.py
+VLLM_TESTS := tests/test_vllm.py tests/test_multigpu.py
 # a benchmark (`make bench` runs it in the vLLM venv); collected in the main venv it would only skip, needing vLLM
 ENGINE_BENCH := tests/benchmarks/test_bench_engines.py
 test-vllm: $(VLLM_STAMP)

@@ -87,6 +87,7 @@ from trainer.strategy import TrainingStrategy, check_recipe, make_strategy
 from trainer.typed_config import ConfigError
 
 log = logging.getLogger("grpoflow.train")
+UNKNOWN_VERSION = -1  # an engine whose weights are not known to be any policy version
 
 
 class GRPOTrainer:
@@ -160,6 +161,10 @@ class GRPOTrainer:
             seed=cfg.seed,
             max_model_len=cfg.max_prompt_length + cfg.max_completion_length,
         )
+        # a rollout server was started by someone else and may hold any weights (another run's, a previous
+        # attempt's): its version is unknown, so it is sent the policy before it first generates
+        if served_by_rank_zero(self.rollout):
+            engine_version = UNKNOWN_VERSION
         self.local_engine = LocalEngine(engine, self.rollout, version=engine_version)
         self.callbacks += [load_plugin(spec, what="training callback")() for spec in cfg.callbacks]
         self.rewards = RewardRunner(
