@@ -119,8 +119,12 @@ def init_distributed(timeout_s: float, rollout: RolloutConfig | None = None) -> 
 
 
 _PEERS: list[tuple[str, str]] | None = None  # (hostname, address) of every trainer rank, by rank
-# gloo's words for a peer that went away mid-collective: "Connection closed by peer [10.0.0.2]:45736"
-_LOST_PEER = re.compile(r"(?:closed by peer|reset by peer|Connection refused)\D*?\[?(\d+\.\d+\.\d+\.\d+)\]?")
+# gloo's words when a peer went away mid-collective ("Connection closed by peer [10.0.0.2]:45736", "Read error
+# [10.0.0.2]:45736: Connection reset by peer"): then the message's address is the lost peer's
+_LOST_PEER_WORDS = re.compile(
+    r"closed by peer|reset by peer|Connection refused|Broken pipe|Read error|Write error"
+)
+_ADDRESS = re.compile(r"\d+\.\d+\.\d+\.\d+")
 
 
 def own_address(master: str | None) -> str:
@@ -139,13 +143,14 @@ def own_address(master: str | None) -> str:
 def lost_peer(error: BaseException) -> str | None:
     """What to say when `error` is a collective failing because another trainer rank's host went away: the
     host (name and address) and its ranks; None for any other error."""
-    match = _LOST_PEER.search(str(error))
-    if match is None or _PEERS is None:
+    text = str(error)
+    if _PEERS is None or not _LOST_PEER_WORDS.search(text):
         return None
-    address = match.group(1)
+    known = {a for _, a in _PEERS}
+    address = next((a for a in _ADDRESS.findall(text) if a in known), None)
+    if address is None:
+        return None
     ranks = [r for r, (_, a) in enumerate(_PEERS) if a == address]
-    if not ranks:
-        return None
     host = _PEERS[ranks[0]][0]
     which = ", ".join(map(str, ranks))
     return (
