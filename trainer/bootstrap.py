@@ -48,10 +48,8 @@ from data.manifest import (
 from data.progress import Progress, quiet_transformers_progress
 from data.schema import make_row, resolve_system_prompt
 from trainer.heldout import evaluate_greedy
-from trainer.multiturn.environment import ToolEnvironment
-from trainer.multiturn.rollout import MultiTurnEngine
-from trainer.multiturn.tools import CALCULATOR
-from trainer.recipe import BootstrapConfig, ModelConfig
+from trainer.multiturn.rollout import in_environment
+from trainer.recipe import BootstrapConfig, EnvConfig, ModelConfig
 from trainer.rewards import accuracy_reward, format_reward
 from trainer.rollout.hf_engine import HFEngine
 from trainer.vision import save_tokenizer
@@ -183,7 +181,7 @@ def _make(cfg: BootstrapConfig, out: Path, system_prompt: str, digest: str, prog
     model, tokenizer = kit.build(cfg, train_rows, system_prompt)
     engine = HFEngine(model, tokenizer)
     if tools:  # held-out problems are solved as in training: with the calculator at hand
-        engine = MultiTurnEngine(engine, tokenizer, ToolEnvironment([CALCULATOR]), max_turns=2)
+        engine = in_environment(engine, tokenizer, EnvConfig(tools=["calculator"], max_turns=2))
     optim = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
     warmup = max(1, cfg.max_steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
