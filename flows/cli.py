@@ -133,7 +133,8 @@ def _memory_text(memory: dict) -> str:
         + ("fits" if memory["fits"] else "does NOT fit")
     ]
     lines += [
-        f"  {d['device']:<7} {d['role']:<9} {d['total_gib']:7.1f} GiB "
+        ("" if "node" not in d else f"  node {d['node']}")
+        + f"  {d['device']:<7} {d['role']:<9} {d['total_gib']:7.1f} GiB "
         + ("" if d["fits"] else "(over) ")
         + ", ".join(f"{k} {v:.1f}" for k, v in d["parts"].items() if v)
         for d in memory["devices"]
@@ -183,8 +184,21 @@ def cmd_train(args) -> dict | None:
             _say(args, f"environment: {env['name']}, tools {env['tools']}, at most {env['max_turns']} turns")
         return {"dry_run": True, "recipe": recipe.name, **summary, "env": env, "memory": memory}
     from trainer.grpo import prepare_inputs, train_recipe
-    from trainer.launch import launch_ranks, needs_launch
+    from trainer.launch import launch_node, launch_ranks, needs_launch
 
+    nodes = recipe.rollout.nodes
+    if "WORLD_SIZE" not in os.environ and (nodes > 1 or args.node_rank is not None or args.rendezvous):
+        if nodes == 1 or args.node_rank is None or not args.rendezvous:
+            raise UsageError(
+                f"rollout.nodes is {nodes}: --node-rank and --rendezvous HOST:PORT go together with "
+                "rollout.nodes > 1 (the same command on every node, each with its own --node-rank)"
+            )
+        if args.node_rank == 0:  # data and base model once, on the shared disk, before any node trains
+            prepare_inputs(recipe)
+        code = launch_node(recipe, sys.argv[sys.argv.index("train") + 1 :], args.node_rank, args.rendezvous)
+        if code:
+            raise RuntimeError(f"node {args.node_rank}'s trainer ranks exited with status {code}")
+        return None  # trainer rank 0 printed the summary
     if needs_launch(recipe):  # data and base model first, once, then the trainer ranks
         prepare_inputs(recipe)
         code = launch_ranks(recipe, sys.argv[sys.argv.index("train") + 1 :])
@@ -373,6 +387,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=number(float, gt=0),
         help="with --dry-run: the memory plan's GPU size in GiB (default 80); a recipe that does not fit "
         "is refused (exit 2) naming what to change",
+    )
+    p.add_argument(
+        "--node-rank",
+        type=number(int, ge=0),
+        help="with rollout.nodes > 1: this node's rank (0 holds trainer rank 0 and the rollout); run the "
+        "same command on every node, each with its own rank",
+    )
+    p.add_argument(
+        "--rendezvous",
+        metavar="HOST:PORT",
+        help="with rollout.nodes > 1: node 0's address as the other nodes reach it and a port; the nodes "
+        "meet there (and torchrun on PORT + 1) before training",
     )
     _add_recipe_args(p, DEFAULT_CONFIG)
     p.set_defaults(func=cmd_train)

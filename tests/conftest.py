@@ -37,6 +37,32 @@ if importlib.util.find_spec("hypothesis") is not None:
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+# The files that take longest (`--durations`, 2026-12-05), longest first: under `--dist loadfile` a worker takes
+# whole files in collection order, and a long file left to the end runs alone while the other worker idles
+# (the last run's tail: 5 minutes of one worker). Only the order in which files start changes.
+LONGEST_FIRST = (
+    "test_operations.py",
+    "test_compare.py",
+    "test_pipeline.py",
+    "test_multiturn.py",
+    "test_gpu_semantics.py",
+    "test_multihost.py",
+    "test_async.py",
+    "test_lora.py",
+    "test_deepspeed.py",
+    "test_redaction.py",
+    "test_trainer.py",
+    "test_evaluation.py",
+    "test_multimodal.py",
+    "test_serving.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: k for k, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 def shared(*parts: str) -> Path:
     """A path in the reference data; a test that needs what is not there fails, naming it (a skip would hide
     about fifty tests in a CI run that lost ../shared/data)."""

@@ -745,6 +745,13 @@ def test_activation_estimate_covers_what_autograd_keeps_for_a_small_qwen2_in_bf1
     shape = _memory_shape(params=0, hidden=h, layers=layers, intermediate=inter, vocab=vocab)
     estimate = activation_bytes(shape, 2, b, seq, completion)
     assert 1.0 <= estimate / measured <= 1.15, (estimate, measured)
+    # by hand: one layer whole, 2 x 96 tokens x (13 x 256 + 4 x 768) x 2 bytes = 2,457,600; the logits part
+    # 2 x 64 x 1000 x (2 x 2 + 4) = 1,024,000. Checkpointed: each layer's input (2 x 96 x 2 x 256 x 2 =
+    # 196,608) and one layer recomputed whole for its backward
+    assert estimate == 2 * 2_457_600 + 1_024_000
+    assert (
+        activation_bytes(shape, 2, b, seq, completion, checkpointed=True) == 196_608 + 2_457_600 + 1_024_000
+    )
 
 
 def test_shipped_gpu_recipes_fit_80_gib_gpus_in_the_dry_run():
@@ -770,6 +777,42 @@ def test_shipped_gpu_recipes_fit_80_gib_gpus_in_the_dry_run():
             assert d["fits"] is True and d["total_gib"] + 2 <= 80
         assert max(d["parts"]["kv_cache"] for d in memory["devices"]) == share
         assert "memory plan, GPUs of 80 GiB: fits" in proc.stderr
+
+
+def test_the_two_node_recipe_plans_each_node_and_fits_80_gib_gpus_under_zero3_with_checkpointing():
+    """configs/qwen2.5-32b-numina-2x8gpu.yaml: node 0 holds trainer ranks 0-3 and the two tensor-parallel
+    vLLM workers, node 1 trainer ranks 4-11 on all its GPUs; ZeRO-3 shards over the 12 ranks (a twelfth of
+    the 32.8B model's 2-byte weights on each); each node's command names its --node-rank; the memory plan
+    sizes both nodes' GPUs and fits only with gradient checkpointing."""
+    proc = _memory_dry_run("configs/qwen2.5-32b-numina-2x8gpu.yaml")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert plan["trainer_ranks"] == 12 and [n["node"] for n in plan["nodes"]] == [0, 1]
+    node0, node1 = plan["nodes"]
+    assert [p["name"] for p in node0["processes"]] == [
+        *(f"trainer rank {r}" for r in range(4)),
+        "rollout worker 1",
+        "rollout worker 2",
+    ]
+    assert [p["CUDA_VISIBLE_DEVICES"] for p in node0["processes"][4:]] == ["4,5", "6,7"]
+    assert [p["name"] for p in node1["processes"]] == [f"trainer rank {r}" for r in range(4, 12)]
+    assert [p["device"] for p in node1["processes"]] == [f"cuda:{d}" for d in range(8)]
+    assert "--node-rank 1" in node1["command"] and "--nproc_per_node 8" in node1["command"]
+    memory = plan["memory"]
+    assert memory["fits"] is True
+    assert [(d["node"], d["role"]) for d in memory["devices"]] == [
+        *[(0, "trainer")] * 4,
+        *[(0, "rollout")] * 4,
+        *[(1, "trainer")] * 8,
+    ]
+    # the fp32 master weights, sharded: 32,763,876,352 parameters x 4 bytes / 12 ranks = 10.170 GiB
+    trainer = memory["devices"][0]["parts"]
+    assert trainer["master_weights"] == round(4 * 32_763_876_352 / 12 / 2**30, 3)
+    assert "DeepSpeed ZeRO-3" in " ".join(memory["notes"]) and "12 trainer rank(s)" in " ".join(
+        memory["notes"]
+    )
+    without = _memory_dry_run("configs/qwen2.5-32b-numina-2x8gpu.yaml", "train.gradient_checkpointing=false")
+    assert without.returncode == 2 and "node 1 cuda:7" in without.stderr, without.stderr[-3000:]
 
 
 def test_dry_run_refuses_a_recipe_that_does_not_fit_naming_the_fields_to_change():

@@ -333,6 +333,15 @@ BUILDS["qwen2.5-7b-tools-8gpu"] = (
     ("72", "71"),
     (1.5, 0.5, 0.0),
 )
+# node 0 of two: 4 trainer ranks, two tensor-parallel engines of 2 GPUs (node 1: test_gpu_semantics.py)
+BUILDS["qwen2.5-32b-numina-2x8gpu"] = (
+    8,
+    "workers",
+    ["0,1,2,3,4,5,6,7"] * 4,
+    ["4,5", "6,7"],
+    None,
+    *BUILDS["qwen2.5-7b-numina-8gpu"][5:],
+)
 
 
 def test_every_shipped_recipe_has_its_builds_written_down():

@@ -216,9 +216,17 @@ def test_sigkill_then_rerun_resumes_exactly(tmp_path, tiny_base, tiny_data):
         torch.testing.assert_close(wa[name], wb[name], rtol=1e-5, atol=1e-6)
 
 
+# The learning proxy: the embedded default's recipe cut to its first steps (its linear decay over them). On one
+# thread, AVX-512 base 0.3125 (2026-12-05), 60 steps: +11.7 points (seed 0, the recipe's), +5.1 and +8.2
+# (seeds 1, 2); the whole 300-step recipe gives +30 (README, "Measured here"). A change that stops learning
+# leaves the held-out accuracy where it was, or lower.
+PROXY_STEPS, PROXY_GAIN = 60, 0.04
+
+
 @pytest.mark.slow
 def test_tiny_cpu_recipe_learns(tmp_path, tiny_base, tiny_recipe):
-    """The acceptance run: the embedded default's recipe raises held-out greedy accuracy by >= 10 points."""
+    """The learning proxy of the embedded default: its recipe, cut to its first 60 steps, raises held-out
+    greedy accuracy on 256 problems by >= 4 points and logs TRL's metrics at every step."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -230,6 +238,7 @@ def test_tiny_cpu_recipe_learns(tmp_path, tiny_base, tiny_recipe):
             f"bootstrap.out={tiny_base['path']}",
             f"data.out={tmp_path / 'data'}",
             f"train.output_dir={tmp_path / 'run'}",
+            f"train.max_steps={PROXY_STEPS}",
             "--json",
         ],
         cwd=REPO_ROOT,
@@ -240,8 +249,8 @@ def test_tiny_cpu_recipe_learns(tmp_path, tiny_base, tiny_recipe):
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = json.loads(proc.stdout.strip().splitlines()[-1])
     assert s["heldout_before"]["n"] >= 200
-    assert s["heldout_accuracy_after"] >= s["heldout_accuracy_before"] + 0.10, s
-    assert s["steps"] == tiny_recipe.train.max_steps and Path(s["checkpoint"]).is_dir()
+    assert s["heldout_accuracy_after"] >= s["heldout_accuracy_before"] + PROXY_GAIN, s
+    assert s["steps"] == PROXY_STEPS and Path(s["checkpoint"]).is_dir()
     rows = [json.loads(line) for line in Path(s["metrics"]).read_text().splitlines()]
     for key in (
         "reward",

@@ -510,3 +510,41 @@ def test_gspo_cispo_and_a_sequence_mask_train_end_to_end_and_log_trls_metrics(tm
         assert ratios == pytest.approx([1.0] * 3, abs=1e-3) and ratios == sorted(ratios)
         assert 0 <= r["sampling/sampling_logp_difference/mean"] <= r["sampling/sampling_logp_difference/max"]
     assert any(r["cispo_clip_ratio"] > 0 for r in rows)  # the second pass moved some ratio past 1 + 4e-4
+
+
+# ------------------------------------------------------------------------------------- gradient checkpointing
+def test_gradient_checkpointing_gives_the_same_update_keeping_a_fraction_of_the_activations(
+    tmp_path, tiny_base, tiny_data
+):
+    """train.gradient_checkpointing: the update equals the written-out loss's gradient (as without it), and
+    a micro-batch's forward keeps several times fewer bytes for backward (autograd's saved tensors,
+    counted with saved_tensors_hooks), as the memory plan's activation estimate says."""
+    trainer = ready_trainer(
+        tmp_path, tiny_base, tiny_data, reward_plugin(tmp_path, REWARDS), "train.gradient_checkpointing=true"
+    )
+    assert trainer.model.is_gradient_checkpointing
+    batch, _ = trainer.rollout_source().next(0)
+    mb = batch.micro_batch(torch.arange(len(batch)), trainer.tokenizer.pad_token_id)
+
+    def saved_bytes() -> int:
+        sizes = []
+
+        def pack(t):
+            sizes.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            completion_logps(trainer.model, mb, trainer.cfg.temperature)
+        return sum(sizes)
+
+    checkpointed = saved_bytes()
+    trainer.model.gradient_checkpointing_disable()
+    whole = saved_bytes()
+    trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert checkpointed * 3 < whole, (checkpointed, whole)
+    _, gradient = first_pass_loss_and_gradient(
+        trainer, batch, token_weights(batch, "dapo", ALL_KEPT, trainer.cfg.max_completion_length)
+    )
+    applied = record_updates(trainer)
+    trainer.optimize(batch)
+    assert_same_direction_and_size(applied[0][0], gradient * min(1.0, 1.0 / (gradient.norm().item() + 1e-6)))

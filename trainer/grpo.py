@@ -140,6 +140,8 @@ class GRPOTrainer:
             device,
             verify=lora is not None or self.checkpoint is None,
         )
+        if cfg.gradient_checkpointing:  # non-reentrant: works under DDP and with frozen (LoRA) inputs
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if lora is not None:
             self.model = attach_lora(self.model, lora, self.model_path, self.checkpoint)
         self.model.train()

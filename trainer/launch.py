@@ -12,11 +12,12 @@
   the ranks it starts.
 - `rollout.async`: rank 0 spawns the rollout workers itself (trainer/rollout/worker_processes.py), each
   with its engine's CUDA_VISIBLE_DEVICES.
-Multi-node: run the same `grpoflow train` command under your own launcher, e.g.
-`torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500
--m flows.cli train ...`; the trainer picks its rank from the environment (`init_distributed`) and does not
-relaunch. `train.output_dir` must then be one directory that every node mounts at the same path: the ranks
-check it as they start (`trainer.checkpoint.check_shared_run_dir`) and refuse one they do not share.
+- Several nodes (`rollout.nodes`): `grpoflow train --node-rank K --rendezvous HOST:PORT` on each node meets
+  the others (`trainer.rendezvous`, bounded, naming who is missing), then starts the node's ranks under
+  torchrun (`launch_node`). Under a launcher of one's own (WORLD_SIZE set) the trainer picks its rank from the
+  environment (`init_distributed`) and does not relaunch. `train.output_dir` must be one directory that
+  every node mounts at the same path: the ranks check it as they start
+  (`trainer.checkpoint.check_shared_run_dir`) and refuse one they do not share.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 from trainer.checkpoint import claim_run_dir
 from trainer.placement import node_gpus, plan, trainer_device, trainer_env, visible_gpus
 from trainer.recipe import Recipe, RolloutConfig
+from trainer.typed_config import ConfigError
 
 
 def free_port() -> int:
@@ -87,6 +89,45 @@ def launch_ranks(recipe: Recipe, cli_args: list[str]) -> int:
         return subprocess.call(launch_command(recipe, cli_args), env={**launch_env(recipe), **handed})
 
 
+def launch_node(recipe: Recipe, cli_args: list[str], node: int, endpoint: str) -> int:
+    """This node's trainer ranks of a `rollout.nodes` run: meet the other nodes at `endpoint` (node 0's
+    HOST:PORT; `trainer.rendezvous`), then run `grpoflow train <cli_args>` as the node's ranks under torchrun
+    (static rendezvous on PORT + 1, node 0 the master, ranks numbered node by node). Node 0 holds the run
+    directory for the whole run, as `launch_ranks` does; returns torchrun's exit status."""
+    from trainer.rendezvous import interface_of, meet, parse_endpoint
+
+    host, port = parse_endpoint(endpoint)
+    cfg = recipe.rollout
+    if not 0 <= node < cfg.nodes:
+        raise ConfigError(
+            f"--node-rank {node}: rollout.nodes is {cfg.nodes}, so node ranks are 0-{cfg.nodes - 1}"
+        )
+    placement = plan(cfg, node_gpus(), cpu_ranks=max(1, len(cfg.train_devices)), node=node)
+    members = meet(cfg.nodes, node, host, port, cfg.rendezvous_timeout_s)
+    env = trainer_env(placement, os.environ)
+    if "GLOO_SOCKET_IFNAME" not in env:
+        interface = interface_of(members[node].address)
+        if interface is not None:
+            env["GLOO_SOCKET_IFNAME"] = interface
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={cfg.nodes}",
+        f"--node_rank={node}",
+        f"--nproc_per_node={len(placement.trainers)}",
+        f"--master_addr={host}",
+        f"--master_port={port + 1}",
+        "-m",
+        "flows.cli",
+        "train",
+        *cli_args,
+    ]
+    with claim_run_dir(recipe.train.output_dir) if node == 0 else contextlib.nullcontext() as held:
+        handed = held.child_env() if held is not None else {}
+        return subprocess.call(command, env={**env, **handed})
+
+
 def process_group_backend(cuda: bool) -> str:
     """The trainer ranks' backends: gloo for CPU tensors always (the metrics all-reduce, object broadcasts),
     NCCL for CUDA tensors on GPUs (DDP's gradients)."""
@@ -130,14 +171,9 @@ _ADDRESS = re.compile(r"\d+\.\d+\.\d+\.\d+")
 def own_address(master: str | None) -> str:
     """This rank's address on the network it shares with the rendezvous host `master` (the local end of a
     route to it; nothing is sent); 127.0.0.1 on one node."""
-    if not master or master in ("localhost", "127.0.0.1"):
-        return "127.0.0.1"
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((master, 1))
-            return s.getsockname()[0]
-    except OSError:
-        return socket.gethostname()
+    from trainer.rendezvous import address_towards
+
+    return address_towards(master) if master else "127.0.0.1"
 
 
 def lost_peer(error: BaseException) -> str | None:

@@ -22,8 +22,11 @@ def completion_logps(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs [b, C] of `mb`'s completion tokens at `temperature`, and the logits they came from.
 
-    Vision prompts always take the plain way: sharing their prefill would have to split the images by row."""
-    share_prompts = share_prompts and mb.vision is None
+    Vision prompts always take the plain way: sharing their prefill would have to split the images by row. So
+    does a model training under gradient checkpointing: transformers turns its KV cache off then, and the
+    completions would be run without their prompt."""
+    checkpointing = model.training and getattr(model, "is_gradient_checkpointing", False)
+    share_prompts = share_prompts and mb.vision is None and not checkpointing
     logits = shared_prompt_logits(model, mb) if share_prompts else full_logits(model, mb)
     return sequence_logps(logits, mb.completion_ids, temperature), logits
 

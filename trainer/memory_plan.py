@@ -34,7 +34,7 @@ from pathlib import Path
 
 from trainer.heldout import HELDOUT_BATCH_SIZE
 from trainer.lora import adapter_parameters
-from trainer.placement import plan, planned_node
+from trainer.placement import nodes_plan, plan, planned_node, trainer_ranks
 from trainer.recipe import ENGINE_ALONE_UTILIZATION, Recipe, RolloutConfig
 from trainer.typed_config import ConfigError
 
@@ -79,6 +79,17 @@ KNOWN_SHAPES = {
         "num_attention_heads": 28,
         "num_key_value_heads": 4,
         "intermediate_size": 18944,
+        "vocab_size": 152064,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    },
+    "Qwen/Qwen2.5-32B-Instruct": {
+        "model_type": "qwen2",
+        "hidden_size": 5120,
+        "num_hidden_layers": 64,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "intermediate_size": 27648,
         "vocab_size": 152064,
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
@@ -208,16 +219,29 @@ def _shape(config, model, source: str) -> ModelShape:
 # ---- the parts ---------------------------------------------------------------------------------------------
 
 
-def activation_bytes(shape: ModelShape, dtype_bytes: int, micro_batch: int, seq: int, completion: int) -> int:
-    """An estimate of what one micro-batch's forward keeps for its backward, without gradient checkpointing.
+def activation_bytes(
+    shape: ModelShape,
+    dtype_bytes: int,
+    micro_batch: int,
+    seq: int,
+    completion: int,
+    checkpointed: bool = False,
+) -> int:
+    """An estimate of what one micro-batch's forward keeps for its backward.
 
     Per token and decoder layer, counted on transformers' Qwen2/Llama layers with SDPA: the two RMSNorms
     (their input widened to fp32 and the normalised output), the attention's input, q, k, v (at full width:
     grouped heads are repeated), its output and o_proj's input, the MLP's input, gate, up, SiLU(gate) and
     their product: (13 h + 4 I) values of the compute dtype (measured with autograd's saved-tensor hooks on a
     small Qwen2 in bf16: within 3 %). Per completion position: the logits in the compute dtype and their
-    gradient, and the fp32 log-softmax input (`trainer.loss.sequence_logps`)."""
-    layers = micro_batch * seq * shape.layers * (13 * shape.hidden + 4 * shape.intermediate) * dtype_bytes
+    gradient, and the fp32 log-softmax input (`trainer.loss.sequence_logps`). With gradient checkpointing
+    (`checkpointed`) each layer keeps its input alone (h values per token), and one layer at a time is
+    recomputed whole for its backward."""
+    layer = micro_batch * seq * (13 * shape.hidden + 4 * shape.intermediate) * dtype_bytes
+    if checkpointed:
+        layers = micro_batch * seq * shape.layers * shape.hidden * dtype_bytes + layer
+    else:
+        layers = layer * shape.layers
     logits = micro_batch * completion * shape.vocab * (2 * dtype_bytes + 4)
     return layers + logits
 
@@ -299,7 +323,9 @@ def trainer_parts(recipe: Recipe, shape: ModelShape, ranks: int) -> dict[str, fl
         "master_weights": 0 if not masters or z.offload_optimizer else 4 * T / shard,
         "optimizer_states": 0 if z.offload_optimizer else 8 * T / shard,
         "reference": P * a if cfg.beta > 0 else 0,
-        "activations": activation_bytes(shape, a, cfg.micro_batch_size, seq, cfg.max_completion_length),
+        "activations": activation_bytes(
+            shape, a, cfg.micro_batch_size, seq, cfg.max_completion_length, cfg.gradient_checkpointing
+        ),
         "kv_cache": 0,
     }
 
@@ -317,14 +343,13 @@ class _Device:
     generates_for: int = 1  # trainer ranks or engines the batch is shared over
 
 
-def _devices(recipe: Recipe, placement) -> list[_Device]:
-    """Each GPU of the plan with the trainer rank and the engine on it."""
+def _devices(recipe: Recipe, placement, n_trainers: int) -> list[_Device]:
+    """Each GPU of the node's plan with the trainer rank and the engine on it (`n_trainers`: the run's)."""
     rollout, devices = recipe.rollout, {}
 
     def at(d: int) -> _Device:
         return devices.setdefault(d, _Device(d, []))
 
-    n_trainers = len(placement.trainers)
     for p in placement.trainers:
         d = at(p.devices[0])
         d.trainer = True
@@ -395,7 +420,8 @@ def estimate(
     {"gpu_memory_gib", "fits", "devices": [{"device", "role", "parts": {part: GiB}, "total_gib", "fits"}],
     "notes"}. `shape`: the model's, when already known (default: read from its config)."""
     node, _ = planned_node(recipe.rollout, gpus)
-    placement = plan(recipe.rollout, node)
+    placements = nodes_plan(recipe.rollout, node)[:2]  # node 0, and one for the nodes after it (all alike)
+    placement = placements[0]
     notes = [
         f"GiB = 2^30 bytes; a GPU fits when its total and {RESERVED_GIB:g} GiB for the CUDA context, NCCL "
         "and fragmentation fit in gpu_memory_gib",
@@ -405,12 +431,13 @@ def estimate(
         return {"gpu_memory_gib": gpu_memory_gib, "fits": True, "dtype": None, "devices": [], "notes": notes}
     shape = shape or model_shape(recipe)
     gpu = gpu_memory_gib * GIB
-    ranks = len(placement.trainers)
+    ranks = trainer_ranks(recipe.rollout, node)
     per_trainer = trainer_parts(recipe, shape, ranks)
     dtype = compute_dtype(recipe, shape)
     a = DTYPE_BYTES[dtype]
     out, fits = [], True
-    for device in _devices(recipe, placement):
+    devices = [(p.node, d) for p in placements for d in _devices(recipe, p, ranks)]
+    for on_node, device in devices:
         parts = dict(per_trainer) if device.trainer else dict.fromkeys(PARTS, 0)
         problem = None
         if device.engine == "transformers":
@@ -437,6 +464,7 @@ def estimate(
         role = "colocated" if device.trainer and device.engine else "trainer" if device.trainer else "rollout"
         out.append(
             {
+                **({"node": on_node} if recipe.rollout.nodes > 1 else {}),
                 "device": f"cuda:{device.index}",
                 "role": role,
                 "processes": device.processes,
@@ -447,6 +475,8 @@ def estimate(
             }
         )
     notes += _notes(recipe, shape, placement, ranks)
+    if recipe.rollout.nodes > 2:
+        notes.append(f"nodes 2-{recipe.rollout.nodes - 1} are planned as node 1 is")
     return {"gpu_memory_gib": gpu_memory_gib, "fits": fits, "dtype": dtype, "devices": out, "notes": notes}
 
 
@@ -454,11 +484,12 @@ def _notes(recipe: Recipe, shape: ModelShape, placement, ranks: int) -> list[str
     cfg, z = recipe.train, _zero(recipe)
     dtype = compute_dtype(recipe, shape)
     seq = cfg.max_prompt_length + cfg.max_completion_length
+    checkpointing = "gradient checkpointing" if cfg.gradient_checkpointing else "no gradient checkpointing"
     notes = [
         f"model: {shape.params / 1e9:.3f}B parameters, from {shape.source}; trains in {dtype} on {ranks} "
         f"trainer rank(s), "
         + (f"DeepSpeed ZeRO-{z.stage}" if z.stage else "DDP" if ranks > 1 else "one process"),
-        f"activations: an estimate (what autograd keeps for backward, no gradient checkpointing) at "
+        f"activations: an estimate (what autograd keeps for backward, {checkpointing}) at "
         f"train.micro_batch_size {cfg.micro_batch_size} x {seq} tokens, and the completion logits",
         "kv_cache: a vLLM / LMDeploy engine's whole share (rollout.gpu_memory_utilization x the GPU: its "
         "weight copy, activations and KV cache); the transformers engine's generation KV cache",
@@ -497,7 +528,7 @@ def engine_utilization(
     if not placement.gpus or not beside or rollout.engine == "transformers":
         return ENGINE_ALONE_UTILIZATION
     shape = shape or model_shape(recipe)
-    parts = trainer_parts(recipe, shape, len(placement.trainers))
+    parts = trainer_parts(recipe, shape, trainer_ranks(rollout, placement.gpus))
     resident = sum(parts.values()) - (parts["activations"] if rollout.colocate else 0)
     return _utilization(resident, gpu_memory_gib * GIB)
 
@@ -519,7 +550,9 @@ def refuse_unless_fits(recipe: Recipe, memory: dict) -> None:
             + ", ".join(f"{k} {v:.1f}" for k, v in d["parts"].items() if v)
             + (f"; {d['problem']}" if "problem" in d else "")
         )
-        alike.setdefault(what, []).append(d["device"])
+        alike.setdefault(what, []).append(
+            d["device"] if "node" not in d else f"node {d['node']} {d['device']}"
+        )
     lines = [f"{', '.join(devices)} {what}" for what, devices in alike.items()]
     raise MemoryPlanError(
         f"the memory plan does not fit GPUs of {size:g} GiB:\n  "

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from trainer.recipe import RolloutConfig
 from trainer.typed_config import ConfigError
@@ -65,6 +65,8 @@ class Placement:
     executor: str | None = (
         None  # vLLM's distributed_executor_backend for the trainer ranks' in-process engines
     )
+    node: int = 0  # which node of rollout.nodes this plan is for
+    first_rank: int = 0  # the global rank of this node's first trainer rank
 
     @property
     def trainers(self) -> list[Process]:
@@ -76,6 +78,7 @@ class Placement:
 
     def to_dict(self) -> dict:
         return {
+            "node": self.node,
             "gpus": len(self.gpus),
             "mode": self.mode,
             "colocate": self.colocate,
@@ -100,11 +103,53 @@ def _check_ids(cfg: RolloutConfig, n: int) -> None:
             )
 
 
-def plan(cfg: RolloutConfig, gpus: int | Sequence[str], cpu_ranks: int | None = None) -> Placement:
-    """The placement of every process for `cfg` on a node with `gpus` (a count, or the CUDA_VISIBLE_DEVICES
-    entries that recipe ids index). Without GPUs there are `cpu_ranks` trainer ranks (default: one per
-    train_devices entry, at least one). Raises PlacementError for devices the node lacks or a mode they do not
-    fit."""
+def plan(
+    cfg: RolloutConfig, gpus: int | Sequence[str], cpu_ranks: int | None = None, node: int = 0
+) -> Placement:
+    """The placement of every process for `cfg` on `node` (of rollout.nodes), a node with `gpus` (a count, or
+    the CUDA_VISIBLE_DEVICES entries that recipe ids index). Without GPUs there are `cpu_ranks` trainer ranks
+    per node (default: one per train_devices entry, at least one). Raises PlacementError for devices the node
+    lacks or a mode they do not fit."""
+    if not 0 <= node < cfg.nodes:
+        raise PlacementError(
+            f"node {node} is not one of rollout.nodes {cfg.nodes} (node ranks 0-{cfg.nodes - 1})"
+        )
+    first = _plan(cfg, gpus, cpu_ranks)
+    if node == 0:
+        return first
+    if first.mode == "in-process" and first.rollout_devices:
+        raise PlacementError(
+            f"rollout.nodes {cfg.nodes} with a lone trainer rank's in-process engine on GPUs of its own "
+            "(rollout.rollout_devices, synchronous): that is one trainer rank, on one node. Set "
+            "rollout.async: true (rollout workers on node 0), rollout.colocate: true or rollout.server_url"
+        )
+    if first.mode == "workers":  # the rollout workers are node 0's; the other nodes train on every GPU
+        first_cfg = replace(cfg, rollout_devices=[], train_devices=[], async_=False, engine="transformers")
+        other = _plan(first_cfg, gpus, cpu_ranks)
+        other = replace(
+            first, train_devices=other.train_devices, rollout_devices=[], processes=other.trainers
+        )
+    else:
+        other = first
+    ranks = len(other.trainers)
+    offset = len(first.trainers) + (node - 1) * ranks
+    named = [replace(p, name=f"trainer rank {offset + r}") for r, p in enumerate(other.trainers)]
+    return replace(other, node=node, first_rank=offset, processes=named)
+
+
+def nodes_plan(
+    cfg: RolloutConfig, gpus: int | Sequence[str], cpu_ranks: int | None = None
+) -> list[Placement]:
+    """Every node's placement, node 0 first (each node with the same `gpus`)."""
+    return [plan(cfg, gpus, cpu_ranks, node) for node in range(cfg.nodes)]
+
+
+def trainer_ranks(cfg: RolloutConfig, gpus: int | Sequence[str], cpu_ranks: int | None = None) -> int:
+    """The trainer ranks of the whole run, over all its nodes (ZeRO shards over them, DDP averages them)."""
+    return sum(len(p.trainers) for p in nodes_plan(cfg, gpus, cpu_ranks))
+
+
+def _plan(cfg: RolloutConfig, gpus: int | Sequence[str], cpu_ranks: int | None = None) -> Placement:
     gpus = [str(i) for i in range(gpus)] if isinstance(gpus, int) else [str(g).strip() for g in gpus]
     mode = (
         "server"
@@ -300,7 +345,9 @@ def this_trainer(
     sees (default: asks torch)."""
     environ = os.environ if environ is None else environ
     local_rank = int(environ.get("LOCAL_RANK", "0"))
-    placement = plan(cfg, node_gpus(environ, count), cpu_ranks=int(environ.get("WORLD_SIZE", "0")) or None)
+    node = int(environ.get("GROUP_RANK", "0")) if cfg.nodes > 1 else 0  # torchrun's node rank
+    ranks = int(environ.get("LOCAL_WORLD_SIZE", environ.get("WORLD_SIZE", "0")))
+    placement = plan(cfg, node_gpus(environ, count), cpu_ranks=ranks or None, node=node)
     if not placement.gpus:  # on CPU the launcher decides the number of ranks
         return placement, placement.trainers[min(local_rank, len(placement.trainers) - 1)]
     if local_rank >= len(placement.trainers):
@@ -362,14 +409,36 @@ def dry_run(cfg: RolloutConfig, gpus: int | None = None) -> tuple[dict, str]:
     """The plan as `grpoflow train --dry-run` shows it (JSON summary, text) for a node of `gpus` GPUs, else
     the GPUs this machine sees, else the fewest the recipe's device ids need. Touches no GPU."""
     node, source = planned_node(cfg, gpus)
-    placement = plan(cfg, node)
+    placements = nodes_plan(cfg, node)
+    placement = placements[0]
     lines = [f"{len(node)} GPUs ({source}), rollout {placement.mode} ({cfg.engine})"]
-    lines += [
-        f"  {p.name:<18} devices {p.devices} -> {p.device:<7} CUDA_VISIBLE_DEVICES={p.cuda_visible_devices}"
-        + (f", {_engine_here(cfg, placement.mode)} engine on {p.engine_device}" if p.engine_device else "")
-        for p in placement.processes
-    ]
-    return {"engine": cfg.engine, "gpus_from": source, **placement.to_dict()}, "\n".join(lines)
+    if cfg.nodes > 1:
+        lines[0] = f"{cfg.nodes} nodes of " + lines[0]
+    for each in placements:
+        if cfg.nodes > 1:
+            lines.append(f"  node {each.node}: {_node_command(each)}")
+        lines += [
+            f"  {p.name:<18} devices {p.devices} -> {p.device:<7} "
+            f"CUDA_VISIBLE_DEVICES={p.cuda_visible_devices}"
+            + (
+                f", {_engine_here(cfg, placement.mode)} engine on {p.engine_device}"
+                if p.engine_device
+                else ""
+            )
+            for p in each.processes
+        ]
+    summary = {"engine": cfg.engine, "gpus_from": source, **placement.to_dict()}
+    summary["trainer_ranks"] = sum(len(p.trainers) for p in placements)
+    summary["nodes"] = [{**p.to_dict(), "command": _node_command(p)} for p in placements]
+    return summary, "\n".join(lines)
+
+
+def _node_command(placement: Placement) -> str:
+    """What starts this node's processes (`grpoflow train` wraps torchrun for it)."""
+    return (
+        f"grpoflow train --config RECIPE --node-rank {placement.node} --rendezvous NODE0_HOST:PORT "
+        f"(torchrun --node_rank {placement.node} --nproc_per_node {len(placement.trainers)})"
+    )
 
 
 __all__ = [
@@ -381,8 +450,10 @@ __all__ = [
     "node_gpus",
     "plan",
     "planned_node",
+    "nodes_plan",
     "this_trainer",
     "trainer_device",
+    "trainer_ranks",
     "trainer_env",
     "visible_gpus",
 ]

@@ -310,6 +310,11 @@ class TrainConfig:
         "DeepSpeed ZeRO for the trainer ranks: zero2, zero3 or a path to a ds_config.json "
         "(None: plain DDP); with model.dtype bfloat16 it keeps fp32 master weights",
     )
+    gradient_checkpointing: bool = _f(
+        False,
+        "keep only each decoder layer's input for backward and recompute the rest (transformers' gradient "
+        "checkpointing): activations shrink about (13 h + 4 I) / h-fold for one more forward per micro-batch",
+    )
 
     def __post_init__(self):
         # Ranges and finiteness of single values are the fields' metadata (typed_config checks them).
@@ -393,6 +398,19 @@ class RolloutConfig:
         "temporary one on this machine)",
     )
     sync_timeout_s: float = _f(600.0, "timeout of every weight sync and rollout request", gt=0)
+    nodes: int = _f(
+        1,
+        "nodes the trainer ranks span (`grpoflow train --node-rank K --rendezvous HOST:PORT` on each): "
+        "node 0 places its GPUs as train_devices / rollout_devices say and holds trainer rank 0; with "
+        "rollout workers every other node trains on all its GPUs, else each is placed like node 0",
+        ge=1,
+        le=4096,
+    )
+    rendezvous_timeout_s: float = _f(
+        600.0,
+        "how long the nodes wait for each other at the rendezvous before failing, naming who is missing",
+        gt=0,
+    )
     env: EnvConfig | None = _f(
         None,
         "multi-turn rollouts in an environment ({name, tools, max_turns, tool_timeout_s, args}); "
