@@ -37,9 +37,9 @@ if importlib.util.find_spec("hypothesis") is not None:
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-# The files that take longest (`--durations`, 2026-12-05), longest first: under `--dist loadfile` a worker takes
-# whole files in collection order, and a long file left to the end runs alone while the other worker idles
-# (the last run's tail: 5 minutes of one worker). Only the order in which files start changes.
+# The files that take longest (`--durations`, 2026-12-05), longest first: under `--dist loadfile` a worker
+# takes whole files in collection order, and a long file left to the end runs alone while the other worker
+# idles (the last run's tail: 5 minutes of one worker). Only the order in which files start changes.
 LONGEST_FIRST = (
     "test_operations.py",
     "test_compare.py",

@@ -281,6 +281,14 @@ DRY_RUN = {
     "countdown-qwen2.5-3b": ("colocated", list(range(8)), [[d] for d in range(8)], True, [EIGHT] * 8),
 }
 DRY_RUN["qwen2.5-7b-tools-8gpu"] = DRY_RUN["qwen2.5-7b-numina-8gpu"]  # multi-turn: the same 6 + 2 layout
+# two nodes: node 0's processes (4 trainer ranks, two tensor-parallel workers); node 1: test_gpu_semantics.py
+DRY_RUN["qwen2.5-32b-numina-2x8gpu"] = (
+    "workers",
+    [0, 1, 2, 3],
+    [[4, 5], [6, 7]],
+    False,
+    [EIGHT] * 4 + ["4,5", "6,7"],
+)
 
 
 # as written, its DDP trainer (no DeepSpeed for images yet) needs more than 80 GiB: planned for an H200

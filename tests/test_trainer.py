@@ -216,8 +216,8 @@ def test_sigkill_then_rerun_resumes_exactly(tmp_path, tiny_base, tiny_data):
         torch.testing.assert_close(wa[name], wb[name], rtol=1e-5, atol=1e-6)
 
 
-# The learning proxy: the embedded default's recipe cut to its first steps (its linear decay over them). On one
-# thread, AVX-512 base 0.3125 (2026-12-05), 60 steps: +11.7 points (seed 0, the recipe's), +5.1 and +8.2
+# The learning proxy: the embedded default's recipe cut to its first steps (its linear decay over them). On
+# one thread, AVX-512 base 0.3125 (2026-12-05), 60 steps: +11.7 points (seed 0, the recipe's), +5.1 and +8.2
 # (seeds 1, 2); the whole 300-step recipe gives +30 (README, "Measured here"). A change that stops learning
 # leaves the held-out accuracy where it was, or lower.
 PROXY_STEPS, PROXY_GAIN = 60, 0.04
