@@ -300,6 +300,33 @@ def clean_env(extra: dict | None = None) -> dict:
     return env
 
 
+def vllm_server_command(python: str, model: str, host: str, port: int, max_len: int) -> list[str]:
+    """vLLM's OpenAI server as the tests run it as a rollout server (served name `tiny`): processed
+    log-probs, eager, and on CPU whole-prompt prefill (seeded requests). Run it with VLLM_SERVER_DEV_MODE=1
+    (for /collective_rpc, the weight reload)."""
+    return [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--served-model-name",
+        "tiny",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        str(max_len),
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--no-enable-chunked-prefill",
+    ]
+
+
 def torchrun(script: Path, *args, ranks: int, timeout: float = 600) -> subprocess.CompletedProcess:
     """`script args` run by `ranks` local processes under torchrun (`--standalone`), as `grpoflow train`
     launches trainer ranks; this process's own rank variables are kept out of theirs."""

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from multihost import Hosts, netns_available
 
-from conftest import REPO_ROOT, clean_env
+from conftest import REPO_ROOT, clean_env, vllm_server_command
 
 TINY = REPO_ROOT / "configs" / "tiny-cpu.yaml"
 PORT = 29400
@@ -262,27 +262,7 @@ def test_a_vllm_server_on_a_third_host_serves_the_rollouts_and_follows_the_weigh
         url = f"http://{hosts.address(2)}:8000"
         server = hosts.popen(
             2,
-            [
-                str(VLLM_PYTHON),
-                "-m",
-                "vllm.entrypoints.openai.api_server",
-                "--model",
-                tiny_base["path"],
-                "--served-model-name",
-                "tiny",
-                "--host",
-                hosts.address(2),
-                "--port",
-                "8000",
-                "--dtype",
-                "float32",
-                "--enforce-eager",
-                "--max-model-len",
-                "88",
-                "--logprobs-mode",
-                "processed_logprobs",
-                "--no-enable-chunked-prefill",
-            ],
+            vllm_server_command(str(VLLM_PYTHON), tiny_base["path"], hosts.address(2), 8000, max_len=88),
             stdout=sink,
             stderr=sink,
             env=rank_env() | {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"},

@@ -29,7 +29,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO_ROOT, require_vllm, rollout_workers_once, shared, stop_group, stopped_after
+from conftest import (
+    REPO_ROOT,
+    require_vllm,
+    rollout_workers_once,
+    shared,
+    stop_group,
+    stopped_after,
+    vllm_server_command,
+)
 
 require_vllm("`make test-vllm` runs these tests in .venv-vllm")
 
@@ -402,27 +410,7 @@ def rollout_server(tiny_base, tmp_path_factory):
     from trainer.launch import free_port
 
     port, log = free_port(), tmp_path_factory.mktemp("vllm-server") / "server.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        tiny_base["path"],
-        "--served-model-name",
-        "tiny",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--enforce-eager",
-        "--max-model-len",
-        str(MAX_LEN),
-        "--logprobs-mode",
-        "processed_logprobs",
-        "--no-enable-chunked-prefill",
-    ]
+    cmd = vllm_server_command(sys.executable, tiny_base["path"], "127.0.0.1", port, MAX_LEN)
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
     with open(log, "w") as sink:
         proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
