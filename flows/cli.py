@@ -128,13 +128,14 @@ def cmd_bootstrap(args) -> dict:
 
 
 def _memory_text(memory: dict) -> str:
+    from trainer.memory_plan import device_label
+
     lines = [
         f"memory plan, GPUs of {memory['gpu_memory_gib']:g} GiB: "
         + ("fits" if memory["fits"] else "does NOT fit")
     ]
     lines += [
-        ("" if "node" not in d else f"  node {d['node']}")
-        + f"  {d['device']:<7} {d['role']:<9} {d['total_gib']:7.1f} GiB "
+        f"  {device_label(d):<7} {d['role']:<9} {d['total_gib']:7.1f} GiB "
         + ("" if d["fits"] else "(over) ")
         + ", ".join(f"{k} {v:.1f}" for k, v in d["parts"].items() if v)
         for d in memory["devices"]

@@ -84,9 +84,15 @@ def launch_ranks(recipe: Recipe, cli_args: list[str]) -> int:
     """Re-run `grpoflow train <cli_args>` as the plan's trainer ranks under torchrun; returns its exit status.
     The run directory is held here for the whole run (a second run is refused before any rank starts) and
     handed down to the ranks, whose rank 0 would otherwise wait on this process's lock."""
-    with claim_run_dir(recipe.train.output_dir) as held:
+    return _call_holding_run_dir(recipe, launch_command(recipe, cli_args), launch_env(recipe))
+
+
+def _call_holding_run_dir(recipe: Recipe, command: list[str], env: dict[str, str], hold: bool = True) -> int:
+    """`command`'s exit status, run with `env` while this process holds the recipe's run directory (when
+    `hold`), the hold handed down to the ranks it starts."""
+    with claim_run_dir(recipe.train.output_dir) if hold else contextlib.nullcontext() as held:
         handed = held.child_env() if held is not None else {}
-        return subprocess.call(launch_command(recipe, cli_args), env={**launch_env(recipe), **handed})
+        return subprocess.call(command, env={**env, **handed})
 
 
 def launch_node(recipe: Recipe, cli_args: list[str], node: int, endpoint: str) -> int:
@@ -102,7 +108,7 @@ def launch_node(recipe: Recipe, cli_args: list[str], node: int, endpoint: str) -
         raise ConfigError(
             f"--node-rank {node}: rollout.nodes is {cfg.nodes}, so node ranks are 0-{cfg.nodes - 1}"
         )
-    placement = plan(cfg, node_gpus(), cpu_ranks=max(1, len(cfg.train_devices)), node=node)
+    placement = plan(cfg, node_gpus(), node=node)
     members = meet(cfg.nodes, node, host, port, cfg.rendezvous_timeout_s)
     env = trainer_env(placement, os.environ)
     if "GLOO_SOCKET_IFNAME" not in env:
@@ -123,9 +129,7 @@ def launch_node(recipe: Recipe, cli_args: list[str], node: int, endpoint: str) -
         "train",
         *cli_args,
     ]
-    with claim_run_dir(recipe.train.output_dir) if node == 0 else contextlib.nullcontext() as held:
-        handed = held.child_env() if held is not None else {}
-        return subprocess.call(command, env={**env, **handed})
+    return _call_holding_run_dir(recipe, command, env, hold=node == 0)
 
 
 def process_group_backend(cuda: bool) -> str:

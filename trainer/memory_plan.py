@@ -536,6 +536,11 @@ def engine_utilization(
 # ---- where a run uses it -----------------------------------------------------------------------------------
 
 
+def device_label(device: dict) -> str:
+    """A device of the plan as people read it: `cuda:3`, or `node 1 cuda:3` in a multi-node plan."""
+    return device["device"] if "node" not in device else f"node {device['node']} {device['device']}"
+
+
 def refuse_unless_fits(recipe: Recipe, memory: dict) -> None:
     """MemoryPlanError naming the GPUs over their size and the recipe fields that would shrink them, unless
     the plan `memory` (`estimate(recipe)`) fits."""
@@ -550,9 +555,7 @@ def refuse_unless_fits(recipe: Recipe, memory: dict) -> None:
             + ", ".join(f"{k} {v:.1f}" for k, v in d["parts"].items() if v)
             + (f"; {d['problem']}" if "problem" in d else "")
         )
-        alike.setdefault(what, []).append(
-            d["device"] if "node" not in d else f"node {d['node']} {d['device']}"
-        )
+        alike.setdefault(what, []).append(device_label(d))
     lines = [f"{', '.join(devices)} {what}" for what, devices in alike.items()]
     raise MemoryPlanError(
         f"the memory plan does not fit GPUs of {size:g} GiB:\n  "
@@ -646,6 +649,7 @@ __all__ = [
     "ModelShape",
     "activation_bytes",
     "check_gpu_memory",
+    "device_label",
     "engine_rollout",
     "engine_utilization",
     "estimate",

@@ -124,8 +124,8 @@ def plan(
             "rollout.async: true (rollout workers on node 0), rollout.colocate: true or rollout.server_url"
         )
     if first.mode == "workers":  # the rollout workers are node 0's; the other nodes train on every GPU
-        first_cfg = replace(cfg, rollout_devices=[], train_devices=[], async_=False, engine="transformers")
-        other = _plan(first_cfg, gpus, cpu_ranks)
+        every_gpu = replace(cfg, rollout_devices=[], train_devices=[], async_=False, engine="transformers")
+        other = _plan(every_gpu, gpus, cpu_ranks)
         other = replace(
             first, train_devices=other.train_devices, rollout_devices=[], processes=other.trainers
         )
@@ -145,8 +145,10 @@ def nodes_plan(
 
 
 def trainer_ranks(cfg: RolloutConfig, gpus: int | Sequence[str], cpu_ranks: int | None = None) -> int:
-    """The trainer ranks of the whole run, over all its nodes (ZeRO shards over them, DDP averages them)."""
-    return sum(len(p.trainers) for p in nodes_plan(cfg, gpus, cpu_ranks))
+    """The trainer ranks of the whole run, over all its nodes (ZeRO shards over them, DDP averages them): the
+    last node's first rank and its own."""
+    last = plan(cfg, gpus, cpu_ranks, cfg.nodes - 1)
+    return last.first_rank + len(last.trainers)
 
 
 def _plan(cfg: RolloutConfig, gpus: int | Sequence[str], cpu_ranks: int | None = None) -> Placement:
@@ -428,7 +430,7 @@ def dry_run(cfg: RolloutConfig, gpus: int | None = None) -> tuple[dict, str]:
             for p in each.processes
         ]
     summary = {"engine": cfg.engine, "gpus_from": source, **placement.to_dict()}
-    summary["trainer_ranks"] = sum(len(p.trainers) for p in placements)
+    summary["trainer_ranks"] = placements[-1].first_rank + len(placements[-1].trainers)
     summary["nodes"] = [{**p.to_dict(), "command": _node_command(p)} for p in placements]
     return summary, "\n".join(lines)
 
