@@ -219,6 +219,48 @@ def cmd_train(args) -> dict | None:
     return result
 
 
+def cmd_join(args) -> None:
+    """A node other than 0 of a multi-node run whose recipe is node 0's (the pipeline's train stage there):
+    waits for node 0's rendezvous while the flow run (PREFECT__FLOW_RUN_ID, or --flow-run) has not ended."""
+    from trainer.launch import join_node
+
+    flow_run_id = args.flow_run or os.environ.get("PREFECT__FLOW_RUN_ID")
+    if flow_run_id and not os.environ.get("PREFECT_API_URL"):
+        if args.flow_run:
+            raise UsageError("--flow-run: its state is read from PREFECT_API_URL, which is not set")
+        flow_run_id = None  # a flow run's id without its API: wait for node 0 within --wait-s alone
+
+    def recipe_of(cli_args: list[str]):
+        return _recipe(build_parser().parse_args(["train", *cli_args]))
+
+    code = join_node(
+        args.node_rank,
+        args.rendezvous,
+        args.wait_s,
+        (lambda: _flow_run_ended(flow_run_id)) if flow_run_id else (lambda: None),
+        recipe_of,
+    )
+    if code:
+        raise RuntimeError(f"node {args.node_rank}'s trainer ranks exited with status {code}")
+    return None  # trainer rank 0, on node 0, reports the run
+
+
+def _flow_run_ended(flow_run_id: str) -> str | None:
+    """Why a joining node should stop waiting: the flow run has ended (its state), else None; an API that does
+    not answer (bounded by PREFECT_API_REQUEST_TIMEOUT) counts as not ended."""
+    from prefect.client.orchestration import get_client
+
+    try:
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(flow_run_id).state
+    except Exception as e:  # noqa: BLE001 - the API away for a while: keep waiting, within --wait-s
+        logging.getLogger("grpoflow.join").warning("flow run %s: state unknown (%s)", flow_run_id, e)
+        return None
+    if state is not None and state.is_final():
+        return f"flow run {flow_run_id} ended ({state.name}) before its training started"
+    return None
+
+
 def cmd_run(args) -> dict:
     recipe, services = _recipe_and_services(args)
     from flows.pipeline import run_pipeline  # after configure(): Prefect reads its settings at import
@@ -461,6 +503,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--judge-api-key-env", help="environment variable holding the judge endpoint's API key")
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line of stdout")
     p.set_defaults(func=cmd_thinking)
+
+    p = sub.add_parser(
+        "join",
+        help="a node other than 0 of a multi-node run started by the pipeline on node 0: joins its training",
+    )
+    p.add_argument("--node-rank", type=number(int, ge=1), required=True, help="this node's rank (1, 2, ...)")
+    p.add_argument(
+        "--rendezvous",
+        metavar="HOST:PORT",
+        required=True,
+        help="node 0's address as this node reaches it and the port of its rendezvous (GRPOFLOW_RENDEZVOUS "
+        "on node 0)",
+    )
+    p.add_argument(
+        "--wait-s",
+        type=number(float, gt=0),
+        default=3600.0,
+        help="how long to wait for node 0's training to start (default 3600); with a flow run "
+        "(PREFECT__FLOW_RUN_ID, --flow-run) the wait also ends when the flow run does",
+    )
+    p.add_argument(
+        "--flow-run", help="the flow run whose training this node joins (default $PREFECT__FLOW_RUN_ID)"
+    )
+    p.add_argument("--json", action="store_true", help="print a JSON summary as the last line of stdout")
+    p.set_defaults(func=cmd_join)
 
     p = sub.add_parser(
         "run", help="the whole pipeline: prepare, train, register in MLflow, evaluate (Prefect flow)"

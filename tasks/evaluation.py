@@ -144,7 +144,9 @@ def record_evaluation(
     client.set_terminated(run_id)
     if ref.model_name:
         for bench, value in scores.items():
-            client.set_model_version_tag(ref.model_name, ref.model_version, f"eval.{bench}", f"{value:.4f}")
+            if value is not None:  # None: not measured (train.eval_heldout 0 and no benchmarks)
+                tag = f"eval.{bench}"
+                client.set_model_version_tag(ref.model_name, ref.model_version, tag, f"{value:.4f}")
         client.set_model_version_tag(ref.model_name, ref.model_version, "eval_mlflow_run_id", run_id)
     return run_id
 

@@ -31,11 +31,14 @@ def check_writable(path: str | Path, setting: str) -> None:
 
 def check_before_run(recipe, services, source: str) -> None:
     """Before the pipeline: the recipe is one the trainer supports, the Prefect API and MLflow answer (a dead
-    server is one line, not minutes of client retries), and the evaluation settings are usable."""
+    server is one line, not minutes of client retries), the evaluation settings are usable, and a multi-node
+    recipe has node 0's rendezvous (GRPOFLOW_RENDEZVOUS)."""
     from tasks import tracking
     from trainer.grpo import check_supported
+    from trainer.launch import RENDEZVOUS_ENV, check_endpoint
 
     check_supported(recipe)
+    check_endpoint(recipe, os.environ.get(RENDEZVOUS_ENV))
     if services.prefect_api_url:
         require_prefect_api(services.prefect_api_url)
     tracking.client_for(services.tracking_uri, services.registry_uri)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 from prefect import task
@@ -86,6 +87,7 @@ def train_policy(recipe_dict: dict, base: dict, prepared: dict, ctx: dict) -> di
     directory is held while training (`trainer.checkpoint.claim_run_dir`): another run on it is refused."""
     from trainer.checkpoint import claim_run_dir
     from trainer.grpo import GRPOTrainer
+    from trainer.launch import RENDEZVOUS_ENV, in_processes_of_their_own, run_ranks
 
     recipe = typed_recipe(recipe_dict)
     client = _ctx_client(ctx)
@@ -102,9 +104,15 @@ def train_policy(recipe_dict: dict, base: dict, prepared: dict, ctx: dict) -> di
             },
         )
         tracking.log_dataset(client, run_id, read_manifest(prepared["out"]), prepared["out"])
-        callbacks = [tracking.MlflowTrainingCallback(client, run_id)]
-        trainer = GRPOTrainer(recipe, base["path"], prepared["out"], callbacks=callbacks, progress=False)
-        result = trainer.train().summary()
+        callback = tracking.MlflowTrainingCallback(client, run_id)
+        if in_processes_of_their_own(recipe):  # several trainer ranks (or nodes): started as `grpoflow train`
+            result = run_ranks(recipe, callback.on_step, os.environ.get(RENDEZVOUS_ENV))
+            callback.on_checkpoint(result["steps"], Path(result["checkpoint"]))
+            callback.on_train_end(result)
+        else:
+            trainer = GRPOTrainer(recipe, base["path"], prepared["out"], callbacks=[callback], progress=False)
+            result = trainer.train().summary()
+        client.log_param(run_id, "trainer_ranks", result["trainer_ranks"])
     checkpoint = Path(result["checkpoint"])
     from evaluation.plots import plot_training_curves
 
@@ -127,8 +135,9 @@ def train_policy(recipe_dict: dict, base: dict, prepared: dict, ctx: dict) -> di
             f"| checkpoint sha256 | `{manifest['sha256']}` |\n"
             f"| data sha256 | `{manifest.get('data_sha256')}` |\n| base model | `{base['path']}` |\n"
             f"| steps | {result['steps']} |\n"
-            f"| held-out accuracy | {result['heldout_accuracy_before']:.3f} → "
-            f"{result['heldout_accuracy_after']:.3f} |\n"
+            f"| held-out accuracy | {_accuracy(result['heldout_accuracy_before'])} → "
+            f"{_accuracy(result['heldout_accuracy_after'])} |\n"
+            f"| trainer ranks | {result['trainer_ranks']} |\n"
             f"| s/step | {result['seconds_per_step']:.3f} |\n| MLflow run | `{run_id}` |\n\n"
             + "".join(f"![{p.stem}]({p.as_uri()})\n" for p in plots)
         ),
@@ -139,6 +148,10 @@ def train_policy(recipe_dict: dict, base: dict, prepared: dict, ctx: dict) -> di
         "checkpoint_sha256": manifest["sha256"],
         "plots": [str(p) for p in plots],
     }
+
+
+def _accuracy(value: float | None) -> str:
+    return "not measured (train.eval_heldout 0)" if value is None else f"{value:.3f}"
 
 
 def heldout_answers_plot(trained: dict, data_dir: str, out: Path, n: int = 8) -> Path | None:

@@ -7,6 +7,9 @@ the hosts send reaches this machine's own network stack or leaves the machine. P
 cluster would mount). `kill(k)` ends every process in host k's namespace (a host lost); leaving the `with`
 block kills what is left and removes every namespace and interface, also when the test failed or timed out.
 
+`names`: host names each host's processes resolve to its address, as a cluster's DNS would (a hosts file per
+namespace, /etc/netns/<namespace>/hosts, which `ip netns exec` shows as /etc/hosts).
+
 Needs root (`ip netns`); each `Hosts` has names of its own (the pid and a counter), so test workers running
 side by side do not meet.
 """
@@ -15,11 +18,14 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 SUBNET = "10.91.0"
+NETNS_ETC = Path("/etc/netns")  # files `ip netns exec NAME` bind-mounts over /etc for NAME's processes
 _COUNTER = itertools.count()
 
 
@@ -28,11 +34,12 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 class Hosts:
-    def __init__(self, count: int):
+    def __init__(self, count: int, names: dict[int, list[str]] | None = None):
         self.tag = f"gf{os.getpid() % 100000}x{next(_COUNTER)}"
         self.names = [f"{self.tag}h{k}" for k in range(count)]
         self.switch = f"{self.tag}sw"
         self.procs: list[subprocess.Popen] = []
+        self.host_names = names or {}
 
     def address(self, k: int) -> str:
         return f"{SUBNET}.{k + 1}"
@@ -54,6 +61,12 @@ class Hosts:
                 _ip("-n", name, "link", "set", "lo", "up")
                 _ip("-n", self.switch, "link", "set", switch_end, "master", "br0")
                 _ip("-n", self.switch, "link", "set", switch_end, "up")
+            if self.host_names:
+                lines = ["127.0.0.1 localhost"]
+                lines += [f"{self.address(k)} {' '.join(n)}" for k, n in sorted(self.host_names.items())]
+                for name in self.names:
+                    (NETNS_ETC / name).mkdir(parents=True, exist_ok=True)
+                    (NETNS_ETC / name / "hosts").write_text("\n".join(lines) + "\n")
         except BaseException:
             self.close()
             raise
@@ -92,6 +105,8 @@ class Hosts:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        for name in self.names:
+            shutil.rmtree(NETNS_ETC / name, ignore_errors=True)
         deadline = time.monotonic() + 10
         for name in [*self.names, self.switch]:
             while _ip("netns", "del", name, check=False).returncode != 0 and time.monotonic() < deadline:

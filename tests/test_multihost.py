@@ -11,6 +11,8 @@ design, rather than skip."""
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -288,6 +290,76 @@ def test_a_vllm_server_on_a_third_host_serves_the_rollouts_and_follows_the_weigh
         assert r["sampling/sampling_logp_difference/max"] < 1e-4, r
     # the weights step 3 generated with (the last update has no rollout after it), the older copies removed
     assert [p.name for p in weights.iterdir()] == ["v2"]
+
+
+def test_the_pipeline_trains_across_two_hosts_as_the_multi_node_pool_template_starts_it(
+    tmp_path, tiny_base, two_local_ranks
+):
+    """`grpoflow run` of a 2-node recipe as infra/k8s/gpu-nodes-pool.json starts it: the pods' command, as
+    Prefect's Kubernetes worker renders it (`tests/k8s_templates.py`), run on two hosts with what Kubernetes
+    gives an Indexed Job's pods (HOSTNAME <job>-<index>, JOB_COMPLETION_INDEX, DNS names under the headless
+    service: here a hosts file). The template's `command` (a worker's `prefect flow-run execute`, which needs
+    a deployment's flow run) is the pipeline's own command line. Pod 0's flow trains the recipe as its
+    trainer ranks across both hosts (pod 1 runs `grpoflow join`): every metric equals two local gloo ranks'
+    (tolerance 0), the train stage's MLflow run has each step as rank 0 wrote it and 2 trainer ranks."""
+    from k8s_templates import K8S, rendered_job
+    from mlflow import MlflowClient
+
+    from data.manifest import read_manifest
+
+    state, job = tmp_path / "state", "grpoflow-32b-x7k2q"
+    run = [
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "run",
+        "--state-dir",
+        str(state),
+        "--json",
+        *train_args(tmp_path / "runs", tiny_base, tmp_path / "data", "rollout.nodes=2")[3:-1],
+        "rollout.rendezvous_timeout_s=240",
+        "data.synthetic_rows=600",
+        "eval.benchmarks=[]",
+    ]
+    manifest = rendered_job(
+        K8S / "gpu-nodes-pool.json",
+        {"name": "grpoflow-32b", "nodes": 2, "command": shlex.join(run), "env": {"HF_HOME": str(tmp_path)}},
+        api_url="http://127.0.0.1:9/api",  # never asked: the template names no Prefect block or variable
+    )
+    [container] = manifest["spec"]["template"]["spec"]["containers"]
+    pod_env = {e["name"]: e["value"] for e in container["env"] if not e["name"].startswith("PREFECT")}
+    # the image has `grpoflow` on PATH; here it is this venv's
+    pod_env["PATH"] = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
+    dns = {k: [f"{job}-{k}.{manifest['spec']['template']['spec']['subdomain']}"] for k in range(2)}
+    with Hosts(2, names=dns) as hosts:
+        pods = [
+            hosts.popen(
+                k,
+                [*container["command"], *container["args"]],
+                cwd=REPO_ROOT,
+                env=rank_env() | pod_env | {"HOSTNAME": f"{job}-{k}", "JOB_COMPLETION_INDEX": str(k)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for k in range(2)
+        ]
+        outputs = [p.communicate(timeout=600) for p in pods]
+    for pod, (_, err) in zip(pods, outputs, strict=True):
+        assert pod.returncode == 0, err[-4000:]
+    summary = json.loads(outputs[0][0].strip().splitlines()[-1])
+    checkpoint = Path(summary["checkpoint"])
+    assert summary["steps"] == STEPS and checkpoint.name == f"checkpoint-{STEPS}"
+    assert metrics(checkpoint.parent) == metrics(two_local_ranks)
+    assert read_manifest(checkpoint)["sha256"]
+    client = MlflowClient(f"sqlite:///{state / 'mlflow.db'}")
+    [train] = client.search_runs(
+        [e.experiment_id for e in client.search_experiments()], "attributes.run_name = 'train'"
+    )
+    assert train.data.params["trainer_ranks"] == "2"
+    rows = [json.loads(line) for line in (checkpoint.parent / "metrics.jsonl").read_text().splitlines()]
+    logged = client.get_metric_history(train.info.run_id, "reward")
+    assert [(m.step, m.value) for m in logged] == [(r["step"], r["reward"]) for r in rows]
 
 
 def test_node_flags_without_nodes_are_refused_naming_both(tmp_path):

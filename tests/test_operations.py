@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from k8s_templates import check_against_kubernetes_schema, rendered_job
 
 from conftest import REPO_ROOT, scored_copy, shared, stop_group
 from data.manifest import read_manifest
@@ -1088,13 +1089,11 @@ def test_up_with_postgresql_refusing_fails_naming_the_masked_url_and_starts_noth
     assert not (s.dir / "services.env").exists() and not any((s.dir / "pids").iterdir())
 
 
-# ---- the GPU work pool -------------------------------------------------------------------------------------
+# ---- the GPU work pools ------------------------------------------------------------------------------------
 
 
-def test_the_kubernetes_gpu_template_is_accepted_by_prefect_and_asks_for_eight_gpus(services, tmp_path):
-    template = REPO_ROOT / "infra" / "k8s" / "gpu-pool.json"
-    name = f"grpoflow-gpu-{services.tag}"
-    proc = prefect(
+def create_pool(services: Services, name: str, template: Path) -> subprocess.CompletedProcess:
+    return prefect(
         services,
         "work-pool",
         "create",
@@ -1105,6 +1104,14 @@ def test_the_kubernetes_gpu_template_is_accepted_by_prefect_and_asks_for_eight_g
         str(template),
         timeout=120,
     )
+
+
+def test_the_kubernetes_gpu_template_is_accepted_by_prefect_and_asks_for_eight_gpus(services, tmp_path):
+    """Prefect's server stores it, its worker renders the Job it would create, and that Job is valid for the
+    Kubernetes API's schema (no cluster: `tests/k8s_templates.py`)."""
+    template = REPO_ROOT / "infra" / "k8s" / "gpu-pool.json"
+    name = f"grpoflow-gpu-{services.tag}"
+    proc = create_pool(services, name, template)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     pool = services.request("GET", f"/work_pools/{name}")
     job = pool["base_job_template"]["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]
@@ -1114,22 +1121,81 @@ def test_the_kubernetes_gpu_template_is_accepted_by_prefect_and_asks_for_eight_g
     assert (
         variables["gpus"]["default"] == 8 and variables["env"]["default"]["GRPOFLOW_STATE"] == "/shared/state"
     )
+    manifest = rendered_job(pool["base_job_template"], {"name": "grpoflow-gpu"}, services.api, services.auth)
+    check_against_kubernetes_schema(manifest)
+    [container] = manifest["spec"]["template"]["spec"]["containers"]
+    assert container["args"] == ["prefect", "flow-run", "execute"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
     # the server checks what it stores: a placeholder without its variable is refused
     broken = json.loads(template.read_text())
     del broken["variables"]["properties"]["gpus"]
     (tmp_path / "broken.json").write_text(json.dumps(broken))
-    proc = prefect(
-        services,
-        "work-pool",
-        "create",
-        f"{name}-broken",
-        "--type",
-        "kubernetes",
-        "--base-job-template",
-        str(tmp_path / "broken.json"),
-        timeout=120,
-    )
+    proc = create_pool(services, f"{name}-broken", tmp_path / "broken.json")
     assert proc.returncode != 0 and "gpus" in proc.stdout + proc.stderr
+
+
+def test_the_multi_node_template_starts_one_pod_per_node_pod_0_the_flow_the_others_joining(services):
+    """infra/k8s/gpu-nodes-pool.json: stored by Prefect's server; rendered by its worker for `nodes` 3 it is
+    an Indexed Job of 3 pods, each with 8 GPUs and a DNS name under the headless service (whose manifest is
+    valid too); pod 0 runs the flow run's command, the others `grpoflow join` at pod 0's name. Both valid
+    for the Kubernetes API's schema. (The pods' command run on two hosts: tests/test_multihost.py.)"""
+    name = f"grpoflow-nodes-{services.tag}"
+    proc = create_pool(services, name, REPO_ROOT / "infra" / "k8s" / "gpu-nodes-pool.json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    stored = services.request("GET", f"/work_pools/{name}")["base_job_template"]
+    manifest = rendered_job(stored, {"name": "grpoflow-32b", "nodes": 3}, services.api, services.auth)
+    check_against_kubernetes_schema(manifest)
+    service = yaml.safe_load((REPO_ROOT / "infra" / "k8s" / "nodes-service.yaml").read_text())
+    check_against_kubernetes_schema(service)
+    spec = manifest["spec"]
+    assert (spec["completionMode"], spec["completions"], spec["parallelism"]) == ("Indexed", 3, 3)
+    pod = spec["template"]
+    assert pod["spec"]["subdomain"] == service["metadata"]["name"] == "grpoflow-nodes"
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert service["spec"]["clusterIP"] == "None"
+    [container] = pod["spec"]["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    [script] = container["args"]
+    assert container["command"] == ["/bin/sh", "-c"]
+    assert "exec prefect flow-run execute" in script
+    assert 'exec grpoflow join --node-rank "$JOB_COMPLETION_INDEX"' in script
+    assert 'GRPOFLOW_RENDEZVOUS="$node0:29400"' in script and "${HOSTNAME%-*}-0.grpoflow-nodes" in script
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert "PREFECT__FLOW_RUN_ID" in env and env["GRPOFLOW_STATE"] == "/shared/state"
+
+
+def test_a_joining_node_stops_waiting_when_its_flow_run_has_ended(services):
+    """`grpoflow join` (a pod other than 0 of the multi-node template) waits for node 0's rendezvous while the
+    flow run lives: a flow run that failed before training (here: one the server holds as Failed) ends the
+    wait with exit 2 naming the flow run and its state, long before --wait-s."""
+    flow = services.request("POST", "/flows/", {"name": f"grpo-pipeline-{services.tag}"})
+    run = services.request(
+        "POST", "/flow_runs/", {"flow_id": flow["id"], "state": {"type": "FAILED", "name": "Failed"}}
+    )
+    started = time.monotonic()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "join",
+            "--node-rank",
+            "1",
+            "--rendezvous",
+            f"127.0.0.1:{free_port()}",
+            "--wait-s",
+            "600",
+        ],
+        cwd=REPO_ROOT,
+        env=services.client_env() | {"PREFECT__FLOW_RUN_ID": run["id"]},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"flow run {run['id']} ended (Failed) before its training started" in proc.stderr
+    assert time.monotonic() - started < 120
+    assert services.auth.split(":")[1] not in proc.stdout + proc.stderr
 
 
 def test_run_with_its_postgresql_store_refusing_is_exit_2_naming_the_masked_url_and_writes_nothing(

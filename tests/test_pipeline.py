@@ -263,3 +263,33 @@ def test_the_pipeline_is_not_started_with_an_unknown_benchmark(tmp_path):
     proc = grpoflow_run("run", "--state-dir", str(state), "eval.benchmarks=[math500]", "eval.local_paths={}")
     assert "unknown benchmark 'math500'" in one_line_error(proc, "run")
     assert not (state / "data").exists()
+
+
+def test_a_recipe_of_two_trainer_ranks_trains_as_two_ranks_in_the_pipeline(tmp_path, tiny_base):
+    """The train stage starts the recipe's trainer ranks (two gloo ranks here: `rollout.train_devices` [0, 1]
+    without GPUs) as `grpoflow train` would, instead of training as one rank in its own process: rank 0's
+    summary says 2 ranks, and so does the stage's MLflow run, which holds each step as rank 0 wrote it to
+    metrics.jsonl. The ranks' output goes to stderr: stdout holds the pipeline's JSON alone."""
+    proc = run_pipeline(tmp_path, tiny_base, "rollout.train_devices=[0,1]", "eval.benchmarks=[]")
+    summary = summary_of(proc)
+    assert proc.stdout.strip().splitlines() == [proc.stdout.strip()]
+    run_dir = Path(summary["checkpoint"]).parent
+    assert json.loads((run_dir / "summary.json").read_text())["trainer_ranks"] == 2
+    client = mlflow_client(tmp_path)
+    [train] = client.search_runs(
+        [e.experiment_id for e in client.search_experiments()], "attributes.run_name = 'train'"
+    )
+    assert train.data.params["trainer_ranks"] == "2"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for name in ("reward", "loss", "completions/mean_length"):
+        logged = client.get_metric_history(train.info.run_id, name)
+        assert [(m.step, m.value) for m in logged] == [(r["step"], r[name]) for r in rows], name
+
+
+def test_a_multi_node_recipe_without_node_0s_rendezvous_is_refused_before_the_pipeline_starts(tmp_path):
+    state = tmp_path / "state"
+    proc = grpoflow_run("run", "--state-dir", str(state), "rollout.nodes=2")
+    line = one_line_error(proc, "run")
+    assert "rollout.nodes is 2" in line and "GRPOFLOW_RENDEZVOUS" in line and "grpoflow join" in line
+    assert not (state / "data").exists()

@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from data.manifest import read_manifest
+from data.manifest import read_manifest, write_json_atomic
 from data.prepare import load_prepared
 from data.progress import Progress
 from trainer import loss as L
@@ -72,7 +72,7 @@ from trainer.heldout import HELDOUT_BATCH_SIZE, evaluate_greedy, write_samples
 from trainer.launch import distributed_exit
 from trainer.lora import attach as attach_lora
 from trainer.memory_plan import check_gpu_memory, engine_rollout, heldout_rows
-from trainer.metrics import MetricsFile, TrainerCallback, TrainResult
+from trainer.metrics import SUMMARY, MetricsFile, TrainerCallback, TrainResult
 from trainer.model_loading import load_model
 from trainer.plugins import load_plugin
 from trainer.recipe import Recipe
@@ -272,7 +272,10 @@ class GRPOTrainer:
             str(self.metrics.path),
             statistics.fmean(step_times) if step_times else 0.0,
             self.start_step,
+            self.world,
         )
+        # for whoever started the ranks in processes of their own (the pipeline's train stage)
+        write_json_atomic(self.output_dir / SUMMARY, result.summary())
         self._notify("on_train_end", result.summary())
         return result
 

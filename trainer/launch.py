@@ -23,12 +23,15 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import torch
 
@@ -80,36 +83,121 @@ def launch_env(
     return trainer_env(plan(recipe.rollout, node_gpus(environ, count)), environ)
 
 
-def launch_ranks(recipe: Recipe, cli_args: list[str]) -> int:
+def launch_ranks(
+    recipe: Recipe, cli_args: list[str], watch: Callable[[], None] | None = None, stdout: int | None = None
+) -> int:
     """Re-run `grpoflow train <cli_args>` as the plan's trainer ranks under torchrun; returns its exit status.
     The run directory is held here for the whole run (a second run is refused before any rank starts) and
-    handed down to the ranks, whose rank 0 would otherwise wait on this process's lock."""
-    return _call_holding_run_dir(recipe, launch_command(recipe, cli_args), launch_env(recipe))
+    handed down to the ranks, whose rank 0 would otherwise wait on this process's lock. `watch` is called
+    every second while the ranks run, and once after; `stdout`: the descriptor the ranks' stdout goes to."""
+    command = launch_command(recipe, cli_args)
+    return _call_holding_run_dir(recipe, command, launch_env(recipe), watch=watch, stdout=stdout)
 
 
-def _call_holding_run_dir(recipe: Recipe, command: list[str], env: dict[str, str], hold: bool = True) -> int:
+def _call_holding_run_dir(
+    recipe: Recipe,
+    command: list[str],
+    env: dict[str, str],
+    hold: bool = True,
+    watch: Callable[[], None] | None = None,
+    stdout: int | None = None,
+) -> int:
     """`command`'s exit status, run with `env` while this process holds the recipe's run directory (when
-    `hold`), the hold handed down to the ranks it starts."""
+    `hold`), the hold handed down to the ranks it starts; `watch()` every second meanwhile and once at the
+    end; the command's stdout to the file descriptor `stdout` (default this process's). An error here (an
+    interrupt, `watch` raising) stops the ranks first."""
     with claim_run_dir(recipe.train.output_dir) if hold else contextlib.nullcontext() as held:
         handed = held.child_env() if held is not None else {}
-        return subprocess.call(command, env={**env, **handed})
+        with subprocess.Popen(command, env={**env, **handed}, stdout=stdout) as proc:
+            try:
+                while proc.poll() is None:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(timeout=WATCH_S)
+                    if watch is not None:
+                        watch()
+            except BaseException:
+                proc.kill()  # torchrun takes its ranks with it
+                raise
+        return proc.returncode
 
 
-def launch_node(recipe: Recipe, cli_args: list[str], node: int, endpoint: str) -> int:
+WATCH_S = 1.0  # how often a launcher's `watch` looks at the running ranks (the pipeline's metrics follower)
+
+
+def launch_node(
+    recipe: Recipe,
+    cli_args: list[str],
+    node: int,
+    endpoint: str,
+    watch: Callable[[], None] | None = None,
+    stdout: int | None = None,
+) -> int:
     """This node's trainer ranks of a `rollout.nodes` run: meet the other nodes at `endpoint` (node 0's
     HOST:PORT; `trainer.rendezvous`), then run `grpoflow train <cli_args>` as the node's ranks under torchrun
     (static rendezvous on PORT + 1, node 0 the master, ranks numbered node by node). Node 0 holds the run
-    directory for the whole run, as `launch_ranks` does; returns torchrun's exit status."""
-    from trainer.rendezvous import interface_of, meet, parse_endpoint
+    directory for the whole run, as `launch_ranks` does, and hands `cli_args` to the nodes that `join_node`
+    without a recipe of their own; returns torchrun's exit status."""
+    from trainer.rendezvous import meet, parse_endpoint
 
     host, port = parse_endpoint(endpoint)
+    _check_node(recipe, node, "--node-rank")
+    members, _ = meet(recipe.rollout.nodes, node, host, port, recipe.rollout.rendezvous_timeout_s, cli_args)
+    return _run_node(recipe, cli_args, node, host, port, members, watch, stdout)
+
+
+def join_node(
+    node: int,
+    endpoint: str,
+    wait_s: float,
+    still_wanted: Callable[[], str | None],
+    recipe_of: Callable[[list[str]], Recipe],
+) -> int:
+    """Node `node` of a run that node 0 starts at `endpoint` with a recipe this node does not have (the
+    pipeline's train stage on node 0; a pod of the multi-node pool template here). Waits for node 0's
+    rendezvous for up to `wait_s` seconds and while `still_wanted()` is None (else it says why to stop: the
+    flow run has ended), takes node 0's `grpoflow train` arguments from it (`recipe_of` reads them; the
+    recipe file is on the shared disk), then starts this node's ranks as `launch_node` does.
+    RendezvousError (exit 2) when node 0 never comes or is no longer wanted."""
+    from trainer.rendezvous import NodeZeroUnreachable, RendezvousError, meet, parse_endpoint
+
+    host, port = parse_endpoint(endpoint)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            try_s = min(JOIN_TRY_S, max(1.0, deadline - time.monotonic()))
+            members, cli_args = meet(0, node, host, port, try_s, members_wait_s=wait_s)
+            break
+        except NodeZeroUnreachable:
+            why = still_wanted()
+            if why is not None:
+                raise RendezvousError(
+                    f"node {node}: stopped waiting for node 0 at {host}:{port}: {why}"
+                ) from None
+            if time.monotonic() >= deadline:
+                raise RendezvousError(
+                    f"node {node}: node 0's rendezvous at {host}:{port} did not open within {wait_s:g} s "
+                    "(--wait-s): node 0 opens it when its training starts"
+                ) from None
+    recipe = recipe_of(cli_args)
+    _check_node(recipe, node, "--node-rank")
+    return _run_node(recipe, cli_args, node, host, port, members, None, None)
+
+
+JOIN_TRY_S = 10.0  # a joining node asks whether it is still wanted this often while node 0 is not up
+
+
+def _check_node(recipe: Recipe, node: int, flag: str) -> None:
+    nodes = recipe.rollout.nodes
+    if not 0 <= node < nodes:
+        raise ConfigError(f"{flag} {node}: rollout.nodes is {nodes}, so node ranks are 0-{nodes - 1}")
+
+
+def _run_node(recipe, cli_args, node, host, port, members, watch, stdout) -> int:
+    """This node's ranks under torchrun once the nodes have met (`launch_node`, `join_node`)."""
+    from trainer.rendezvous import interface_of
+
     cfg = recipe.rollout
-    if not 0 <= node < cfg.nodes:
-        raise ConfigError(
-            f"--node-rank {node}: rollout.nodes is {cfg.nodes}, so node ranks are 0-{cfg.nodes - 1}"
-        )
     placement = plan(cfg, node_gpus(), node=node)
-    members = meet(cfg.nodes, node, host, port, cfg.rendezvous_timeout_s)
     env = trainer_env(placement, os.environ)
     if "GLOO_SOCKET_IFNAME" not in env:
         interface = interface_of(members[node].address)
@@ -129,7 +217,71 @@ def launch_node(recipe: Recipe, cli_args: list[str], node: int, endpoint: str) -
         "train",
         *cli_args,
     ]
-    return _call_holding_run_dir(recipe, command, env, hold=node == 0)
+    return _call_holding_run_dir(recipe, command, env, hold=node == 0, watch=watch, stdout=stdout)
+
+
+def in_processes_of_their_own(recipe: Recipe) -> bool:
+    """Whether the recipe's trainer ranks must be started as processes (several ranks, GPUs placed apart,
+    several nodes) rather than trained in the calling process."""
+    return recipe.rollout.nodes > 1 or needs_launch(recipe)
+
+
+def run_ranks(recipe: Recipe, on_step: Callable[[int, dict], None], endpoint: str | None = None) -> dict:
+    """Train `recipe` as its trainer ranks in processes of their own, from a caller that wants the in-process
+    trainer's results (the pipeline's train stage): `on_step(step, metrics)` for each step rank 0 writes to
+    metrics.jsonl while they run, and rank 0's summary at the end. The recipe goes to the ranks as a YAML file
+    in its run directory (shared by every node). With `rollout.nodes > 1` this is node 0, meeting the others
+    at `endpoint` (HOST:PORT); they run `grpoflow join`. RuntimeError naming the exit status when the ranks
+    fail (a retry resumes from the last checkpoint)."""
+    import yaml
+
+    from data.manifest import write_text_atomic
+    from trainer.metrics import SUMMARY, MetricsFile
+
+    check_endpoint(recipe, endpoint)
+    out = Path(recipe.train.output_dir)
+    config = out.resolve() / LAUNCH_RECIPE
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(config, yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+    (out / SUMMARY).unlink(missing_ok=True)  # a finished earlier run's: the summary read below is this one's
+    metrics = MetricsFile(out / "metrics.jsonl")
+    seen = len(metrics.read())  # logged by an earlier attempt
+
+    def follow() -> None:
+        nonlocal seen
+        rows, seen = metrics.rows_after(seen)
+        for row in rows:
+            on_step(row["step"], {k: v for k, v in row.items() if k != "step"})
+
+    cli_args = ["--config", str(config)]
+    if recipe.rollout.nodes > 1:
+        code = launch_node(recipe, cli_args, 0, endpoint, watch=follow, stdout=STDERR)
+    else:
+        code = launch_ranks(recipe, cli_args, watch=follow, stdout=STDERR)
+    if code:
+        raise RuntimeError(f"the trainer ranks exited with status {code} (their output is above)")
+    return json.loads((out / SUMMARY).read_text())
+
+
+def check_endpoint(recipe: Recipe, endpoint: str | None) -> None:
+    """A multi-node recipe run by the pipeline needs node 0's rendezvous HOST:PORT (ConfigError without it,
+    or with one that is not HOST:PORT)."""
+    from trainer.rendezvous import parse_endpoint
+
+    if recipe.rollout.nodes <= 1:
+        return
+    if not endpoint:
+        raise ConfigError(
+            f"rollout.nodes is {recipe.rollout.nodes}: the pipeline trains it from node 0, which needs its "
+            f"rendezvous HOST:PORT in {RENDEZVOUS_ENV} (the multi-node pool template sets it), with "
+            "`grpoflow join --node-rank K --rendezvous HOST:PORT` on each other node"
+        )
+    parse_endpoint(endpoint)
+
+
+STDERR = 2  # the ranks' stdout goes to the caller's stderr: its stdout may be a summary alone (`--json`)
+LAUNCH_RECIPE = "launch-recipe.yaml"  # the recipe as the ranks that run_ranks starts read it
+RENDEZVOUS_ENV = "GRPOFLOW_RENDEZVOUS"  # node 0's HOST:PORT for a multi-node recipe run by the pipeline
 
 
 def process_group_backend(cuda: bool) -> str:

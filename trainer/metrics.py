@@ -26,6 +26,9 @@ class TrainerCallback(Protocol):
     def on_train_end(self, summary: dict) -> None: ...
 
 
+SUMMARY = "summary.json"  # rank 0's TrainResult.summary() in the run directory, written when training ends
+
+
 class MetricsFile:
     """Appends one JSON object per step; on resume, drops lines past the checkpoint so no step repeats.
 
@@ -47,6 +50,14 @@ class MetricsFile:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
             f.flush()
             os.fsync(f.fileno())
+
+    def rows_after(self, seen: int) -> tuple[list[dict], int]:
+        """The complete rows past the first `seen`, and how many rows the file holds now. A file cut back
+        below `seen` (a resumed run drops the steps past its checkpoint, then writes them again) is read on
+        from where it was cut."""
+        rows = self.read()
+        seen = min(seen, len(rows))
+        return rows[seen:], len(rows)
 
     def read(self) -> list[dict]:
         if not self.path.is_file():
@@ -95,6 +106,7 @@ class TrainResult:
     metrics_path: str
     seconds_per_step: float
     resumed_from: int
+    trainer_ranks: int = 1
 
     def summary(self) -> dict:
         return {
@@ -107,4 +119,5 @@ class TrainResult:
             "checkpoint": self.checkpoint,
             "metrics": self.metrics_path,
             "resumed_from_step": self.resumed_from,
+            "trainer_ranks": self.trainer_ranks,
         }

@@ -26,6 +26,10 @@ class RendezvousError(ServiceUnavailable):
     has started)."""
 
 
+class NodeZeroUnreachable(RendezvousError):
+    """A node other than 0 found no rendezvous at node 0's HOST:PORT in time."""
+
+
 @dataclass(frozen=True)
 class Member:
     node: int
@@ -79,10 +83,20 @@ def interface_of(address: str) -> str | None:
     return None
 
 
-def meet(nodes: int, node: int, host: str, port: int, timeout_s: float) -> list[Member]:
-    """Every node's Member, node 0 first, once all `nodes` have come to node 0's store at host:port; raises
-    RendezvousError naming the missing nodes (on node 0) or the unreachable node 0 (on the others) when they
-    have not after `timeout_s`."""
+def meet(
+    nodes: int,
+    node: int,
+    host: str,
+    port: int,
+    timeout_s: float,
+    args: list[str] = (),
+    members_wait_s: float | None = None,
+) -> tuple[list[Member], list[str]]:
+    """Every node's Member, node 0 first, once all `nodes` have come to node 0's store at host:port, and node
+    0's `args` (its `grpoflow train` arguments, for a node that joins without a recipe: `nodes` matters on
+    node 0 alone). Raises RendezvousError naming the missing nodes (on node 0), NodeZeroUnreachable naming
+    node 0's HOST:PORT (on the others) when they have not met after `timeout_s`. `members_wait_s`: how long
+    a node other than 0, once connected, waits for the others (default: what is left of `timeout_s`)."""
     from torch.distributed import TCPStore
 
     me = Member(node, socket.gethostname(), address_towards(host))
@@ -95,7 +109,7 @@ def meet(nodes: int, node: int, host: str, port: int, timeout_s: float) -> list[
         try:
             store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
         except Exception as e:  # noqa: BLE001 - torch raises several kinds for a connect that never succeeds
-            raise RendezvousError(
+            raise NodeZeroUnreachable(
                 f"node {node}: node 0's rendezvous at {host}:{port} did not answer within {timeout_s:g} s "
                 f"(rollout.rendezvous_timeout_s): start `grpoflow train --node-rank 0 --rendezvous "
                 f"{host}:{port}` there, and check that {host} is node 0's address as this node reaches it "
@@ -117,22 +131,25 @@ def meet(nodes: int, node: int, host: str, port: int, timeout_s: float) -> list[
                 )
             time.sleep(0.2)
         members = [_member(store, k) for k in range(nodes)]
+        store.set("args", json.dumps(list(args)))
         store.set("members", json.dumps([[m.host, m.address] for m in members]))
         # the store goes when node 0 moves on: wait (bounded) until every node has read the list
         acks = [f"ack/{k}" for k in range(1, nodes)]
         while acks and not store.check(acks) and time.monotonic() < deadline + 30:
             time.sleep(0.05)
-        return members
+        return members, list(args)
     try:
-        store.wait(["members"], timedelta(seconds=max(1.0, deadline - time.monotonic())))
+        left = deadline - time.monotonic() if members_wait_s is None else members_wait_s
+        store.wait(["members"], timedelta(seconds=max(1.0, left)))
     except Exception:  # noqa: BLE001 - a timeout, or node 0 gone
         raise RendezvousError(
             f"node {node}: joined node 0's rendezvous at {host}:{port}, but the other nodes did not all come "
             f"within {timeout_s:g} s (rollout.rendezvous_timeout_s); node 0's log names the missing ones"
         ) from None
     members = [Member(k, h, a) for k, (h, a) in enumerate(json.loads(store.get("members")))]
+    args = json.loads(store.get("args"))
     store.set(f"ack/{node}", "1")
-    return members
+    return members, args
 
 
 def _member(store, k: int) -> Member:
