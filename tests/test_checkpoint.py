@@ -220,6 +220,7 @@ def test_a_checkpoint_cut_short_by_sigkill_is_removed_by_the_next_run(tmp_path, 
         "heldout",
         "latest",
         "metrics.jsonl",
+        "summary.json",
     ]
     assert f"removed {partial}: left by a run that stopped while writing a checkpoint" in proc.stderr
 
@@ -359,6 +360,7 @@ def test_a_checkpoint_that_runs_out_of_room_fails_naming_it_and_the_previous_one
         "heldout",
         "latest",
         "metrics.jsonl",
+        "summary.json",  # the first run's, which ended at checkpoint-2
     ]
     assert tree_digest(checkpoint) == previous
     assert (run / "run" / "latest").read_text().strip() == "checkpoint-2"
