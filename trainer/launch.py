@@ -116,11 +116,16 @@ def _call_holding_run_dir(
                     if watch is not None:
                         watch()
             except BaseException:
-                proc.kill()  # torchrun takes its ranks with it
+                proc.terminate()  # torchrun stops its ranks on SIGTERM; killed, it would leave them running
+                try:
+                    proc.wait(timeout=STOP_S)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
                 raise
         return proc.returncode
 
 
+STOP_S = 30.0  # how long the ranks get to stop after SIGTERM
 WATCH_S = 1.0  # how often a launcher's `watch` looks at the running ranks (the pipeline's metrics follower)
 
 
