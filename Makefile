@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,k8s]"
 	@# DeepSpeed ships as a source distribution: built in isolation it pulls a CUDA torch; against the installed
 	@# one it builds in seconds and runs ZeRO on CPU (DS_ACCELERATOR=cpu, gloo) for tests/test_deepspeed.py
 	$(PY) -m pip install -q --no-build-isolation "$(DEEPSPEED_SPEC)"
