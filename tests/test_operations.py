@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from k8s_templates import check_against_kubernetes_schema, rendered_job
+from k8s_templates import K8S, check_against_kubernetes_schema, rendered_job
 
 from conftest import REPO_ROOT, scored_copy, shared, stop_group
 from data.manifest import read_manifest
@@ -1109,7 +1109,7 @@ def create_pool(services: Services, name: str, template: Path) -> subprocess.Com
 def test_the_kubernetes_gpu_template_is_accepted_by_prefect_and_asks_for_eight_gpus(services, tmp_path):
     """Prefect's server stores it, its worker renders the Job it would create, and that Job is valid for the
     Kubernetes API's schema (no cluster: `tests/k8s_templates.py`)."""
-    template = REPO_ROOT / "infra" / "k8s" / "gpu-pool.json"
+    template = K8S / "gpu-pool.json"
     name = f"grpoflow-gpu-{services.tag}"
     proc = create_pool(services, name, template)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -1140,12 +1140,12 @@ def test_the_multi_node_template_starts_one_pod_per_node_pod_0_the_flow_the_othe
     valid too); pod 0 runs the flow run's command, the others `grpoflow join` at pod 0's name. Both valid
     for the Kubernetes API's schema. (The pods' command run on two hosts: tests/test_multihost.py.)"""
     name = f"grpoflow-nodes-{services.tag}"
-    proc = create_pool(services, name, REPO_ROOT / "infra" / "k8s" / "gpu-nodes-pool.json")
+    proc = create_pool(services, name, K8S / "gpu-nodes-pool.json")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     stored = services.request("GET", f"/work_pools/{name}")["base_job_template"]
     manifest = rendered_job(stored, {"name": "grpoflow-32b", "nodes": 3}, services.api, services.auth)
     check_against_kubernetes_schema(manifest)
-    service = yaml.safe_load((REPO_ROOT / "infra" / "k8s" / "nodes-service.yaml").read_text())
+    service = yaml.safe_load((K8S / "nodes-service.yaml").read_text())
     check_against_kubernetes_schema(service)
     spec = manifest["spec"]
     assert (spec["completionMode"], spec["completions"], spec["parallelism"]) == ("Indexed", 3, 3)

@@ -274,9 +274,10 @@ class GRPOTrainer:
             self.start_step,
             self.world,
         )
+        summary = result.summary()
         # for whoever started the ranks in processes of their own (the pipeline's train stage)
-        write_json_atomic(self.output_dir / SUMMARY, result.summary())
-        self._notify("on_train_end", result.summary())
+        write_json_atomic(self.output_dir / SUMMARY, summary)
+        self._notify("on_train_end", summary)
         return result
 
     def rollout_source(self) -> RolloutSource:

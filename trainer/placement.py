@@ -76,6 +76,11 @@ class Placement:
     def workers(self) -> list[Process]:
         return [p for p in self.processes if p.role == "rollout"]
 
+    @property
+    def ranks_through(self) -> int:
+        """The trainer ranks of this node and every node before it (on the last node: the whole run's)."""
+        return self.first_rank + len(self.trainers)
+
     def to_dict(self) -> dict:
         return {
             "node": self.node,
@@ -146,9 +151,8 @@ def nodes_plan(
 
 def trainer_ranks(cfg: RolloutConfig, gpus: int | Sequence[str], cpu_ranks: int | None = None) -> int:
     """The trainer ranks of the whole run, over all its nodes (ZeRO shards over them, DDP averages them): the
-    last node's first rank and its own."""
-    last = plan(cfg, gpus, cpu_ranks, cfg.nodes - 1)
-    return last.first_rank + len(last.trainers)
+    last node's `ranks_through`."""
+    return plan(cfg, gpus, cpu_ranks, cfg.nodes - 1).ranks_through
 
 
 def _plan(cfg: RolloutConfig, gpus: int | Sequence[str], cpu_ranks: int | None = None) -> Placement:
@@ -430,7 +434,7 @@ def dry_run(cfg: RolloutConfig, gpus: int | None = None) -> tuple[dict, str]:
             for p in each.processes
         ]
     summary = {"engine": cfg.engine, "gpus_from": source, **placement.to_dict()}
-    summary["trainer_ranks"] = placements[-1].first_rank + len(placements[-1].trainers)
+    summary["trainer_ranks"] = placements[-1].ranks_through
     summary["nodes"] = [{**p.to_dict(), "command": _node_command(p)} for p in placements]
     return summary, "\n".join(lines)
 

@@ -142,9 +142,11 @@ def meet(
         left = deadline - time.monotonic() if members_wait_s is None else members_wait_s
         store.wait(["members"], timedelta(seconds=max(1.0, left)))
     except Exception:  # noqa: BLE001 - a timeout, or node 0 gone
+        bound = "rollout.rendezvous_timeout_s" if members_wait_s is None else "--wait-s"
+        waited = timeout_s if members_wait_s is None else members_wait_s
         raise RendezvousError(
             f"node {node}: joined node 0's rendezvous at {host}:{port}, but the other nodes did not all come "
-            f"within {timeout_s:g} s (rollout.rendezvous_timeout_s); node 0's log names the missing ones"
+            f"within {waited:g} s ({bound}); node 0's log names the missing ones"
         ) from None
     members = [Member(k, h, a) for k, (h, a) in enumerate(json.loads(store.get("members")))]
     args = json.loads(store.get("args"))
