@@ -37,10 +37,11 @@ and `other%`, the CPU other processes took meanwhile, are kept).
    before, all steps with their checkpoints, held-out after: `GRPOTrainer.train()` for ours; the same pieces
    around TRL's `train()`), the loop alone (first step start to last step end), the median step, and held-out
    greedy accuracy before and after on the recipe's 256 rows, all scored by grpoflow's `evaluate_greedy`.
-   Ratios per round: grpoflow/TRL and async/sync (aim: <= 0.7) of wall, loop and median step. Long (minutes
-   per side), so one round by default: BENCH_E2E_REPEATS rounds (default 1), BENCH_E2E_STEPS steps (default:
-   the recipe's max_steps; fewer for a check: the schedule then decays over fewer steps), BENCH_E2E=0 skips
-   it.
+   Ratios per round: grpoflow/TRL and async/sync (aim: <= 0.7) of wall, loop and median step, and the
+   learning per CPU minute, grpoflow/TRL of held-out points gained per minute of wall (aim: >= 3). Long
+   (minutes per side), so one round by default: BENCH_E2E_REPEATS rounds (default 1), BENCH_E2E_STEPS steps
+   (default: the recipe's max_steps; fewer for a check: the schedule then decays over fewer steps),
+   BENCH_E2E=0 skips it.
 
 Time on this 2-core machine, idle (estimated from short runs): the step bench about 45 s a round, 2.5 min at
 the defaults; the tiny recipe about 17.5 min at its 300 steps (grpoflow sync 4.5, TRL 9.5, async 3.5).
@@ -691,6 +692,7 @@ def summarize(runs: list[dict]) -> dict:
         "median_rollout_s",
         "median_rollout_tokens_per_s",
         "reward_last_10",
+        "gain_per_min",
     )
     out = {key: median_over(runs, key) for key in keys if any(key in r for r in runs)}
     return {**out, "other_cpu_share_max": max_other(runs), "runs": runs}
@@ -802,6 +804,16 @@ RECIPE_RATIOS.update(
         for k, key in (("wall", "wall_s"), ("loop", "loop_s"), ("step", "median_s_per_step"))
     }
 )
+# learning per CPU minute (higher is better, aim >= 3): held-out points gained per minute of a whole training
+RECIPE_RATIOS["grpoflow/TRL gain per min"] = ("grpoflow_sync", "trl_defaults", "gain_per_min")
+GAIN_AIM = 3.0
+
+
+def with_gain_rate(run: dict) -> dict:
+    """`gain_per_min`: held-out accuracy gained (after - before) per minute of the run's wall time (load,
+    held-out before, every step and checkpoint, held-out after: on 2 cores a minute of the machine)."""
+    gain = run["heldout_after"] - run["heldout_before"]
+    return {**run, "gain_per_min": gain / (run["wall_s"] / 60)}
 
 
 def e2e_enabled() -> bool:
@@ -820,18 +832,20 @@ def run_recipe_benchmark(work: Path, steps: int | None = None, repeats: int | No
     trl_args, trl_left = recipe_trl_args(recipe)
 
     def ours(name: str, extra: list[str]):
-        return lambda r: run_ours(
-            shipped_recipe(work, steps, [f"train.output_dir={work / f'e2e-{name}-{r}'}", *extra]),
-            model_path,
-            data_dir,
+        return lambda r: with_gain_rate(
+            run_ours(
+                shipped_recipe(work, steps, [f"train.output_dir={work / f'e2e-{name}-{r}'}", *extra]),
+                model_path,
+                data_dir,
+            )
         )
 
     started = time.perf_counter()
     runs = run_rounds(
         {
             "grpoflow_sync": ours("sync", ["rollout.async=false"]),
-            "trl_defaults": lambda r: run_trl(
-                recipe, model_path, data_dir, work / f"e2e-trl-{r}", trl_args, score_base=True
+            "trl_defaults": lambda r: with_gain_rate(
+                run_trl(recipe, model_path, data_dir, work / f"e2e-trl-{r}", trl_args, score_base=True)
             ),
             "grpoflow_async": ours("async", ["rollout.async=true"]),
         },
@@ -867,12 +881,16 @@ def run_recipe_benchmark(work: Path, steps: int | None = None, repeats: int | No
         "ratio_method": "per round, then the median over rounds; wall: the whole training with held-out "
         "before and after; loop: first step start to last step end; step: median step over 2..N",
         "async_aim": ASYNC_AIM,
+        "gain_aim": GAIN_AIM,
     }
     report["plot"] = plot_round_ratios(
         BENCH_OUT / "tiny_recipe_ratios.png",
         f"tiny recipe end to end: {steps} steps, {repeats} round(s), per-round ratios",
         ratios,
-        {f"async/sync {k}": ASYNC_AIM for k in ("wall", "loop", "step")},
+        {
+            **{f"async/sync {k}": ASYNC_AIM for k in ("wall", "loop", "step")},
+            "grpoflow/TRL gain per min": GAIN_AIM,
+        },
     )
     write_json(RECIPE_JSON, report)
     print(format_recipe_table(report))
@@ -908,7 +926,8 @@ def format_recipe_table(r: dict) -> str:
     )
     lines.append(
         f"ratios, per round then the median over rounds [min-max; each round] (aim async/sync <= "
-        f"{r['async_aim']}):"
+        f"{r['async_aim']}; gain per min: grpoflow's held-out points per minute of wall over TRL's, aim >= "
+        f"{r['gain_aim']}):"
     )
     lines += [f"  {label:22s}{format_ratio(ratio)}" for label, ratio in r["ratios"].items()]
     t = s["trl_defaults"]["runs"][0]
