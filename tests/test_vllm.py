@@ -206,7 +206,9 @@ print(json.dumps({"settings": sorted(engine.settings), "budget": s.max_num_batch
 """
 
 
-def test_a_recipe_silent_on_the_budget_gets_vllms_default_and_one_step_prefills_a_whole_batch(tiny_base):
+def test_a_recipe_silent_on_the_budget_gets_vllms_default_and_one_step_prefills_a_whole_batch(
+    tiny_base, tiny_recipe
+):
     """Passing max_model_len as the budget (what the engine once did on CPU) also capped max_num_seqs to 88
     and prefilled one prompt per engine step: the tiny recipe's rollout took 2.15 s a step instead of 0.89 s.
     In a process of its own: a second in-process vLLM engine here would tear down the module engine's parallel
@@ -222,7 +224,8 @@ def test_a_recipe_silent_on_the_budget_gets_vllms_default_and_one_step_prefills_
     built = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "max_num_batched_tokens" not in built["settings"]
     assert built["budget"] == 4096  # vLLM 0.32's CPU default for the LLM class
-    assert built["max_num_seqs"] >= 16 * 8  # the tiny recipe's 16 prompts x 8 samples decode together
+    batch = tiny_recipe.train.prompts_per_step * tiny_recipe.train.num_generations
+    assert built["max_num_seqs"] >= batch  # the tiny recipe's whole batch of completions decodes together
     assert built["chunked"] is False
 
 
@@ -293,7 +296,9 @@ def test_a_share_of_a_batch_samples_what_the_whole_batch_samples_for_its_prompts
 
 
 def test_train_with_vllm_rollouts_learns_on_the_tiny_recipe(tmp_path, tiny_base, tiny_data):
-    """The embedded default's recipe as it is, with vLLM doing the rollouts and the held-out evaluation."""
+    """The embedded default's recipe cut to its first 300 steps (of 1,400; its decay over them), with vLLM
+    doing the rollouts and the held-out evaluation, raises held-out accuracy by >= 10 points (one thread,
+    AVX-512 base, 2026-12-05: 0.281 -> 0.590)."""
     proc = grpoflow(
         "train",
         "--config",
@@ -302,6 +307,7 @@ def test_train_with_vllm_rollouts_learns_on_the_tiny_recipe(tmp_path, tiny_base,
         f"train.output_dir={tmp_path / 'run'}",
         "rollout.engine=vllm",
         "rollout.enforce_eager=true",
+        "train.max_steps=300",
         "--json",
     )
     out, err = proc.communicate(timeout=3000)
