@@ -89,9 +89,10 @@ def test_async_rollout_raises_heldout_accuracy_over_the_runs_own_start(tmp_path,
     recipe's shape when this was measured) at lr 1e-4 decaying to 0, every batch after the first one policy
     version stale, raises greedy held-out accuracy on 256 problems by at least 1 point over the same run's
     before-training score (a gain, not a level: the base model differs between AVX2 and AVX-512 CPUs), and
-    the mean sampled reward of the last 10 steps by 0.03 over the first 10's. Measured, 4 seeds on each of two bases: +9.0 to +11.3 points (AVX-512 base) and
-    +3.1 to +5.9 (an AVX2 one); sampled reward +0.07 to +0.16. The margins leave room for a base that
-    learns more slowly than those (the sampled reward's is the firmer of the two)."""
+    the mean sampled reward of the last 10 steps by 0.03 over the first 10's. Measured, 4 seeds on each of
+    two bases: +9.0 to +11.3 points (AVX-512 base) and +3.1 to +5.9 (an AVX2 one); sampled reward +0.07 to
+    +0.16. The margins leave room for a base that learns more slowly than those (the sampled reward's is the
+    firmer of the two)."""
     from data.prepare import prepare
 
     data = tmp_path / "data"  # the recipe's 4,000 problems, 413 held out (the small copy holds 63)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -216,18 +217,22 @@ def test_sigkill_then_rerun_resumes_exactly(tmp_path, tiny_base, tiny_data):
         torch.testing.assert_close(wa[name], wb[name], rtol=1e-5, atol=1e-6)
 
 
-# The learning proxy: the embedded default's recipe cut to its first steps (its linear decay over them). On
-# one thread, 120 steps of 8 prompts: +24.2, +17.6 and +21.1 points from 0.281 (seeds 0, 1, 2; the AVX-512
-# base whose warm-up ends at 0.344, 2026-12-05) and +6.3, +5.1, +12.2 on another AVX-512 machine's base (its
-# warm-up at 0.312); the whole 1,400-step recipe gives +46 to +48 on the first (README, "Measured here"). A
-# change that stops learning leaves the held-out accuracy where it was, or lower.
-PROXY_STEPS, PROXY_GAIN = 120, 0.04
+# The learning proxy: the embedded default's recipe cut to its first steps (its linear decay over them), seed
+# 0 as shipped. Two signals, each with room: held-out greedy accuracy on 256 problems, and the sampled
+# accuracy reward (1,280 samples in each of the first and last 20 steps). Measured on one thread, 120 steps,
+# seeds 0, 1, 2 (2026-12-05): the AVX-512 base (0.281) +24.2, +17.6, +21.1 held-out points and +8.3, +6.9,
+# +16.3 reward points; the AVX2 base (0.410; ATEN_CPU_CAPABILITY=avx2 etc., README) +4.7, +3.1, +4.7 and
+# +5.5, +14.1, +13.2 (at 200 steps its held-out gain was still +1.6 for seed 0: early held-out accuracy on
+# that base is noisy, the sampled reward steadier). The whole 1,400-step recipe gives +47 and +27 (medians of
+# 3 seeds, README "Measured here"). A change that stops learning leaves both where they were, or lower.
+PROXY_STEPS, PROXY_GAIN, PROXY_REWARD_GAIN = 120, 0.03, 0.03
 
 
 @pytest.mark.slow
 def test_tiny_cpu_recipe_learns(tmp_path, tiny_base, tiny_recipe):
     """The learning proxy of the embedded default: its recipe, cut to its first 120 steps, raises held-out
-    greedy accuracy on 256 problems by >= 4 points and logs TRL's metrics at every step."""
+    greedy accuracy on 256 problems by >= 3 points and the sampled accuracy reward (last 20 steps over the
+    first 20) by >= 3 points, and logs TRL's metrics at every step."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -253,6 +258,10 @@ def test_tiny_cpu_recipe_learns(tmp_path, tiny_base, tiny_recipe):
     assert s["heldout_accuracy_after"] >= s["heldout_accuracy_before"] + PROXY_GAIN, s
     assert s["steps"] == PROXY_STEPS and Path(s["checkpoint"]).is_dir()
     rows = [json.loads(line) for line in Path(s["metrics"]).read_text().splitlines()]
+    first, last = (
+        statistics.fmean(r["rewards/accuracy/mean"] for r in part) for part in (rows[:20], rows[-20:])
+    )
+    assert last >= first + PROXY_REWARD_GAIN, (first, last)
     for key in (
         "reward",
         "reward_std",
