@@ -71,7 +71,7 @@ engine_model, tok = load_model(sys.argv[2], recipe.model, "cpu", verify=False)
 engine_model.load_state_dict(weights)
 asked = [batch.prompt_ids[0], batch.prompt_ids[-1]]  # two distinct prompts (rows of a group share one)
 groups = HFEngine(engine_model.eval(), tok).generate(asked, 3, \
-SamplingParams(max_tokens=8, temperature=1.0, seed=7))
+SamplingParams(max_tokens=8, temperature=recipe.train.temperature, seed=7))
 completions = [c for g in groups for c in g]
 prompts = [p for p, g in zip(asked, groups) for _ in g]
 sampled = RolloutBatch(prompts, completions, torch.zeros(len(completions)), torch.ones(len(completions)))

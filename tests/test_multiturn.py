@@ -176,9 +176,14 @@ def test_a_trajectory_is_the_model_turns_and_the_rendered_tool_result_masked_out
 ):
     _, tokenizer = model_and_tokenizer
     rows, _, groups = trajectories
-    called = [
+    calls = [
         (row, c) for row, g in zip(rows, groups, strict=True) for c in g if c.trajectory["tool_calls"] == 1
     ]
+    # a call written in the last tokens of the budget is cut there: no observation follows it, nothing masked
+    cut = [c for _, c in calls if c.trajectory["cut"] == "max_tokens"]
+    for c in cut:
+        assert 0 not in c.token_mask and len(c.trajectory["messages"]) == 1 and c.finish_reason == "length"
+    called = [(row, c) for row, c in calls if c.trajectory["cut"] is None]
     assert len(called) >= 8, "the base model should call the calculator in some samples"
     for _, c in called:
         mask = c.token_mask
