@@ -243,7 +243,7 @@ if trainer.rank == 0:
     torch.save({"grads": grads, "weights": {k: v.detach().clone() \
 for k, v in trainer.model.state_dict().items()}},
                sys.argv[3])
-from trainer.launch import leave_distributed; leave_distributed()  # no rank exits with the group alive
+from trainer.launch import end_rank; end_rank()  # leaves the group, ends without finalization
 """
 
 

@@ -85,7 +85,7 @@ if (engine := getattr(trainer.strategy, "engine", None)) is not None:  # DeepSpe
     out["zero_stage"] = engine.zero_optimization_stage()
 if trainer.rank == 0:
     torch.save(out, sys.argv[3])
-from trainer.launch import leave_distributed; leave_distributed()  # no rank exits with the group alive
+from trainer.launch import end_rank; end_rank()  # leaves the group, ends without finalization
 """
 
 
@@ -178,7 +178,7 @@ print(json.dumps({"master_dtype": str(master.dtype), \
        "median_step": moved.median().item(), "master_moved": (moved > 0).float().mean().item(),
        "module_moved": sum((module_after[n] != module_before[n]).sum().item() for n in module_after)
                        / sum(p.numel() for p in module_after.values())}))
-from trainer.launch import leave_distributed; leave_distributed()  # no rank exits with the group alive
+from trainer.launch import end_rank; end_rank()  # leaves the group, ends without finalization
 """
 
 

@@ -107,7 +107,7 @@ trainer.optimize(torch.load(batch_path, weights_only=False))
 if trainer.rank == 0:
     torch.save({n: {"update": p.detach().float() - b, "float32_step": r.detach() - b}
                 for n, p, b, r in zip(names, stepped, before, reference, strict=True)}, out)
-from trainer.launch import leave_distributed; leave_distributed()
+from trainer.launch import end_rank; end_rank()  # leaves the group, ends without finalization
 """
 
 
@@ -975,7 +975,7 @@ record["micro_batches"] = len(passes)
 dump()
 if trainer.rank == 0:
     torch.save(grads, f"{out}/grads.pt")
-from trainer.launch import leave_distributed; leave_distributed()  # no rank exits with the group alive
+from trainer.launch import end_rank; end_rank()  # leaves the group, ends without finalization
 """
 
 
@@ -1128,7 +1128,7 @@ _RANKS_SERVER_SCRIPT = """
 import json, sys, torch.distributed as dist
 from data.prepare import load_prepared
 from trainer.heldout import evaluate_greedy
-from trainer.launch import init_distributed, leave_distributed
+from trainer.launch import end_rank, init_distributed
 from trainer.model_loading import load_model
 from trainer.recipe import ModelConfig
 from trainer.rewards import accuracy_reward, format_reward
@@ -1150,7 +1150,7 @@ record = {"result": result, "waits": waits}
 if rank == 0:
     record["one_process"] = evaluate()
 json.dump(record, open(f"{sys.argv[3]}/rank{rank}.json", "w"))
-leave_distributed()
+end_rank()
 """
 
 
@@ -1324,7 +1324,7 @@ _placement_SETUP = """
 import json, os, sys
 from pathlib import Path
 from trainer.grpo import GRPOTrainer
-from trainer.launch import leave_distributed
+from trainer.launch import end_rank
 from trainer.recipe import load_recipe
 from trainer.typed_config import ConfigError
 rank, answers = int(os.environ["RANK"]), []
@@ -1337,7 +1337,7 @@ for output_dir in sys.argv[4:6]:
     except ConfigError as e:
         answers.append({"refused": str(e)})
 Path(sys.argv[3], f"rank{rank}.json").write_text(json.dumps(answers))
-leave_distributed()
+end_rank()
 """
 
 

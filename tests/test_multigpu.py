@@ -410,7 +410,7 @@ box = [{"batch from": rank}]
 dist.broadcast_object_list(box, src=0)
 json.dump({"world": world, "backend": str(dist.get_backend_config()), "sum": metrics.tolist(), "box": box[0]},
           open(f"{sys.argv[1]}/rank{rank}.json", "w"))
-from trainer.launch import leave_distributed; leave_distributed()  # no rank exits with the group alive
+from trainer.launch import end_rank; end_rank()  # leaves the group, ends without finalization
 """
 
 
@@ -441,6 +441,45 @@ def test_two_ranks_all_reduce_a_cpu_tensor_on_the_composite_backend(tmp_path):
     for rank in (0, 1):
         out = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert out == {"world": 2, "backend": "cpu:gloo", "sum": [3.0, 30.0], "box": {"batch from": 0}}, out
+
+
+# A trainer rank's last call: the group left, then the exit handlers (while the interpreter is whole), the
+# streams flushed, and the process ended with the given status, skipping the interpreter's finalization.
+END_RANK_SCRIPT = """
+import atexit, os, sys, torch.distributed as dist
+from trainer.launch import end_rank, init_distributed
+rank, world = init_distributed(120)
+def handler():
+    open(f"{sys.argv[1]}/exit{rank}", "w").write(f"group alive: {dist.is_initialized()}")
+atexit.register(handler)
+sys.stdout.write(f"rank {rank} of {world}, unflushed")  # no newline: still buffered when end_rank is called
+end_rank(int(sys.argv[2]))
+open(f"{sys.argv[1]}/returned{rank}", "w").write("end_rank returned")
+"""
+
+
+def test_a_rank_ends_with_the_group_left_its_exit_handlers_run_its_output_flushed_and_its_status(tmp_path):
+    script = tmp_path / "end.py"
+    script.write_text(END_RANK_SCRIPT)
+    proc = torchrun(script, 2, str(tmp_path), "0", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} of 2, unflushed" in proc.stdout
+        assert (tmp_path / f"exit{rank}").read_text() == "group alive: False"
+        assert not (tmp_path / f"returned{rank}").exists()
+    # one process, no group (WORLD_SIZE unset): the status it is given is the process's
+    (tmp_path / "alone").mkdir()
+    alone = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "alone"), "3"],
+        cwd=REPO_ROOT,
+        env={k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert alone.returncode == 3, alone.stderr[-3000:]
+    assert alone.stdout == "rank 0 of 1, unflushed"
+    assert (tmp_path / "alone" / "exit0").read_text() == "group alive: False"
 
 
 # ---- vLLM (its CPU build, .venv-vllm) ----------------------------------------------------------------------
@@ -495,7 +534,7 @@ with trainer.rollout_source() as source:
         trainer.version += 1  # as after an update: the next batch needs the server brought up to date first
 json.dump({"engine": type(trainer.local_engine.engine).__name__, "batches": batches},
           open(f"{sys.argv[3]}/rank{trainer.rank}.json", "w"))
-from trainer.launch import leave_distributed; leave_distributed()  # no rank exits with the group alive
+from trainer.launch import end_rank; end_rank()  # leaves the group, ends without finalization
 """
 
 

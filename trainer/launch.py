@@ -32,6 +32,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -321,6 +322,13 @@ def init_distributed(timeout_s: float, rollout: RolloutConfig | None = None) -> 
 
 
 _PEERS: list[tuple[str, str]] | None = None  # (hostname, address) of every trainer rank, by rank
+
+
+def joined_a_group() -> bool:
+    """Whether this process made the trainer ranks' process group (`init_distributed`)."""
+    return _PEERS is not None
+
+
 # gloo's words when a peer went away mid-collective ("Connection closed by peer [10.0.0.2]:45736", "Read error
 # [10.0.0.2]:45736: Connection reset by peer"): then the message's address is the lost peer's
 _LOST_PEER_WORDS = re.compile(
@@ -375,10 +383,9 @@ def distributed_exit():
 def leave_distributed(clean: bool = True) -> None:
     """Destroy the trainer ranks' process group, if any, before the process exits.
 
-    Left to the interpreter's exit, gloo's threads are torn down in no set order: a rank died of SIGABRT
-    ("terminate called without an active exception") after its work was done, failing a run that had
-    succeeded (seen once on CI, torch 2.13). `clean`: wait for every rank first (after a success; after a
-    failure the others may never arrive, so it only destroys)."""
+    A collective cannot be left half-done by a rank that exits first. `clean`: wait for every rank first
+    (after a success; after a failure the others may never arrive, so it only destroys). The groups' C++
+    objects may outlive this (see `end_rank`, how a trainer rank's process ends)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -386,3 +393,27 @@ def leave_distributed(clean: bool = True) -> None:
     if clean:
         dist.barrier()
     dist.destroy_process_group()
+
+
+def end_rank(code: int = 0) -> NoReturn:
+    """End a trainer rank's process with `code`, without the interpreter's finalization.
+
+    `leave_distributed` takes the groups out of torch's registry, but the trainer and DeepSpeed keep Python
+    references to them, so gloo's C++ objects outlive it and would be freed while the interpreter finalizes:
+    a gloo worker thread then asking for the GIL is ended inside a destructor, and the rank dies of SIGABRT
+    ("terminate called without an active exception") after its work was done, failing a run that succeeded
+    (seen twice on CI, torch 2.13, the second time after `leave_distributed`). So the group is left, the
+    exit handlers run (logging, the math-verify worker) while everything is alive, the streams are flushed,
+    and the process ends at once."""
+    import atexit
+    import logging
+
+    try:
+        leave_distributed(clean=code == 0)
+    finally:
+        atexit._run_exitfuncs()
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)

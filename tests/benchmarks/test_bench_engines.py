@@ -6,7 +6,8 @@ or `.venv-vllm/bin/python tests/benchmarks/test_bench_engines.py`. Without vLLM 
 under `make bench` in the main venv), unless GRPOFLOW_REQUIRE_VLLM=1, which makes a missing vLLM a failure.
 Knobs: BENCH_STEPS (generated batches per side per round, default 6 here: the wide model's steps are long and
 steady), BENCH_REPEATS (rounds, default 3), BENCH_MODELS (default "tiny,wide"), BENCH_TRL_VLLM (default 1:
-TRL's GRPOTrainer on vLLM as a side; 0 leaves it out). Measured on this 2-core machine: a round of the wide
+TRL's GRPOTrainer on vLLM as a side; 0 leaves it out), BENCH_WIDE_TOKENS (the wide model's completion budget,
+default 64). Measured on this 2-core machine: a round of the wide
 model takes about 8.5 min at 6 steps (TRL's side 3.5 min of it), of the tiny one about 2 min; the defaults,
 about 32 min.
 
@@ -14,8 +15,9 @@ The work is test_bench_grpo's (`pinned_recipe`: 4 prompts x 8 generations per ba
 everything else, its prepared data), with 16 held-out rows, on two models with the same tokenizer:
 - tiny: the bootstrapped base model (.state/models/tiny-base, 0.9M parameters), completions <= 24 tokens;
 - wide: a Qwen2 of hidden size 512, 8 layers, 8 heads (head_dim 64: vLLM's CPU attention wants >= 32), FFN
-  1024, tied embeddings, random weights (seed 0), made in the run's tmp dir; completions <= 64 tokens. It
-  learns nothing; it is there so that the model's arithmetic, not per-token Python overhead, sets the pace.
+  1024, tied embeddings, random weights (seed 0), made in the run's tmp dir; completions <= 64 tokens
+  (BENCH_WIDE_TOKENS). It learns nothing; it is there so that the model's arithmetic, not per-token Python
+  overhead, sets the pace.
 
 Sides per model, each a whole `GRPOTrainer(...).train()` (test_bench_grpo's `run_ours`): sync transformers,
 sync vLLM (enforce_eager), async vLLM and async transformers (one rollout worker process; trainer and worker
@@ -93,7 +95,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default 
 
 RESULT_JSON = BENCH_OUT / "engines.json"
 HELDOUT_ROWS = 16
-COMPLETION_TOKENS = {"tiny": 24, "wide": 64}
+# the wide model's completions: BENCH_WIDE_TOKENS (default 64; 256 makes generation most of a step, and a
+# round about 4x longer)
+COMPLETION_TOKENS = {"tiny": 24, "wide": int(os.environ.get("BENCH_WIDE_TOKENS", "64"))}
 WIDE = {
     "hidden_size": 512,
     "intermediate_size": 1024,
