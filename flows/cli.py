@@ -645,11 +645,12 @@ def _interrupted(e: BaseException) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The `grpoflow` command: its exit status. A trainer rank (WORLD_SIZE > 1, its process group made here)
-    ends here instead, without the interpreter's finalization (`trainer.launch.end_rank`)."""
+    """The `grpoflow` command: its exit status. A trainer rank (its process group made in this process, which
+    needs WORLD_SIZE > 1) ends here instead, without the interpreter's finalization
+    (`trainer.launch.end_rank`)."""
     code = _run(argv)
     launch = sys.modules.get("trainer.launch")  # imported only by a command that trains
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and launch is not None and launch.joined_a_group():
+    if launch is not None and launch.joined_a_group():
         launch.end_rank(code)
     return code
 

@@ -403,16 +403,14 @@ def end_rank(code: int = 0) -> NoReturn:
     a gloo worker thread then asking for the GIL is ended inside a destructor, and the rank dies of SIGABRT
     ("terminate called without an active exception") after its work was done, failing a run that succeeded
     (seen twice on CI, torch 2.13, the second time after `leave_distributed`). So the group is left, the
-    exit handlers run (logging, the math-verify worker) while everything is alive, the streams are flushed,
-    and the process ends at once."""
+    exit handlers run (logging's shutdown, the math-verify worker) while everything is alive, the streams
+    are flushed, and the process ends at once."""
     import atexit
-    import logging
 
     try:
         leave_distributed(clean=code == 0)
     finally:
         atexit._run_exitfuncs()
-        logging.shutdown()
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()

@@ -75,6 +75,7 @@ from side_by_side import (  # noqa: E402
     REPO_ROOT,
     bench_repeats,
     bench_steps,
+    env_int,
     format_ratio,
     max_other,
     median_over,
@@ -97,7 +98,7 @@ RESULT_JSON = BENCH_OUT / "engines.json"
 HELDOUT_ROWS = 16
 # the wide model's completions: BENCH_WIDE_TOKENS (default 64; 256 makes generation most of a step, and a
 # round about 4x longer)
-COMPLETION_TOKENS = {"tiny": 24, "wide": int(os.environ.get("BENCH_WIDE_TOKENS", "64"))}
+COMPLETION_TOKENS = {"tiny": 24, "wide": env_int("BENCH_WIDE_TOKENS", 64)}
 WIDE = {
     "hidden_size": 512,
     "intermediate_size": 1024,
