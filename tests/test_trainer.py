@@ -220,11 +220,12 @@ def test_sigkill_then_rerun_resumes_exactly(tmp_path, tiny_base, tiny_data):
 # The learning proxy: the embedded default's recipe cut to its first steps (its linear decay over them), seed
 # 0 as shipped. Two signals, each with room: held-out greedy accuracy on 256 problems, and the sampled
 # accuracy reward (1,280 samples in each of the first and last 20 steps). Measured on one thread, 120 steps,
-# seeds 0, 1, 2 (2026-12-05): the AVX-512 base (0.281) +24.2, +17.6, +21.1 held-out points and +8.3, +6.9,
-# +16.3 reward points; the AVX2 base (0.410; ATEN_CPU_CAPABILITY=avx2 etc., README) +4.7, +3.1, +4.7 and
-# +5.5, +14.1, +13.2 (at 200 steps its held-out gain was still +1.6 for seed 0: early held-out accuracy on
-# that base is noisy, the sampled reward steadier). The whole 1,400-step recipe gives +47 and +27 (medians of
-# 3 seeds, README "Measured here"). A change that stops learning leaves both where they were, or lower.
+# seeds 0, 1, 2 (2026-12-05, 16 prompts x 4): the AVX-512 base (0.281) +20.7, +26.6, +22.7 held-out points and
+# +16.3, +9.2, +13.0 reward points; the AVX2 base (0.410; ATEN_CPU_CAPABILITY=avx2 etc., README) +3.9, +4.7,
+# +3.5 and +11.1, +12.7, +14.4 (early held-out accuracy on that base is noisy, the sampled reward steadier;
+# the 8 x 8 recipe before it gave +4.7, +3.1, +4.7 there). The whole 1,400-step recipe gives +48 and +30
+# (medians of 3 seeds, README "Measured here"). A change that stops learning leaves both where they were, or
+# lower.
 PROXY_STEPS, PROXY_GAIN, PROXY_REWARD_GAIN = 120, 0.03, 0.03
 
 
