@@ -25,10 +25,20 @@ def completion_logps(
     Vision prompts always take the plain way: sharing their prefill would have to split the images by row. So
     does a model training under gradient checkpointing: transformers turns its KV cache off then, and the
     completions would be run without their prompt."""
-    checkpointing = model.training and getattr(model, "is_gradient_checkpointing", False)
+    checkpointing = model.training and activation_checkpointing(model)
     share_prompts = share_prompts and mb.vision is None and not checkpointing
     logits = shared_prompt_logits(model, mb) if share_prompts else full_logits(model, mb)
     return sequence_logps(logits, mb.completion_ids, temperature), logits
+
+
+def activation_checkpointing(model) -> bool:
+    """Whether `model` recomputes its activations in backward. transformers 5 renamed the property; the old
+    name is a deprecated alias that warns at every read (every micro-batch), so it is read only where the new
+    one is missing. A wrapper with neither (DDP, DeepSpeed) counts as not checkpointing, as before."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
 
 
 def full_logits(model, mb: MicroBatch) -> torch.Tensor:
@@ -77,4 +87,4 @@ def shared_prompt_logits(model, mb: MicroBatch) -> torch.Tensor:
     return torch.cat([first_logits[:, None], rest], dim=1)
 
 
-__all__ = ["completion_logps", "full_logits", "shared_prompt_logits"]
+__all__ = ["activation_checkpointing", "completion_logps", "full_logits", "shared_prompt_logits"]
