@@ -551,3 +551,25 @@ def test_gradient_checkpointing_gives_the_same_update_keeping_a_fraction_of_the_
     applied = record_updates(trainer)
     trainer.optimize(batch)
     assert_same_direction_and_size(applied[0][0], gradient * min(1.0, 1.0 / (gradient.norm().item() + 1e-6)))
+
+
+def test_a_lora_policy_is_seen_checkpointing_through_its_wrapper(tiny_base):
+    """PEFT's LoRA model forwards attribute reads to the model it wraps, so its checkpointing is seen and the
+    forward takes the plain way (shared prompts would run the completions without their prompt's cache,
+    which transformers turns off under checkpointing); no deprecated transformers name is read."""
+    from trainer.lora import attach
+    from trainer.model_loading import load_model
+    from trainer.recipe import LoraConfig
+
+    base, _ = load_model(tiny_base["path"])
+    policy = attach(base, LoraConfig(r=2, alpha=4.0), tiny_base["path"])
+    seen = []
+    for enable in (False, True):
+        if enable:  # as the trainer turns it on (trainer/grpo.py)
+            policy.get_base_model().gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            seen.append((activation_checkpointing(policy), activation_checkpointing(policy.get_base_model())))
+    assert seen == [(False, False), (True, True)]

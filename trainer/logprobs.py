@@ -32,12 +32,15 @@ def completion_logps(
 
 
 def activation_checkpointing(model) -> bool:
-    """Whether `model` recomputes its activations in backward. transformers 5 renamed the property; the old
-    name is a deprecated alias that warns at every read (every micro-batch), so it is read only where the new
-    one is missing. A wrapper with neither (DDP, DeepSpeed) counts as not checkpointing, as before."""
+    """Whether `model` recomputes its activations in backward. Newer transformers (5.24 here; not 5.19, the
+    vLLM venv's) renamed the property, and the old name became an alias that warns at every read (every
+    micro-batch), so the old name is read only where the new one is missing. Read through `getattr`, so
+    that a wrapper forwarding attributes to its model (PEFT's LoRA model) answers for it; one that does not
+    (DDP) counts as not checkpointing."""
     for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        if hasattr(type(model), name):
-            return bool(getattr(model, name))
+        value = getattr(model, name, None)
+        if value is not None:
+            return bool(value)
     return False
 
 
