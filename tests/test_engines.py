@@ -90,6 +90,37 @@ def test_ignore_eos_decodes_max_tokens_past_every_eos(tiny_lm):
     assert [c.token_ids[0] for c in full] == [c.token_ids[0] for c in stopped]  # same seed, same first token
 
 
+def test_decoding_into_reserved_room_gives_what_concatenation_gives(tiny_lm, monkeypatch):
+    """The decode writes each token's keys and values into room reserved after the prefill (growing when a
+    long generation fills it) instead of concatenating the cache: the same tokens and log-probs to the last
+    bit as transformers' DynamicCache, for ragged prompts, short and long generations."""
+    from trainer.rollout import hf_engine
+
+    model, tokenizer = tiny_lm
+    engine = HFEngine(model, tokenizer, eos_token_ids=[tokenizer.eos_token_id])
+    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("3 + 4 =", "12 + 7 = 1", "5")]
+    reserved_layers = []
+    reserve = hf_engine.reserve_room
+
+    def spy(cache, limit):
+        reserve(cache, limit)
+        reserved_layers.extend(cache.layers)
+
+    def generate(max_tokens, ignore_eos):
+        params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=5, ignore_eos=ignore_eos)
+        return [[(c.token_ids, c.logprobs) for c in g] for g in engine.generate(prompts, 3, params)]
+
+    for max_tokens, ignore_eos in ((1, False), (6, False), (40, True)):
+        monkeypatch.setattr(hf_engine, "reserve_room", spy)
+        reserved = generate(max_tokens, ignore_eos)
+        monkeypatch.setattr(hf_engine, "reserve_room", lambda cache, limit: None)
+        assert reserved == generate(max_tokens, ignore_eos)
+    assert {type(layer).__name__ for layer in reserved_layers} == {"ReservedLayer"}
+    # the long generation grew its room (doubling) up to its limit: the prompts' width and 39 decoded tokens
+    width = max(len(p) for p in prompts)
+    assert reserved_layers[-1]._k.shape[-2] == width + 39 and reserved_layers[-1].length == width + 39
+
+
 def test_transformers_engine_loads_from_a_checkpoint(tiny_lm, tmp_path):
     model, tokenizer = tiny_lm
     model.save_pretrained(tmp_path)

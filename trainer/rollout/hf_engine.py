@@ -9,6 +9,7 @@ overhead of `generate` dominates the arithmetic.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Iterable
 
@@ -162,6 +163,7 @@ class Decoding:
             logits = logits.repeat_interleave(n, dim=0)
             mask = mask.repeat_interleave(n, dim=0)
             positions = positions.repeat_interleave(n, dim=0)
+        reserve_room(self.cache, ids.shape[1] + max(sampling.max_tokens - 1, 0))
         batch = logits.shape[0]
         self.logits, self.mask, self.next_pos = logits, mask, positions[:, -1] + 1
         self.eos = engine.eos.to(device)
@@ -232,6 +234,73 @@ class Decoding:
                 group.append(Completion(ids_row, logps_cpu[row, :k].tolist(), reason, engine.version, text))
             results.append(group)
         return results
+
+
+def reserve_room(cache, limit: int) -> None:
+    """Give each full-attention layer of `cache` (a DynamicCache after its prefill) buffers with room for the
+    tokens still to come, up to `limit` in all (`reserved_layer_class`). Other layer kinds are left as they
+    are."""
+    from transformers.cache_utils import DynamicLayer
+
+    reserved = reserved_layer_class()
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is DynamicLayer and layer.is_initialized and layer.keys.numel():
+            cache.layers[i] = reserved(layer.keys, layer.values, limit)
+
+
+@functools.cache
+def reserved_layer_class():
+    # built on first use: this module imports transformers only when a generation starts
+    from transformers.cache_utils import DynamicLayer
+
+    class ReservedLayer(DynamicLayer):
+        """A full-attention KV cache layer whose keys and values live in buffers with room for more tokens:
+        a decoded token is written in place, where DynamicLayer concatenates a new copy of the whole cache
+        at every token (on the tiny recipe, a tenth of a rollout's time). The room doubles when full, up
+        to `limit` tokens, so a long generation does not reserve its whole length up front. `keys` and
+        `values` are views of the filled part, as DynamicLayer's tensors are read."""
+
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, limit: int):
+            super().__init__()
+            self.device, self.dtype, self.limit = keys.device, keys.dtype, limit
+            self.is_initialized = True
+            self._set(keys, values)
+
+        def _set(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+            self._k, self._v, self.length = keys, values, keys.shape[-2]
+            self.keys, self.values = keys, values
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            end = self.length + key_states.shape[-2]
+            if end > self._k.shape[-2]:
+                room = max(end, min(self.limit, 2 * end))
+                self._k, self._v = self._grown(self._k, room), self._grown(self._v, room)
+            self._k[:, :, self.length : end] = key_states
+            self._v[:, :, self.length : end] = value_states
+            self.length = end
+            self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
+            return self.keys, self.values
+
+        def _grown(self, buffer: torch.Tensor, room: int) -> torch.Tensor:
+            b, h, _, d = buffer.shape
+            grown = buffer.new_empty((b, h, room, d))
+            grown[:, :, : self.length] = buffer[:, :, : self.length]
+            return grown
+
+        # the batch-reshaping methods act on the filled part, which becomes the buffer again
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            super().batch_repeat_interleave(repeats)
+            self._set(self.keys, self.values)
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            super().batch_select_indices(indices)
+            self._set(self.keys, self.values)
+
+        def crop(self, tokens_to_remove: int) -> None:
+            super().crop(tokens_to_remove)
+            self.length = self.keys.shape[-2]
+
+    return ReservedLayer
 
 
 def _eos_ids(model, tokenizer) -> list[int]:
