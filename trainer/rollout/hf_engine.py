@@ -256,8 +256,9 @@ def reserved_layer_class():
     class ReservedLayer(DynamicLayer):
         """A full-attention KV cache layer whose keys and values live in buffers with room for more tokens:
         a decoded token is written in place, where DynamicLayer concatenates a new copy of the whole cache
-        at every token (on the tiny recipe, a tenth of a rollout's time). The room doubles when full, up
-        to `limit` tokens, so a long generation does not reserve its whole length up front. `keys` and
+        at every token, copying quadratically in the generation's length (32 sequences of 256 tokens took
+        0.81x the time in place, the tiny recipe's 24 tokens 0.95x). The room doubles when full, up to
+        `limit` tokens, so a long generation does not reserve its whole length up front. `keys` and
         `values` are views of the filled part, as DynamicLayer's tensors are read."""
 
         def __init__(self, keys: torch.Tensor, values: torch.Tensor, limit: int):
