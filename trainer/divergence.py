@@ -38,7 +38,6 @@ def stop_unless_finite(
 
 
 @torch.no_grad()
-@torch.no_grad()  # a check, not part of any loss: no autograd graph to build
 def updated_policy_extremes(model, probe: MicroBatch | None) -> dict[str, torch.Tensor]:
     """The largest |weight| of `model`, and the largest |logit| it gives on two sequences of `probe`: huge but
     finite weights can overflow in the forward, and the next rollout would fail on them. The probe forward
