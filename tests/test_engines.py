@@ -118,7 +118,7 @@ def test_decoding_into_reserved_room_gives_what_concatenation_gives(tiny_lm, mon
     assert {type(layer).__name__ for layer in reserved_layers} == {"ReservedLayer"}
     # the long generation grew its room (doubling) up to its limit: the prompts' width and 39 decoded tokens
     width = max(len(p) for p in prompts)
-    assert reserved_layers[-1]._k.shape[-2] == width + 39 and reserved_layers[-1].length == width + 39
+    assert reserved_layers[-1]._k.shape[-2] == width + 39 and reserved_layers[-1].keys.shape[-2] == width + 39
 
 
 def test_transformers_engine_loads_from_a_checkpoint(tiny_lm, tmp_path):

@@ -265,41 +265,34 @@ def reserved_layer_class():
             super().__init__()
             self.device, self.dtype, self.limit = keys.device, keys.dtype, limit
             self.is_initialized = True
-            self._set(keys, values)
-
-        def _set(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-            self._k, self._v, self.length = keys, values, keys.shape[-2]
-            self.keys, self.values = keys, values
+            self.keys, self.values = self._k, self._v = keys, values
 
         def update(self, key_states, value_states, *args, **kwargs):
-            end = self.length + key_states.shape[-2]
+            start = self.keys.shape[-2]  # the filled part: DynamicLayer's crop shortens this view
+            end = start + key_states.shape[-2]
             if end > self._k.shape[-2]:
                 room = max(end, min(self.limit, 2 * end))
-                self._k, self._v = self._grown(self._k, room), self._grown(self._v, room)
-            self._k[:, :, self.length : end] = key_states
-            self._v[:, :, self.length : end] = value_states
-            self.length = end
+                self._k, self._v = self._grown(self._k, start, room), self._grown(self._v, start, room)
+            self._k[:, :, start:end] = key_states
+            self._v[:, :, start:end] = value_states
             self.keys, self.values = self._k[:, :, :end], self._v[:, :, :end]
             return self.keys, self.values
 
-        def _grown(self, buffer: torch.Tensor, room: int) -> torch.Tensor:
+        @staticmethod
+        def _grown(buffer: torch.Tensor, filled: int, room: int) -> torch.Tensor:
             b, h, _, d = buffer.shape
             grown = buffer.new_empty((b, h, room, d))
-            grown[:, :, : self.length] = buffer[:, :, : self.length]
+            grown[:, :, :filled] = buffer[:, :, :filled]
             return grown
 
-        # the batch-reshaping methods act on the filled part, which becomes the buffer again
+        # the batch-reshaping methods make new tensors of the filled part, which become the buffers
         def batch_repeat_interleave(self, repeats: int) -> None:
             super().batch_repeat_interleave(repeats)
-            self._set(self.keys, self.values)
+            self._k, self._v = self.keys, self.values
 
         def batch_select_indices(self, indices: torch.Tensor) -> None:
             super().batch_select_indices(indices)
-            self._set(self.keys, self.values)
-
-        def crop(self, tokens_to_remove: int) -> None:
-            super().crop(tokens_to_remove)
-            self.length = self.keys.shape[-2]
+            self._k, self._v = self.keys, self.values
 
     return ReservedLayer
 
