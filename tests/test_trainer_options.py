@@ -11,6 +11,7 @@ advantages known in advance, whatever the sampled text says.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import warnings
@@ -241,6 +242,60 @@ def test_dynamic_sampling_leaves_groups_with_equal_rewards_out_of_the_loss(
     applied = record_updates(trainer)
     assert trainer.optimize(batch)["loss"] == pytest.approx(loss, rel=1e-4, abs=1e-7)
     assert_same_direction_and_size(applied[0][0], gradient)
+
+
+def test_completions_with_zero_advantage_get_no_forward_and_leave_the_update_as_it_was(
+    tmp_path, tiny_base, tiny_data
+):
+    """Group 0's rewards all match (advantages 0, rewards unscaled), group 1's differ: with
+    skip_zero_advantages the forward takes group 1's 4 rows alone, and the loss, the gradient the optimizer
+    applies and the weights after the update are those of the whole batch (up to float summation order). A
+    batch with no advantage at all still runs one (stand-in) row: the weights move on AdamW's moments as
+    they do on the whole batch's zero gradient. With a KL term every row has a gradient: none is left out."""
+    rewards = reward_plugin(tmp_path, [1.0] * 4 + [0, 1, 2, 3])
+    trainers, rows, applied = {}, {}, {}
+    for skip in (True, False):
+        (tmp_path / str(skip)).mkdir()
+        trainer = ready_trainer(
+            tmp_path / str(skip),
+            tiny_base,
+            tiny_data,
+            rewards,
+            "train.scale_rewards=none",
+            "train.max_grad_norm=0",
+            "train.learning_rate=1e-3",
+            f"train.skip_zero_advantages={str(skip).lower()}",
+        )
+        forward, seen = trainer.strategy.logps, []
+        trainer.strategy.logps = lambda mb, *a, _f=forward, _seen=seen, **k: (
+            _seen.append(mb.input_ids.shape[0]) or _f(mb, *a, **k)
+        )
+        trainers[skip], rows[skip], applied[skip] = trainer, seen, record_updates(trainer)
+    batch, metrics = trainers[True].rollout_source().next(0)
+    assert metrics["frac_reward_zero_std"] == 0.5
+    torch.testing.assert_close(batch.advantages, torch.tensor([0.0] * 4 + [-1.5, -0.5, 0.5, 1.5]))
+    nothing = dataclasses.replace(batch, advantages=torch.zeros(8))
+    results, after_first = {}, {}
+    for skip, trainer in trainers.items():
+        results[skip] = [trainer.optimize(batch)]
+        after_first[skip] = [p.detach().clone() for p in trainer.model.parameters()]
+        results[skip].append(trainer.optimize(nothing))
+    assert rows == {True: [4, 1], False: [4, 4, 4, 4]}  # micro-batches of 4
+    assert results[True][0]["loss"] == pytest.approx(results[False][0]["loss"], rel=1e-5)
+    for (skipped, _), (whole, _) in zip(applied[True], applied[False], strict=True):
+        torch.testing.assert_close(skipped, whole, rtol=1e-5, atol=1e-9)
+    assert applied[True][1][0].abs().max() == 0  # no advantage: a zero gradient, and yet an update
+    second = [
+        (p - q).abs().max() for p, q in zip(trainers[True].model.parameters(), after_first[True], strict=True)
+    ]
+    assert max(second) > 5e-4  # lr 1e-3 on the first update's moments
+    moved = [
+        (a - b).abs().max()
+        for a, b in zip(trainers[True].model.parameters(), trainers[False].model.parameters(), strict=True)
+    ]
+    assert max(moved) < 1e-6  # the same weights after both updates
+    trainer = ready_trainer(tmp_path, tiny_base, tiny_data, rewards, "train.beta=0.04")
+    assert trainer.rows_in_forward(batch).tolist() == list(range(8))
 
 
 def test_mask_truncated_completions_leaves_cut_off_completions_out_of_the_loss(

@@ -318,12 +318,17 @@ class GRPOTrainer:
         cfg, t0 = self.cfg, time.perf_counter()
         # each rank takes its share of the sequences; the loss is normalised by totals over the whole batch.
         # Every rank holds the same batch and runs as many micro-batches (a DDP / ZeRO backward is collective)
-        micro = self.strategy.micro_batches(len(batch), cfg.micro_batch_size)
+        rows = self.rows_in_forward(batch)
+        micro = [rows[idx] for idx in self.strategy.micro_batches(len(rows), cfg.micro_batch_size)]
         device = self.model.device
         micro_batches = [batch.micro_batch(idx, self.tokenizer.pad_token_id).to(device) for idx in micro]
         active = sum(
             len(c.token_ids) * float(m) for c, m in zip(batch.completions, batch.loss_mask, strict=True)
         )
+        # entropy and the sampling metrics are means over the tokens (sequences) that had a forward
+        seen = [(len(batch.completions[i].token_ids), float(batch.loss_mask[i])) for i in rows.tolist()]
+        seen_tokens = max(1, int(sum(n * m for n, m in seen)))
+        seen_in_loss = max(1, sum(n > 0 and m > 0 for n, m in seen))
         sequences = max(
             1, len(batch) - batch.sampled_out
         )  # dynamic sampling's drops leave; masked truncations stay (TRL)
@@ -369,7 +374,7 @@ class GRPOTrainer:
                             units = L.weight_units(is_weights[k], mb.completion_mask)
                             key = "sampling/importance_sampling_ratio/mean"
                             share = units.sum().item() / (
-                                in_loss if per_sequence_weights else totals["total_tokens"]
+                                seen_in_loss if per_sequence_weights else seen_tokens
                             )
                             sums[key] = sums.get(key, 0.0) + share
                             if units.numel():
@@ -386,7 +391,7 @@ class GRPOTrainer:
                         gap = torch.where(finite, gap, torch.zeros_like(gap))
                         for name, value in (("mean", gap.sum().item()), ("nonfinite", nonfinite)):
                             key = f"sampling/sampling_logp_difference/{name}"
-                            sums[key] = sums.get(key, 0.0) + value / totals["total_tokens"]
+                            sums[key] = sums.get(key, 0.0) + value / seen_tokens
                         extremes.setdefault("logp_difference", []).append(gap.max().item())
                 per_token, stats = L.per_token_loss(
                     logps,
@@ -417,7 +422,7 @@ class GRPOTrainer:
                     if is_weights[k] is not None:  # each token's weight (a sequence's on each of its tokens)
                         w = is_weights[k].expand_as(mb.completion_mask)[mb.completion_mask > 0]
                         sums["importance_ratio/mean"] = (
-                            sums.get("importance_ratio/mean", 0.0) + w.sum().item() / totals["total_tokens"]
+                            sums.get("importance_ratio/mean", 0.0) + w.sum().item() / seen_tokens
                         )
             rate = self.strategy.learning_rate()  # what this update applies: the step logs it, as TRL does
             grad_norms.append(
@@ -438,13 +443,29 @@ class GRPOTrainer:
         self.version += 1  # one policy version per generated batch trained on
         return {
             **sums,
-            "entropy": entropy / totals["total_tokens"],
+            "entropy": entropy / seen_tokens,
             "grad_norm": grad_norms[-1],
             "learning_rate": rate,
             "memory/optimizer_bytes": float(self.strategy.optimizer_bytes()),
             "timing/train_s": time.perf_counter() - t0,
             "staleness": float(staleness),
         }
+
+    def rows_in_forward(self, batch: RolloutBatch) -> torch.Tensor:
+        """The batch's rows that need a forward and backward: with `skip_zero_advantages` and no KL term,
+        a completion whose advantage is 0 (every row of a group whose rewards all match, when advantages
+        are rewards minus the group's mean), or with no token in the loss, adds exactly 0 to the loss and
+        its gradient under every loss type, so it is left out; the loss keeps its full-batch normalisers
+        and the optimizer still steps (AdamW's moments move on a zero gradient too), so the update is the
+        one of the whole batch up to float summation order. With nothing left, one row stands in (its
+        gradient is 0)."""
+        everything = torch.arange(len(batch))
+        if not self.cfg.skip_zero_advantages or self.cfg.beta != 0.0 or len(batch) == 0:
+            return everything
+        adv = batch.advantages.reshape(len(batch), -1)
+        signal = (adv != 0).any(-1) & (batch.loss_mask > 0)
+        signal &= torch.tensor([len(c.token_ids) > 0 for c in batch.completions])
+        return everything[signal] if bool(signal.any()) else everything[:1]
 
     def _stop_unless_finite(self, values: dict[str, torch.Tensor], when: str) -> None:
         stop_unless_finite(values, when, step=self.version + 1, output_dir=self.output_dir, world=self.world)

@@ -283,6 +283,12 @@ class TrainConfig:
         "group", "divide advantages by the group's std, the batch's, or not at all"
     )
     dynamic_sampling: bool = _f(False, "drop groups whose rewards all match (DAPO's dynamic sampling)")
+    skip_zero_advantages: bool = _f(
+        True,
+        "leave completions whose advantage is 0 (e.g. a group whose rewards all match) out of the forward "
+        "and backward when beta is 0: they add exactly 0 to the loss and its gradient, so the update is the "
+        "same, for less compute; entropy and sampling/* are then means over the completions trained on",
+    )
     temperature: float = _f(1.0, "sampling temperature; the loss uses the same temperature", gt=0)
     top_p: float = _f(1.0, "nucleus sampling", gt=0, le=1)
     max_prompt_length: int = _f(512, "prompts are left-truncated to this many tokens", ge=1, le=MAX_TOKENS)

@@ -58,12 +58,19 @@ def sample_next(
         drop = (sorted_p.cumsum(-1) - sorted_p) >= sampling.top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    # torch.multinomial's own draw for one sample, argmax(p / q) with q ~ Exp(1) (the exponential race),
-    # written out so that a slice of a batch can take its rows of the whole batch's noise
+    # inverse-CDF sampling, one uniform number per row (the exponential race that torch.multinomial runs
+    # draws one per row and token: at this vocabulary that was 5% of a small model's rollout), written out
+    # so that a slice of a batch can take its rows of the whole batch's numbers
     first, total = rows if rows is not None else (0, probs.shape[0])
-    noise = torch.empty((total, probs.shape[1]), dtype=probs.dtype, device=probs.device)
-    noise = noise.exponential_(1, generator=generator)[first : first + probs.shape[0]]
-    tokens = (probs / noise).argmax(dim=-1)
+    u = torch.rand(total, 1, dtype=probs.dtype, device=probs.device, generator=generator)
+    cdf = probs.cumsum(-1)
+    # u * the row's mass (float sums keep it a hair off 1), kept below it so that rounding cannot pick a
+    # token past the last with mass; right=True skips tokens with no mass
+    mass = cdf[:, -1:]
+    target = torch.minimum(
+        u[first : first + probs.shape[0]] * mass, torch.nextafter(mass, torch.zeros_like(mass))
+    )
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=probs.shape[1] - 1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
