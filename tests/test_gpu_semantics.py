@@ -1011,6 +1011,8 @@ def _ranks_run(tmp_path: Path, tiny_base: dict, tiny_data: Path, ranks: int) -> 
         f"train.micro_batch_size={_RANKS_MICRO}",
         f"train.eval_heldout={_RANKS_HELDOUT}",
         "train.dynamic_sampling=true",
+        # every row has its forward: the micro-batch counts below are of the 9 rows the ranks share
+        "train.skip_zero_advantages=false",
         "train.learning_rate=1e-3",
         "rollout.sync_timeout_s=60",  # a rank left waiting on a collective fails in a minute, not ten
         f"rewards=[{{name: '{plugin}:uneven'}}]",
