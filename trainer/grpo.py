@@ -12,6 +12,8 @@ Features:
   engine's behaviour log-probabilities, per token or per sequence, truncated or masked at the cap
   (`rollout.importance_correction`, TRL's vLLM importance sampling modes);
 - DAPO's dynamic sampling (drop groups whose rewards all match), truncated-completion masking;
+- completions whose advantage is 0 get no forward or backward when beta is 0 (`skip_zero_advantages`):
+  they add exactly 0 to the loss and its gradient, and the update keeps the whole batch's normalisers;
 - checkpoints every `save_steps` with exact resume (data order and sampling seeds derive from
   (seed, step), optimizer / scheduler / RNG states are restored, metrics.jsonl is cut back to the
   checkpoint, a torn last line of it dropped), held-out greedy accuracy before and after;
