@@ -52,6 +52,7 @@ import math
 import random
 import statistics
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -324,27 +325,19 @@ class GRPOTrainer:
         micro = [rows[idx] for idx in self.strategy.micro_batches(len(rows), cfg.micro_batch_size)]
         device = self.model.device
         micro_batches = [batch.micro_batch(idx, self.tokenizer.pad_token_id).to(device) for idx in micro]
-        active = sum(
-            len(c.token_ids) * float(m) for c, m in zip(batch.completions, batch.loss_mask, strict=True)
-        )
-        # entropy and the sampling metrics are means over the tokens (sequences) that had a forward
-        seen = [(len(batch.completions[i].token_ids), float(batch.loss_mask[i])) for i in rows.tolist()]
-        seen_tokens = max(1, int(sum(n * m for n, m in seen)))
-        seen_in_loss = max(1, sum(n > 0 and m > 0 for n, m in seen))
+        # the tokens, and the sequences with a token, in the loss (per-sequence ratios and weights are
+        # averaged over those sequences); entropy and the sampling metrics are means over the rows that had
+        # a forward
+        active, in_loss = in_loss_counts(batch, range(len(batch)))
+        seen_tokens, seen_in_loss = in_loss_counts(batch, rows.tolist())
         sequences = max(
             1, len(batch) - batch.sampled_out
         )  # dynamic sampling's drops leave; masked truncations stay (TRL)
         totals = {
             "total_sequences": sequences,
             "max_completion_length": cfg.max_completion_length,
-            "total_tokens": max(1, int(active)),
+            "total_tokens": active,
         }
-        # the sequences with a token in the loss: what per-sequence ratios and weights are averaged over
-        in_loss = sum(
-            len(c.token_ids) > 0 and float(m) > 0
-            for c, m in zip(batch.completions, batch.loss_mask, strict=True)
-        )
-        in_loss = max(1, in_loss)
         off_policy = batch.policy_version != self.version
         rollout = self.recipe.rollout
         correct = off_policy or rollout.importance_correction_on_policy
@@ -544,6 +537,12 @@ class GRPOTrainer:
 
         state = {"step": step, "heldout_before": self.heldout_before}
         return self.strategy.save(self.output_dir, state, write)
+
+
+def in_loss_counts(batch: RolloutBatch, rows: Iterable[int]) -> tuple[int, int]:
+    """(tokens, sequences with a token) of `rows` that are in the loss, each at least 1 (they divide)."""
+    kept = [(len(batch.completions[i].token_ids), float(batch.loss_mask[i])) for i in rows]
+    return max(1, int(sum(n * m for n, m in kept))), max(1, sum(n > 0 and m > 0 for n, m in kept))
 
 
 def _batch_extremes(per_rank: list[dict[str, list[float]]]) -> dict[str, float]:
