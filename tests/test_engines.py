@@ -94,11 +94,13 @@ def test_decoding_into_reserved_room_gives_what_concatenation_gives(tiny_lm, mon
     """The decode writes each token's keys and values into room reserved after the prefill (growing when a
     long generation fills it) instead of concatenating the cache: the same tokens and log-probs to the last
     bit as transformers' DynamicCache, for ragged prompts, short and long generations."""
-    from trainer.rollout import hf_engine
+    from trainer.rollout import hf_engine, shared_prompt
 
     model, tokenizer = tiny_lm
     engine = HFEngine(model, tokenizer, eos_token_ids=[tokenizer.eos_token_id])
     prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("3 + 4 =", "12 + 7 = 1", "5")]
+    # the decode over repeated prompt caches (models the shared-prompt attention does not serve)
+    monkeypatch.setattr(shared_prompt, "supported", lambda model, cache: False)
     reserved_layers = []
     reserve = hf_engine.reserve_room
 
@@ -119,6 +121,67 @@ def test_decoding_into_reserved_room_gives_what_concatenation_gives(tiny_lm, mon
     # the long generation grew its room (doubling) up to its limit: the prompts' width and 39 decoded tokens
     width = max(len(p) for p in prompts)
     assert reserved_layers[-1]._k.shape[-2] == width + 39 and reserved_layers[-1].keys.shape[-2] == width + 39
+
+
+def test_shared_prompt_attention_is_the_softmax_over_prompt_and_own_tokens():
+    """Two prompts (the second left-padded by one position) of two completions each, two query heads over
+    one kv head: each row's output is softmax(q.k * scale) over its prompt's unpadded keys and its own
+    tokens, written out for every row and head."""
+    from trainer.rollout.shared_prompt import PromptCache, shared_prompt_attention
+
+    torch.manual_seed(0)
+    prompt_k, prompt_v = torch.randn(2, 1, 3, 4), torch.randn(2, 1, 3, 4)
+    own_k, own_v = torch.randn(4, 1, 2, 4), torch.randn(4, 1, 2, 4)
+    query = torch.randn(4, 2, 1, 4) * 3  # large scores: the merged maxes matter
+    mask = torch.tensor([[1, 1, 1], [0, 1, 1]])
+    cache = PromptCache.from_prefill(
+        type("Prefill", (), {"layers": [type("Layer", (), {"keys": prompt_k, "values": prompt_v})]}), mask, 2
+    )
+    out, weights = shared_prompt_attention(
+        type("Attention", (), {"layer_idx": 0}), query, own_k, own_v, None, scaling=0.5, prompt_cache=cache
+    )
+    assert weights is None and out.shape == (4, 1, 2, 4)
+    for row in range(4):
+        p = row // 2
+        keys = torch.cat([prompt_k[p, 0, mask[p] == 1], own_k[row, 0]])
+        values = torch.cat([prompt_v[p, 0, mask[p] == 1], own_v[row, 0]])
+        for head in range(2):
+            expected = torch.softmax(keys @ query[row, head, 0] * 0.5, dim=0) @ values
+            torch.testing.assert_close(out[row, 0, head], expected, rtol=0, atol=1e-6)
+
+
+def test_decoding_over_shared_prompt_caches_gives_what_repeated_caches_give(tiny_lm, monkeypatch):
+    """A prompt's keys and values are kept once for its completions (shared_prompt.py) instead of repeated
+    n times: for ragged prompts, short and long generations (past the first 64 reserved positions of the
+    completions' own cache), the same tokens as the repeated caches and log-probs within float rounding,
+    each equal to a full forward's; the model's attention implementation is its own again afterwards."""
+    from trainer.rollout import shared_prompt
+
+    model, tokenizer = tiny_lm
+    engine = HFEngine(model, tokenizer, eos_token_ids=[tokenizer.eos_token_id])
+    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("3 + 4 =", "12 + 7 = 1", "5")]
+    implementation = model.config._attn_implementation
+    for max_tokens, ignore_eos in ((1, False), (6, False), (90, True)):
+        params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=7, ignore_eos=ignore_eos)
+        decoding = engine.start(prompts, 3, params)
+        assert decoding.prompt_cache is not None  # the shared path was taken
+        decoding.step()
+        shared = decoding.results()
+        assert model.config._attn_implementation == implementation
+        with monkeypatch.context() as patch:
+            patch.setattr(shared_prompt, "supported", lambda model, cache: False)
+            repeated = engine.generate(prompts, 3, params)
+        for prompt, group, group_repeated in zip(prompts, shared, repeated, strict=True):
+            for completion, reference in zip(group, group_repeated, strict=True):
+                assert completion.token_ids == reference.token_ids
+                assert not ignore_eos or len(completion.token_ids) == max_tokens
+                got = torch.tensor(completion.logprobs)
+                torch.testing.assert_close(got, torch.tensor(reference.logprobs), rtol=0, atol=1e-5)
+                ids = torch.tensor([prompt + completion.token_ids])
+                with torch.no_grad():
+                    logps = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1].float(), dim=-1)
+                expected = logps.gather(1, ids[0, len(prompt) :, None])[:, 0]
+                torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
 
 
 def test_sampling_draws_each_token_with_its_tempered_probability_and_none_outside_top_p():

@@ -1,10 +1,11 @@
 """The transformers rollout engine: batched sampling with a KV cache, for CPU and a single GPU.
 
-Prompts are left-padded into one batch; each prompt's cache is computed once and repeated for its `n`
-completions; decoding stops per sequence at EOS and for the batch when all have stopped. The loop is
-written out (rather than `model.generate`) because the trainer needs the behaviour log-probabilities
-of exactly the sampled tokens under log_softmax(logits / T), and because on small models the per-step
-overhead of `generate` dominates the arithmetic.
+Prompts are left-padded into one batch; each prompt's cache is computed once and shared by its `n`
+completions (one copy that their decoded tokens attend over, `shared_prompt.py`, where the model allows;
+else repeated `n` times); decoding stops per sequence at EOS and for the batch when all have stopped.
+The loop is written out (rather than `model.generate`) because the trainer needs the behaviour
+log-probabilities of exactly the sampled tokens under log_softmax(logits / T), and because on small
+models the per-step overhead of `generate` dominates the arithmetic.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
+from trainer.rollout import shared_prompt
 from trainer.rollout.base import Completion, SamplingParams
 from trainer.vision import VisionInputs, vision_forward_kwargs, vision_of
 
@@ -165,13 +167,21 @@ class Decoding:
             **inputs,
         )
         logits = out.logits[:, -1]
-        if n > 1:  # one prefill per prompt, shared by its n completions
+        batch = logits.shape[0] * n
+        # one prefill per prompt, shared by its n completions: read once per token where the model allows
+        # (shared_prompt.py), else repeated n times
+        self.prompt_cache = None
+        if vision is None and shared_prompt.supported(model, self.cache):
+            self.prompt_cache = shared_prompt.PromptCache.from_prefill(self.cache, mask, n)
+            self.cache = own_tokens_cache(model.config, self.prompt_cache, batch, sampling.max_tokens - 1)
+        elif n > 1:
             self.cache.batch_repeat_interleave(n)
+        if n > 1:
             logits = logits.repeat_interleave(n, dim=0)
             mask = mask.repeat_interleave(n, dim=0)
             positions = positions.repeat_interleave(n, dim=0)
-        reserve_room(self.cache, ids.shape[1] + max(sampling.max_tokens - 1, 0))
-        batch = logits.shape[0]
+        if self.prompt_cache is None:
+            reserve_room(self.cache, ids.shape[1] + max(sampling.max_tokens - 1, 0))
         self.logits, self.mask, self.next_pos = logits, mask, positions[:, -1] + 1
         self.eos = engine.eos.to(device)
         self.done_rows = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -206,18 +216,24 @@ class Decoding:
             self.t = t + 1
             if bool(done.all()) or t == sampling.max_tokens - 1:
                 self.done = True
-                self.cache = self.logits = None  # the memory goes back before the results are read
+                # the memory goes back before the results are read
+                self.cache = self.logits = self.prompt_cache = None
                 return
-            self.mask = torch.cat([self.mask, (~done).long()[:, None]], dim=1)
-            out = engine.model(
-                input_ids=tok[:, None],
-                attention_mask=self.mask,
-                position_ids=self.next_pos[:, None],
-                use_cache=True,
-                **{engine._cache_kw: self.cache},
-            )
-            self.logits = out.logits[:, -1]
+            self.logits = self._forward(tok, done)
             self.next_pos = self.next_pos + 1
+
+    def _forward(self, tok: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
+        engine = self.engine
+        inputs = dict(
+            input_ids=tok[:, None], position_ids=self.next_pos[:, None], use_cache=True,
+            **{engine._cache_kw: self.cache},
+        )  # fmt: skip
+        if self.prompt_cache is None:
+            self.mask = torch.cat([self.mask, (~done).long()[:, None]], dim=1)
+            return engine.model(attention_mask=self.mask, **inputs).logits[:, -1]
+        # a finished row's later tokens are never read, so its own tokens need no mask
+        with shared_prompt.decoding_attention(engine.model):
+            return engine.model(prompt_cache=self.prompt_cache, **inputs).logits[:, -1]
 
     def stop_rows(self, start: int, end: int) -> None:
         """Decode no more tokens for rows [start, end) (their caller went away); the rest go on."""
@@ -241,6 +257,20 @@ class Decoding:
                 group.append(Completion(ids_row, logps_cpu[row, :k].tolist(), reason, engine.version, text))
             results.append(group)
         return results
+
+
+def own_tokens_cache(config, prompt: shared_prompt.PromptCache, rows: int, limit: int):
+    """An empty DynamicCache for the decoded tokens of `rows` completions (their prompts' keys and values
+    are in `prompt`), each layer in reserved buffers (`reserved_layer_class`) for up to `limit` tokens."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    reserved = reserved_layer_class()
+    room = max(1, min(limit, 64))
+    for i, keys in enumerate(prompt.keys):
+        shape = (rows, keys.shape[1], room, keys.shape[3])
+        cache.layers[i] = reserved(keys.new_empty(shape), keys.new_empty(shape), max(limit, 1), filled=0)
+    return cache
 
 
 def reserve_room(cache, limit: int) -> None:
@@ -268,11 +298,13 @@ def reserved_layer_class():
         `limit` tokens, so a long generation does not reserve its whole length up front. `keys` and
         `values` are views of the filled part, as DynamicLayer's tensors are read."""
 
-        def __init__(self, keys: torch.Tensor, values: torch.Tensor, limit: int):
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, limit: int, filled: int | None = None):
             super().__init__()
             self.device, self.dtype, self.limit = keys.device, keys.dtype, limit
             self.is_initialized = True
-            self.keys, self.values = self._k, self._v = keys, values
+            self._k, self._v = keys, values  # the buffers, of which the first `filled` positions are in use
+            filled = keys.shape[-2] if filled is None else filled
+            self.keys, self.values = keys[:, :, :filled], values[:, :, :filled]
 
         def update(self, key_states, value_states, *args, **kwargs):
             start = self.keys.shape[-2]  # the filled part: DynamicLayer's crop shortens this view
