@@ -174,14 +174,15 @@ class Decoding:
         if vision is None and shared_prompt.supported(model, self.cache):
             self.prompt_cache = shared_prompt.PromptCache.from_prefill(self.cache, mask, n)
             self.cache = own_tokens_cache(model.config, self.prompt_cache, batch, sampling.max_tokens - 1)
-        elif n > 1:
-            self.cache.batch_repeat_interleave(n)
+            mask = None  # the decoding attends with no mask (the padding is in prompt_cache)
+        else:
+            if n > 1:
+                self.cache.batch_repeat_interleave(n)
+                mask = mask.repeat_interleave(n, dim=0)
+            reserve_room(self.cache, ids.shape[1] + max(sampling.max_tokens - 1, 0))
         if n > 1:
             logits = logits.repeat_interleave(n, dim=0)
-            mask = mask.repeat_interleave(n, dim=0)
             positions = positions.repeat_interleave(n, dim=0)
-        if self.prompt_cache is None:
-            reserve_room(self.cache, ids.shape[1] + max(sampling.max_tokens - 1, 0))
         self.logits, self.mask, self.next_pos = logits, mask, positions[:, -1] + 1
         self.eos = engine.eos.to(device)
         self.done_rows = torch.zeros(batch, dtype=torch.bool, device=device)

@@ -2,7 +2,7 @@
 
 GRPO samples `n` completions of every prompt. Repeating the prompt's cache `n` times makes each decoded
 token read `n` copies of the same keys and values from memory; on a small model that reading is most of
-the attention's time (the tiny recipe: 64 rows x ~54 prompt positions at every token). Here the prompts'
+the attention's time (the tiny recipe: 64 rows x ~38 prompt positions at every token). Here the prompts'
 keys and values stay as the prefill made them, one row per prompt, and each completion's own tokens go to
 a cache of their own; a decoded token's attention is the softmax over both parts, merged exactly (a common
 max, one normaliser). The model's attention modules reach it through transformers' attention interface
