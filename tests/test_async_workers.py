@@ -50,10 +50,11 @@ def worker_pids() -> set[int]:
 
 def test_two_workers_shard_the_prompts_and_return_each_group_to_its_prompt(tmp_path, tiny_base, tiny_data):
     from data.prepare import load_prepared
+    from trainer.curriculum import prompt_indices
     from trainer.model_loading import load_model
     from trainer.prompts import encode_prompts
     from trainer.rollout.hf_engine import HFEngine
-    from trainer.rollout.source import AsyncRollout, prompt_indices, step_prompts
+    from trainer.rollout.source import AsyncRollout, step_prompts
     from trainer.rollout.worker_processes import cpu_threads_per_side
 
     recipe = load_recipe(

@@ -39,6 +39,7 @@ from test_trainer import TINY
 from conftest import REPO_ROOT, clean_env, torchrun
 from data.prepare import load_prepared
 from flows.cli import main
+from trainer.curriculum import prompt_indices
 from trainer.grpo import GRPOTrainer
 from trainer.launch import free_port
 from trainer.logprobs import completion_logps
@@ -47,7 +48,6 @@ from trainer.placement import PlacementError, dry_run, plan
 from trainer.recipe import ModelConfig, RolloutConfig, load_recipe
 from trainer.rollout.base import SamplingParams
 from trainer.rollout.hf_engine import HFEngine
-from trainer.rollout.source import prompt_indices
 
 # ---- bf16 master weights and the weight sync to rollout workers --------------------------------------------
 

@@ -289,6 +289,18 @@ class TrainConfig:
         "and backward when beta is 0: they add exactly 0 to the loss and its gradient, so the update is the "
         "same, for less compute; entropy and sampling/* are then means over the completions trained on",
     )
+    skip_solved_prompts: int = _f(
+        0,
+        "a curriculum by the rollout's own accuracy: a prompt whose completions all earned at least "
+        "solved_reward passes over its next this many turns in the data order, so steps take more of the "
+        "problems not yet solved (trainer.curriculum); 0: off",
+        ge=0,
+    )
+    solved_reward: float | None = _f(
+        None,
+        "the total reward (weights applied) at which a completion counts as solving its prompt, for "
+        "skip_solved_prompts: e.g. the sum of the reward weights when every reward is at most 1",
+    )
     temperature: float = _f(1.0, "sampling temperature; the loss uses the same temperature", gt=0)
     top_p: float = _f(1.0, "nucleus sampling", gt=0, le=1)
     max_prompt_length: int = _f(512, "prompts are left-truncated to this many tokens", ge=1, le=MAX_TOKENS)
@@ -326,6 +338,10 @@ class TrainConfig:
         # Ranges and finiteness of single values are the fields' metadata (typed_config checks them).
         if self.num_generations < 2:
             raise ValueError("num_generations must be >= 2: GRPO compares completions within a group")
+        if self.skip_solved_prompts and self.solved_reward is None:
+            raise ValueError(
+                "skip_solved_prompts needs solved_reward: the total reward at which a prompt counts as solved"
+            )
         if (
             self.deepspeed is not None
             and self.deepspeed not in ZERO_PRESETS

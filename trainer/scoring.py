@@ -100,6 +100,7 @@ def score_rewarded(
         loss_mask.float(),
         policy_version=min(c.policy_version for c in completions),
         sampled_out=sampled_out,
+        rewards=total,
     )
     return batch, metrics
 

@@ -516,8 +516,8 @@ def run_limit(recipe, model_path: str, data_dir: Path, repeats: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from data.prepare import load_prepared
+    from trainer.curriculum import prompt_indices
     from trainer.prompts import encode_prompts
-    from trainer.rollout.source import prompt_indices
 
     cfg = recipe.train
     tokenizer = AutoTokenizer.from_pretrained(model_path)

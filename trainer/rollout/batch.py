@@ -56,6 +56,7 @@ class RolloutBatch:
     sampled_out: int = (
         0  # completions of groups that dynamic sampling dropped: not in the batch, as DAPO has it
     )
+    rewards: torch.Tensor | None = None  # [B] each completion's total reward (NaN where one is missing)
 
     def __len__(self) -> int:
         return len(self.completions)

@@ -17,14 +17,13 @@ weights is collective (`_follow`, `LocalEngine.follow`).
 from __future__ import annotations
 
 import contextlib
-import functools
-import random
 import time
 from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 
+from trainer.curriculum import PromptOrder
 from trainer.deepspeed_setup import whole_parameters
 from trainer.prompts import encode_prompts
 from trainer.recipe import ModelConfig, RolloutConfig, TrainConfig
@@ -39,26 +38,13 @@ StepPrompts = tuple[list[dict], list[list[int]], SamplingParams]
 Score = Callable[[list[dict], list[list[int]], list, dict], tuple[RolloutBatch, dict]]
 
 
-def prompt_indices(step: int, n_rows: int, per_step: int, seed: int) -> list[int]:
-    """The rows of `step` (0-based): consecutive slices of per-epoch seeded permutations."""
-    out = []
-    for k in range(step * per_step, (step + 1) * per_step):
-        epoch, pos = divmod(k, n_rows)
-        out.append(_epoch_order(n_rows, seed, epoch)[pos])
-    return out
-
-
-@functools.lru_cache(maxsize=4)
-def _epoch_order(n_rows: int, seed: int, epoch: int) -> tuple[int, ...]:
-    """One epoch's seeded permutation, shuffled once rather than once per prompt per step."""
-    perm = list(range(n_rows))
-    random.Random(seed * 1_000_003 + epoch).shuffle(perm)
-    return tuple(perm)
-
-
-def step_prompts(step: int, rows: list[dict], tokenizer, cfg: TrainConfig) -> StepPrompts:
-    """The prompt rows of `step`, tokenized, and the sampling settings (seeded by step: resumable)."""
-    chosen = [rows[i] for i in prompt_indices(step, len(rows), cfg.prompts_per_step, cfg.seed)]
+def step_prompts(
+    step: int, rows: list[dict], tokenizer, cfg: TrainConfig, order: PromptOrder | None = None
+) -> StepPrompts:
+    """The prompt rows of `step` (as `order` chooses them; None: the seeded data order), tokenized, and the
+    sampling settings (seeded by step: resumable)."""
+    order = order or PromptOrder(len(rows), cfg.prompts_per_step, cfg.seed)
+    chosen = [rows[i] for i in order.indices(step)]
     prompt_ids = encode_prompts(tokenizer, chosen, cfg.max_prompt_length)
     sampling = SamplingParams(
         cfg.max_completion_length, cfg.temperature, cfg.top_p, seed=cfg.seed * 1_000_003 + step
@@ -371,7 +357,6 @@ __all__ = [
     "RolloutSource",
     "StepPrompts",
     "SyncRollout",
-    "prompt_indices",
     "step_prompts",
     "trainer_rank_and_world",
 ]
