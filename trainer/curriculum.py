@@ -93,6 +93,7 @@ class PromptOrder:
         a missing one) reached `solved_reward`."""
         if not self.skip_turns:
             return
+        rewards = [float(r) for r in rewards]
         rows = self.indices(step)
         if len(rewards) % len(rows):
             raise ValueError(f"step {step}: {len(rewards)} rewards for {len(rows)} prompts")

@@ -322,6 +322,8 @@ _NOT_TRL = {
     "micro_batch_size": "per_device_train_batch_size, accumulated to prompts x generations",
     "max_steps": "TRL's max_steps (optimizer steps: x num_iterations)",
     "max_prompt_length": "TRL 1.x has no prompt truncation (the recipe's prompts are far shorter)",
+    "skip_solved_prompts": "our curriculum (trainer.curriculum): TRL's data order is a plain shuffle",
+    "solved_reward": "the curriculum's threshold (with skip_solved_prompts)",
 }
 
 
