@@ -52,6 +52,13 @@ def step_prompts(
     return chosen, prompt_ids, sampling
 
 
+def _observe(order: PromptOrder | None, step: int, batch: RolloutBatch) -> None:
+    """Tell the prompt order (a curriculum) what batch `step` taught, on every rank, before anyone asks for
+    the prompts it decides."""
+    if order is not None:
+        order.observe(step, batch.rewards)
+
+
 class RolloutSource:
     """The scored batch of each step. Use as a context manager: `close` stops whatever generates batches."""
 
@@ -167,8 +174,10 @@ class SyncRollout(RolloutSource):
         policy: Callable,
         rank: int | None = None,
         world: int | None = None,
+        order: PromptOrder | None = None,
     ):
         self.engine, self.cfg, self.prompts, self.policy = engine, cfg, prompts, policy
+        self.order = order
         self.reward, self.score = reward, score
         self.rank, self.world = (
             (rank, world) if rank is not None and world is not None else trainer_rank_and_world()
@@ -214,6 +223,7 @@ class SyncRollout(RolloutSource):
         )
         # the slowest rank's rewards held the step up, then every rank scored the whole batch
         metrics["timing/reward_s"] = max(p[3] for p in parts) + time.perf_counter() - t2
+        _observe(self.order, step, batch)
         return batch, metrics
 
 
@@ -235,8 +245,10 @@ class AsyncRollout(RolloutSource):
         policy: Callable,
         rank: int,
         world: int,
+        order: PromptOrder | None = None,
     ):
         self.prompts, self.score, self.policy, self.cfg = prompts, score, policy, cfg
+        self.order = order
         self.overlap, self.world, self.workers, self.inflight = rollout.max_staleness >= 1, world, None, None
         # the policy version the workers hold (that of `model_path`), on every rank: the others follow rank
         # 0's syncs (ZeRO-3 gathers)
@@ -281,6 +293,7 @@ class AsyncRollout(RolloutSource):
             shared = [scored]
             torch.distributed.broadcast_object_list(shared, src=0)
             scored = shared[0]
+        _observe(self.order, step, scored[0])
         return scored
 
     def after_update(self, step: int, metrics: dict) -> None:
