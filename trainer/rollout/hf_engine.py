@@ -5,7 +5,8 @@ completions (one copy that their decoded tokens attend over, `shared_prompt.py`,
 else repeated `n` times); decoding stops per sequence at EOS and for the batch when all have stopped.
 The loop is written out (rather than `model.generate`) because the trainer needs the behaviour
 log-probabilities of exactly the sampled tokens under log_softmax(logits / T), and because on small
-models the per-step overhead of `generate` dominates the arithmetic.
+models the per-step overhead of `generate` dominates the arithmetic; for the same reason a decoding step of
+a Qwen2 or Llama model is its forward's tensor operations written out (`decode_step.py`, bit-identical).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Iterable
 
 import torch
 
-from trainer.rollout import shared_prompt
+from trainer.rollout import decode_step, shared_prompt
 from trainer.rollout.base import Completion, SamplingParams
 from trainer.vision import VisionInputs, vision_forward_kwargs, vision_of
 
@@ -170,9 +171,11 @@ class Decoding:
         batch = logits.shape[0] * n
         # one prefill per prompt, shared by its n completions: read once per token where the model allows
         # (shared_prompt.py), else repeated n times
-        self.prompt_cache = None
+        self.prompt_cache, self.written_out = None, False
         if vision is None and shared_prompt.supported(model, self.cache):
             self.prompt_cache = shared_prompt.PromptCache.from_prefill(self.cache, mask, n)
+            # the model's decoding forward written out as its tensor operations, where it can be
+            self.written_out = decode_step.supported(model)
             self.cache = own_tokens_cache(model.config, self.prompt_cache, batch, sampling.max_tokens - 1)
             mask = None  # the decoding attends with no mask (the padding is in prompt_cache)
         else:
@@ -233,8 +236,16 @@ class Decoding:
             self.mask = torch.cat([self.mask, (~done).long()[:, None]], dim=1)
             return engine.model(attention_mask=self.mask, **inputs).logits[:, -1]
         # a finished row's later tokens are never read, so its own tokens need no mask
+        if self.written_out:
+            return decode_step.decode_logits(engine.model, tok, self.next_pos, self.cache, self._attend)
         with shared_prompt.decoding_attention(engine.model):
             return engine.model(prompt_cache=self.prompt_cache, **inputs).logits[:, -1]
+
+    def _attend(self, module, query, keys, values) -> torch.Tensor:
+        # what the model's attention module would call through the interface `decoding_attention` sets
+        return shared_prompt.shared_prompt_attention(
+            module, query, keys, values, None, scaling=module.scaling, prompt_cache=self.prompt_cache
+        )[0]
 
     def stop_rows(self, start: int, end: int) -> None:
         """Decode no more tokens for rows [start, end) (their caller went away); the rest go on."""
