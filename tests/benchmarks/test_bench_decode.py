@@ -27,10 +27,10 @@ SHAPES = (("4 x 8, all threads", 4, 8, None), ("16 x 4, one thread", 16, 4, 1))
 
 def run_benchmark(work: Path, rounds: int | None = None) -> dict:
     import torch
+    from test_bench_grpo import prepare_inputs, shipped_recipe
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from data.prepare import load_prepared
-    from test_bench_grpo import prepare_inputs, shipped_recipe
     from trainer.prompts import encode_prompts
     from trainer.rollout import decode_step
     from trainer.rollout.base import SamplingParams

@@ -2,13 +2,14 @@
 
 A generation runs the model's forward for one token per row at every step. On a small model the Python
 around each operation (nested module calls, keyword plumbing, decorators, mask builders, output classes)
-is a large share of that step: on the tiny recipe's model a whole generation took 0.84x the time
-written out (4 prompts x 8, two threads) and 0.92x (16 x 4, one thread, as the asynchronous rollout
-worker runs it), the rest being the matrix products themselves. `decode_logits` runs the operations of transformers'
-`Qwen2ForCausalLM` / `LlamaForCausalLM` forward for that case, in the same order on the same tensors
-(RMSNorm, projections, rotary embedding, cache update, attention, MLP, final norm, LM head), without the
-layers around them, so its logits are bit-identical to the model's (`tests/test_decode_step.py` checks the
-sampled tokens and their log-probs against the model's forward). The shared-prompt decoding
+is a large share of that step: on the tiny recipe's model a whole generation takes 0.84-0.92x the time
+written out (4 prompts x 8, two threads) and 0.92-0.93x (16 x 4, one thread, as the asynchronous rollout
+worker runs it; `tests/benchmarks/test_bench_decode.py`), the rest being the matrix products themselves.
+`decode_logits` runs the operations of transformers' `Qwen2ForCausalLM` / `LlamaForCausalLM` forward for
+that case, in the same order on the same tensors (RMSNorm, projections, rotary embedding, cache update,
+attention, MLP, final norm, LM head), without the layers around them, so its logits are bit-identical to the
+model's (`tests/test_decode_step.py` checks the sampled tokens and their log-probs against the model's
+forward, under transformers 5.24 and 5.19). The shared-prompt decoding
 (`hf_engine.Decoding`, `shared_prompt.py`) takes this path for models `supported` admits; anything else
 (other architectures, LoRA-wrapped or quantized projections, modules with hooks, half precision) decodes
 through the model's own forward.
