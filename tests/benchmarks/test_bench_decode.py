@@ -1,12 +1,13 @@
 """Benchmark: a generation whose decoding steps run the model's forward written out (decode_step.py) next to
 the same generation through the model's own forward.
 
-The tiny recipe's base model and prompts (`configs/tiny-cpu.yaml`, its prepared data), 24 sampled tokens at
-the recipe's temperature, two shapes: 4 prompts x 8 on the process's threads (the step bench's pinned work)
-and 16 prompts x 4 on one thread (the recipe's batch as the asynchronous rollout worker generates it). The
-two sides alternate within each round (BENCH_DECODE_ROUNDS, default 12; each side generates with the round's
-seed, so both sample the same tokens: the sides are bit-identical, which is asserted); a side's figure is the
-median over rounds and the ratio written out / model forward is taken per round, then medianed.
+The tiny recipe's base model and prompts (`configs/tiny-cpu.yaml`, its prepared data), completions of up to
+the recipe's length (24 tokens) at its temperature, two shapes: 4 prompts x 8 on the process's threads (the
+step bench's pinned work) and 16 prompts x 4 on one thread (the recipe's batch as the asynchronous rollout
+worker generates it). The two sides alternate within each round (BENCH_DECODE_ROUNDS, default 12; each side
+generates with the round's seed, so both sample the same tokens: the sides are bit-identical, which is
+asserted); a side's figure is the median over rounds and the ratio written out / model forward is taken per
+round, then medianed.
 Writes `.state/bench/decode.json`. About a minute on 2 cores.
 """
 
@@ -55,7 +56,12 @@ def run_benchmark(work: Path, rounds: int | None = None) -> dict:
         groups = engine.generate(prompts[:n_prompts], n, params)
         return time.perf_counter() - started, [(c.token_ids, c.logprobs) for g in groups for c in g]
 
-    report = {"rounds": rounds, "threads": threads, "shapes": {}}
+    report = {
+        "rounds": rounds,
+        "threads": threads,
+        "max_tokens": recipe.train.max_completion_length,
+        "shapes": {},
+    }
     try:
         for label, n_prompts, n, shape_threads in SHAPES:
             torch.set_num_threads(shape_threads or threads)
@@ -82,7 +88,10 @@ def run_benchmark(work: Path, rounds: int | None = None) -> dict:
         decode_step.supported = supported
         torch.set_num_threads(threads)
     write_json(BENCH_OUT / "decode.json", report)
-    print(f"\ndecode bench: {rounds} rounds alternated, 24 tokens, the recipe's base and prompts")
+    print(
+        f"\ndecode bench: {rounds} rounds alternated, <= {recipe.train.max_completion_length} tokens, "
+        "the recipe's base and prompts"
+    )
     for label, figures in report["shapes"].items():
         print(
             f"  {label:20s} written out {figures['written_out_ms']:7.1f} ms, model forward "
