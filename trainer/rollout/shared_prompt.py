@@ -11,6 +11,11 @@ own implementation.
 
 float32 text models whose every layer is full attention and whose attention goes through that interface
 take this path (`supported`); others decode over the repeated cache as before.
+
+Each part is in matrix products. PyTorch's CPU flash attention, which also returns each query's logsumexp
+(what merging the parts needs), was measured for them (2026-12-06, 2 cores, the tiny model): a generation
+of 4 prompts x 8 went 0.89-0.92x, but on two threads its prompt part took 1.6x the products' time for 16
+prompts x 4, and one query per row over 128 or 256 own tokens took 1.2-1.8x: not used.
 """
 
 from __future__ import annotations
