@@ -14,8 +14,9 @@ take this path (`supported`); others decode over the repeated cache as before.
 
 Each part is in matrix products. PyTorch's CPU flash attention, which also returns each query's logsumexp
 (what merging the parts needs), was measured for them (2026-12-06, 2 cores, the tiny model): a generation
-of 4 prompts x 8 went 0.89-0.92x, but on two threads its prompt part took 1.6x the products' time for 16
-prompts x 4, and one query per row over 128 or 256 own tokens took 1.2-1.8x: not used.
+of 4 prompts x 8 went 0.89-0.92x, but on two threads its prompt part took 1.6-2.1x the products' time for
+16 prompts x 4, and one query per row over 128 or 256 own tokens took 0.96-1.8x (slower in 7 of the 8
+shapes measured): not used.
 """
 
 from __future__ import annotations
