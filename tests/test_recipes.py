@@ -81,6 +81,20 @@ def test_unknown_section_and_wrong_types(tmp_path):
             assert part in str(e.value), (text, str(e.value))
 
 
+def test_warmup_below_one_is_a_fraction_of_the_updates_rounded_up_as_transformers_reads_it():
+    def updates(*overrides: str) -> int:
+        return load_recipe(None, list(overrides)).train.warmup_updates()
+
+    assert updates("train.max_steps=1400", "train.warmup_steps=0.0714") == 100  # 99.96, rounded up
+    assert updates("train.max_steps=200", "train.warmup_steps=0.0714") == 15  # 14.28
+    assert updates("train.max_steps=6", "train.warmup_steps=0.0714") == 1  # 0.43: one update at the full rate
+    assert updates("train.max_steps=10", "train.num_iterations=4", "train.warmup_steps=0.1") == 4  # of 40
+    assert updates("train.max_steps=10", "train.warmup_steps=3") == 3
+    assert updates("train.max_steps=10") == 0
+    with pytest.raises(ConfigError, match="warmup_steps must be a whole number of updates.*got 2.5"):
+        load_recipe(None, ["train.warmup_steps=2.5"])
+
+
 def test_overrides_nested_keys_and_types():
     r = load_recipe(
         None,

@@ -226,10 +226,10 @@ class GRPOTrainer:
         return self.strategy.world
 
     def _lr_factor(self, update: int) -> float:
-        cfg, total = self.cfg, self.cfg.max_steps * self.cfg.num_iterations
-        if update < cfg.warmup_steps:
-            return (update + 1) / cfg.warmup_steps
-        progress = (update - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+        cfg, total, warmup = self.cfg, self.cfg.max_steps * self.cfg.num_iterations, self.cfg.warmup_updates()
+        if update < warmup:
+            return (update + 1) / warmup
+        progress = (update - warmup) / max(1, total - warmup)
         if cfg.lr_scheduler_type == "linear":
             return max(0.0, 1 - progress)
         if cfg.lr_scheduler_type == "cosine":

@@ -7,6 +7,7 @@ that people who know TRL can read a recipe without a dictionary. Nothing else de
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -310,7 +311,13 @@ class TrainConfig:
     )
     learning_rate: float = _f(1e-6, "peak learning rate (AdamW)", gt=0)
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = _f("constant", "schedule after warm-up")
-    warmup_steps: int = _f(0, "linear warm-up steps", ge=0)
+    warmup_steps: float = _f(
+        0,
+        "linear warm-up of the learning rate over this many updates or, below 1, over this fraction of the "
+        "run's updates (max_steps x num_iterations) rounded up, as transformers 5 reads warmup_steps: a "
+        "recipe cut to fewer steps then warms up over the same share of them",
+        ge=0,
+    )
     weight_decay: float = _f(0.0, "AdamW weight decay", ge=0)
     max_grad_norm: float = _f(1.0, "gradient clipping (0 disables)", ge=0)
     save_steps: int = _f(50, "checkpoint every this many steps (and at the end)", ge=1)
@@ -338,6 +345,11 @@ class TrainConfig:
         # Ranges and finiteness of single values are the fields' metadata (typed_config checks them).
         if self.num_generations < 2:
             raise ValueError("num_generations must be >= 2: GRPO compares completions within a group")
+        if self.warmup_steps >= 1 and not float(self.warmup_steps).is_integer():
+            raise ValueError(
+                "warmup_steps must be a whole number of updates, or a fraction of them below 1, "
+                f"got {self.warmup_steps}"
+            )
         if self.skip_solved_prompts and self.solved_reward is None:
             raise ValueError(
                 "skip_solved_prompts needs solved_reward: the total reward at which a prompt counts as solved"
@@ -351,6 +363,13 @@ class TrainConfig:
                 f"deepspeed must be one of {', '.join(ZERO_PRESETS)} or a path to a .json DeepSpeed "
                 f"config, got {short_repr(self.deepspeed)}"
             )
+
+    def warmup_updates(self) -> int:
+        """The optimizer updates the learning rate warms up over: `warmup_steps` itself, or its fraction of
+        the run's updates rounded up (transformers' rule, so TRL given the same value warms up as long)."""
+        if self.warmup_steps >= 1:
+            return int(self.warmup_steps)
+        return math.ceil(self.max_steps * self.num_iterations * self.warmup_steps)
 
 
 @dataclass
