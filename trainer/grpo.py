@@ -226,7 +226,8 @@ class GRPOTrainer:
         return self.strategy.world
 
     def _lr_factor(self, update: int) -> float:
-        cfg, total, warmup = self.cfg, self.cfg.max_steps * self.cfg.num_iterations, self.cfg.warmup_updates()
+        cfg = self.cfg
+        total, warmup = cfg.total_updates(), cfg.warmup_updates()
         if update < warmup:
             return (update + 1) / warmup
         progress = (update - warmup) / max(1, total - warmup)

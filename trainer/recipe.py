@@ -364,12 +364,16 @@ class TrainConfig:
                 f"config, got {short_repr(self.deepspeed)}"
             )
 
+    def total_updates(self) -> int:
+        """The run's optimizer updates: `num_iterations` on each of the `max_steps` generated batches."""
+        return self.max_steps * self.num_iterations
+
     def warmup_updates(self) -> int:
         """The optimizer updates the learning rate warms up over: `warmup_steps` itself, or its fraction of
         the run's updates rounded up (transformers' rule, so TRL given the same value warms up as long)."""
         if self.warmup_steps >= 1:
             return int(self.warmup_steps)
-        return math.ceil(self.max_steps * self.num_iterations * self.warmup_steps)
+        return math.ceil(self.total_updates() * self.warmup_steps)
 
 
 @dataclass
