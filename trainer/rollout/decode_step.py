@@ -13,6 +13,11 @@ forward, under transformers 5.24 and 5.19). The shared-prompt decoding
 (`hf_engine.Decoding`, `shared_prompt.py`) takes this path for models `supported` admits; anything else
 (other architectures, LoRA-wrapped or quantized projections, modules with hooks, half precision) decodes
 through the model's own forward.
+
+The projections stay separate products: one product over the query, key and value weights joined (and one
+over gate and up) would save a third of a layer's products, but MKL sums a 48-column product differently
+from 32 + 8 + 8 columns (a Llama layer with one key-value head, 2026-12-07), so the logits would no longer
+match the model's to the bit.
 """
 
 from __future__ import annotations
