@@ -350,7 +350,7 @@ def recipe_trl_args(recipe) -> tuple[dict, list[str]]:
         per_device_train_batch_size=cfg.micro_batch_size,
         num_generations=cfg.num_generations,
         gradient_accumulation_steps=completions // cfg.micro_batch_size,
-        max_steps=cfg.max_steps * cfg.num_iterations,
+        max_steps=cfg.total_updates(),  # TRL counts optimizer updates
         reward_weights=[s.weight for s in recipe.rewards],
         # the recipe's `model.dtype` is the training precision: float32 turns TRL's bf16 autocast default off.
         # (Left on, it needs use_cpu=True to start here at all: "Your setup doesn't support bf16/gpu"; then
