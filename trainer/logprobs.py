@@ -65,7 +65,7 @@ def shared_prompt_logits(model, mb: MicroBatch) -> torch.Tensor:
     from transformers import DynamicCache
 
     P, cache_kw = mb.prompt_width, cache_kwarg(model)
-    mask, pos, firsts, inverse = mb.attention_mask, mb.position_ids, mb.prompt_rows, mb.prompt_inverse
+    mask, pos, firsts = mb.attention_mask, mb.position_ids, mb.prompt_rows
     cache = DynamicCache(config=model.config)
     out = model(
         input_ids=mb.input_ids[firsts, :P],
@@ -75,10 +75,9 @@ def shared_prompt_logits(model, mb: MicroBatch) -> torch.Tensor:
         logits_to_keep=1,
         **{cache_kw: cache},
     )
-    first_logits = out.logits[:, -1].index_select(0, inverse)
-    for layer in cache.layers:  # each row its prompt's keys and values (DynamicCache.batch_select_indices
-        # indexes them; index_select's backward, an index_add_, took half the time of indexing's index_put_)
-        layer.keys, layer.values = layer.keys.index_select(0, inverse), layer.values.index_select(0, inverse)
+    first_logits = out.logits[:, -1].index_select(0, mb.prompt_inverse)
+    for layer in cache.layers:  # each row its prompt's keys and values
+        layer.keys, layer.values = _per_row(layer.keys, mb), _per_row(layer.values, mb)
     completion = mb.completion_ids
     if completion.shape[1] == 1:
         return first_logits[:, None]
@@ -90,6 +89,22 @@ def shared_prompt_logits(model, mb: MicroBatch) -> torch.Tensor:
         **{cache_kw: cache},
     ).logits
     return torch.cat([first_logits[:, None], rest], dim=1)
+
+
+def _per_row(prompt_states: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    """Each row of `mb` its prompt's row of a prompt forward's keys or values (one row per distinct prompt),
+    with a backward that adds the rows' gradients into their prompt's. Rows in whole runs per prompt (GRPO
+    groups) take an expand, whose backward is a sum over the run: on the tiny model the same numbers to the
+    last bit as index_select's backward (an index_add_ row by row; AVX2 and AVX-512 kernels,
+    `tests/test_logprobs.py`), in 0.95-0.96x the time of a micro-batch's forward and backward (24 or 36 rows,
+    2026-12-07). Not so for the prompts' last logits (a sum over 8 rows of 384 columns came out in another
+    order), which stay indexed; so do rows not in whole runs (index_select's backward took half the time of
+    indexing's index_put_, which DynamicCache.batch_select_indices uses)."""
+    k = mb.prompt_repeats
+    if k is None:
+        return prompt_states.index_select(0, mb.prompt_inverse)
+    shape = prompt_states.shape[1:]
+    return prompt_states[:, None].expand(-1, k, *shape).reshape(-1, *shape)
 
 
 __all__ = ["activation_checkpointing", "completion_logps", "full_logits", "shared_prompt_logits"]

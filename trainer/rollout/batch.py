@@ -29,6 +29,9 @@ class MicroBatch:
     prompt_width: int  # P
     prompt_rows: torch.Tensor  # the first row of each distinct prompt (rows of a GRPO group share one)
     prompt_inverse: torch.Tensor  # [b] each row's distinct prompt, an index into prompt_rows
+    # k when the rows are whole runs of k rows per distinct prompt, in prompt order (prompt_inverse is
+    # 0 x k, 1 x k, ...: GRPO groups kept whole); None otherwise
+    prompt_repeats: int | None = None
     vision: VisionInputs | None = None  # the images of these rows' prompts, in row order (None: text only)
 
     @property
@@ -114,6 +117,8 @@ class RolloutBatch:
                 unique_of[key] = len(unique_rows)
                 unique_rows.append(r)
             inverse.append(unique_of[key])
+        k = len(rows) // len(unique_rows)
+        runs = inverse == [g for g in range(len(unique_rows)) for _ in range(k)]
         return MicroBatch(
             input_ids=ids,
             attention_mask=attn,
@@ -124,5 +129,6 @@ class RolloutBatch:
             prompt_width=p_len,
             prompt_rows=torch.tensor(unique_rows),
             prompt_inverse=torch.tensor(inverse),
+            prompt_repeats=k if runs else None,
             vision=VisionInputs.concat([vision_of(self.prompt_ids[i]) for i in rows]),
         )
