@@ -182,9 +182,14 @@ class GRPOTrainer:
         for warning in outlasting_rewards(self.recipe.rewards, cfg.reward_timeout_s):
             log.warning(warning)
         # `model` stays the plain module (engines, checkpoints); the strategy holds what the loss runs through
+        # foreach: the per-tensor loop in C++ on a CPU too (torch picks it on GPUs only), the same numbers to
+        # the last bit, 0.8-0.9x the update's time on the tiny model's 50 tensors (fused=True, 0.25x, sums
+        # in another order: the recipe's measured runs would not hold)
         self.strategy.wrap(
             self.model,
-            functools.partial(torch.optim.AdamW, lr=cfg.learning_rate, weight_decay=cfg.weight_decay),
+            functools.partial(
+                torch.optim.AdamW, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, foreach=True
+            ),
             self._lr_factor,
         )
         self.metrics = MetricsFile(self.output_dir / "metrics.jsonl")

@@ -77,33 +77,32 @@ class RolloutBatch:
             stand_in = self.micro_batch(torch.zeros(1, dtype=torch.long), pad_id)
             return dataclasses.replace(stand_in, completion_mask=torch.zeros_like(stand_in.completion_mask))
         rows = index.tolist()
-        p_len = max(len(self.prompt_ids[i]) for i in rows)
-        c_len = max(max(len(self.completions[i].token_ids) for i in rows), 1)
-        ids = torch.full((len(rows), p_len + c_len), pad_id, dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        cmask = torch.zeros((len(rows), c_len))
-        behaviour = torch.zeros((len(rows), c_len))
-        for r, i in enumerate(rows):
-            p, c = self.prompt_ids[i], self.completions[i]
-            ids[r, p_len - len(p) : p_len] = torch.tensor(p)
-            attn[r, p_len - len(p) : p_len] = 1
+        prompts, completions = [self.prompt_ids[i] for i in rows], [self.completions[i] for i in rows]
+        p_len = max(len(p) for p in prompts)
+        c_len = max(max(len(c.token_ids) for c in completions), 1)
+        # the rows as lists, made tensors at once (a tensor per row and field took 1-2 ms a step)
+        ids_rows, attn_rows, behaviour_rows = [], [], []
+        for p, c in zip(prompts, completions, strict=True):
             n = len(c.token_ids)
-            if n:
-                ids[r, p_len : p_len + n] = torch.tensor(c.token_ids)
-                attn[r, p_len : p_len + n] = 1
-                cmask[r, :n] = float(self.loss_mask[i])
-                if c.token_mask is not None:  # observations between a trajectory's turns: not the model's
-                    cmask[r, :n] *= torch.tensor(c.token_mask, dtype=cmask.dtype)
-                behaviour[r, :n] = torch.tensor(c.logprobs)
-                if (vision := vision_of(p)) is not None and vision.image_token_id in c.token_ids:
-                    # A sampled image placeholder has no image behind it: fed back it would make the model
-                    # look for one more image than it was given. Such a completion is left out of the loss,
-                    # and the placeholder is padding in the forward (its tokens' log-probs are then never
-                    # used).
-                    ids[r, p_len : p_len + n].masked_fill_(
-                        ids[r, p_len : p_len + n] == vision.image_token_id, pad_id
-                    )
-                    cmask[r] = 0.0
+            ids_rows.append([pad_id] * (p_len - len(p)) + [*p, *c.token_ids] + [pad_id] * (c_len - n))
+            attn_rows.append([0] * (p_len - len(p)) + [1] * (len(p) + n) + [0] * (c_len - n))
+            behaviour_rows.append([*c.logprobs[:n]] + [0.0] * (c_len - n))
+        ids, attn = torch.tensor(ids_rows, dtype=torch.long), torch.tensor(attn_rows, dtype=torch.long)
+        behaviour = torch.tensor(behaviour_rows, dtype=torch.float32)
+        lengths = torch.tensor([len(c.token_ids) for c in completions])
+        cmask = (torch.arange(c_len) < lengths[:, None]).float() * self.loss_mask[index].float()[:, None]
+        for r, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+            n = len(c.token_ids)
+            if n and c.token_mask is not None:  # observations between a trajectory's turns: not the model's
+                cmask[r, :n] *= torch.tensor(c.token_mask, dtype=cmask.dtype)
+            if n and (vision := vision_of(p)) is not None and vision.image_token_id in c.token_ids:
+                # A sampled image placeholder has no image behind it: fed back it would make the model look
+                # for one more image than it was given. Such a completion is left out of the loss, and the
+                # placeholder is padding in the forward (its tokens' log-probs are then never used).
+                ids[r, p_len : p_len + n].masked_fill_(
+                    ids[r, p_len : p_len + n] == vision.image_token_id, pad_id
+                )
+                cmask[r] = 0.0
         positions = (attn.cumsum(-1) - 1).clamp(min=0)
         # rows that share a prompt (a GRPO group): the prompt's forward can be computed once for all of them
         unique_of: dict[tuple, int] = {}
