@@ -86,7 +86,7 @@ class RolloutBatch:
             n = len(c.token_ids)
             ids_rows.append([pad_id] * (p_len - len(p)) + [*p, *c.token_ids] + [pad_id] * (c_len - n))
             attn_rows.append([0] * (p_len - len(p)) + [1] * (len(p) + n) + [0] * (c_len - n))
-            behaviour_rows.append([*c.logprobs[:n]] + [0.0] * (c_len - n))
+            behaviour_rows.append([*c.logprobs] + [0.0] * (c_len - n))
         ids, attn = torch.tensor(ids_rows, dtype=torch.long), torch.tensor(attn_rows, dtype=torch.long)
         behaviour = torch.tensor(behaviour_rows, dtype=torch.float32)
         lengths = torch.tensor([len(c.token_ids) for c in completions])
