@@ -81,18 +81,18 @@ class RolloutBatch:
         p_len = max(len(p) for p in prompts)
         c_len = max(max(len(c.token_ids) for c in completions), 1)
         # the rows as lists, made tensors at once (a tensor per row and field took 1-2 ms a step)
-        ids_rows, attn_rows, behaviour_rows = [], [], []
+        ids_rows, attn_rows, behaviour_rows, lengths = [], [], [], []
         for p, c in zip(prompts, completions, strict=True):
             n = len(c.token_ids)
+            lengths.append(n)
             ids_rows.append([pad_id] * (p_len - len(p)) + [*p, *c.token_ids] + [pad_id] * (c_len - n))
             attn_rows.append([0] * (p_len - len(p)) + [1] * (len(p) + n) + [0] * (c_len - n))
             behaviour_rows.append([*c.logprobs] + [0.0] * (c_len - n))
         ids, attn = torch.tensor(ids_rows, dtype=torch.long), torch.tensor(attn_rows, dtype=torch.long)
         behaviour = torch.tensor(behaviour_rows, dtype=torch.float32)
-        lengths = torch.tensor([len(c.token_ids) for c in completions])
-        cmask = (torch.arange(c_len) < lengths[:, None]).float() * self.loss_mask[index].float()[:, None]
-        for r, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-            n = len(c.token_ids)
+        written = torch.arange(c_len) < torch.tensor(lengths)[:, None]
+        cmask = written.float() * self.loss_mask[index].float()[:, None]
+        for r, (p, c, n) in enumerate(zip(prompts, completions, lengths, strict=True)):
             if n and c.token_mask is not None:  # observations between a trajectory's turns: not the model's
                 cmask[r, :n] *= torch.tensor(c.token_mask, dtype=cmask.dtype)
             if n and (vision := vision_of(p)) is not None and vision.image_token_id in c.token_ids:
@@ -107,11 +107,8 @@ class RolloutBatch:
         # rows that share a prompt (a GRPO group): the prompt's forward can be computed once for all of them
         unique_of: dict[tuple, int] = {}
         unique_rows, inverse = [], []  # first row of each distinct prompt; each row's distinct prompt
-        for r, i in enumerate(rows):
-            key = (
-                tuple(self.prompt_ids[i]),
-                id(vision_of(self.prompt_ids[i])),
-            )  # same tokens, other image: other prompt
+        for r, p in enumerate(prompts):
+            key = (tuple(p), id(vision_of(p)))  # same tokens, other image: other prompt
             if key not in unique_of:
                 unique_of[key] = len(unique_rows)
                 unique_rows.append(r)
@@ -129,5 +126,5 @@ class RolloutBatch:
             prompt_rows=torch.tensor(unique_rows),
             prompt_inverse=torch.tensor(inverse),
             prompt_repeats=k if runs else None,
-            vision=VisionInputs.concat([vision_of(self.prompt_ids[i]) for i in rows]),
+            vision=VisionInputs.concat([vision_of(p) for p in prompts]),
         )
