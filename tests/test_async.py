@@ -165,6 +165,23 @@ def test_killed_rollout_worker_fails_the_run_naming_it_and_rerun_resumes(tmp_pat
     assert rows[checkpoint_step]["staleness"] == 0.0 and rows[checkpoint_step + 1]["staleness"] == 1.0
 
 
+def test_rollout_worker_that_dies_before_joining_the_weight_sync_group_ends_the_start_at_once(tiny_base):
+    """A worker that exits before it joins the weight-sync group (here: it refuses a thread count of 0) ends
+    the trainer's wait when it dies, not when rollout.sync_timeout_s (600 s here) runs out; the error names
+    it, and no worker is left behind."""
+    from trainer.rollout.worker_processes import RolloutWorkerError, RolloutWorkers
+
+    started = time.monotonic()
+    with pytest.raises(RolloutWorkerError) as caught:
+        RolloutWorkers(tiny_base["path"], threads_per_worker=0, timeout_s=600)
+    assert time.monotonic() - started < 300  # a spawn and an import of torch, against the 600 s timeout
+    message = str(caught.value)
+    assert "rollout worker 1 (pid" in message and "died with exit code 1" in message, message
+    assert "during forming the weight-sync group" in message, message
+    pid = int(message.split("(pid ")[1].split(")")[0])
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
 def test_stalled_rollout_worker_fails_the_run_after_the_sync_timeout_naming_it(
     tmp_path, tiny_base, tiny_data
 ):

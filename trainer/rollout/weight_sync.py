@@ -13,7 +13,8 @@ group of layers at a time; this module only sees (name, tensor) pairs in a fixed
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -52,19 +53,50 @@ class SyncGroup:
     """A process group of its own (never the default one): trainer ranks under torchrun keep theirs.
 
     Rank 0 is the trainer and hosts the rendezvous store; ranks 1..N are rollout engines. `timeout_s`
-    (`rollout.sync_timeout_s`) bounds the rendezvous and every broadcast, on either backend.
+    (`rollout.sync_timeout_s`) bounds the rendezvous and every broadcast, on either backend. Rank 0 waits
+    for the others' arrival itself, calling `members_alive` (which raises if one of them has died) between
+    looks, so a member that dies before it joins ends the wait at once instead of at the timeout.
     """
 
     def __init__(
-        self, host: str, port: int, rank: int, world_size: int, timeout_s: float, backend: str = "gloo"
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        backend: str = "gloo",
+        members_alive: Callable[[], None] | None = None,
     ):
         self.rank, self.world_size, self.backend, self.timeout_s = rank, world_size, backend, timeout_s
         self.timeout = timedelta(seconds=timeout_s)
         try:
-            self.store = dist.TCPStore(host, port, world_size, rank == 0, timeout=self.timeout)
-            self.pg = _process_group(backend, self.store, rank, world_size, self.timeout)
-        except RuntimeError as e:  # the store's "1/2 clients joined" names neither the sync nor the field
+            self.store = dist.TCPStore(
+                host, port, world_size, rank == 0, timeout=self.timeout, wait_for_workers=False
+            )
+            if rank != 0:
+                self.store.set(f"member/{rank}", "joined")
+        except RuntimeError as e:  # torch's own words name neither the sync nor the field
             raise self._error("forming its group", e) from e
+        if rank == 0:
+            self._await_members(members_alive)  # members_alive's own error passes as it is
+        try:
+            self.pg = _process_group(backend, self.store, rank, world_size, self.timeout)
+        except RuntimeError as e:
+            raise self._error("forming its group", e) from e
+
+    def _await_members(self, members_alive: Callable[[], None] | None) -> None:
+        keys = [f"member/{rank}" for rank in range(1, self.world_size)]
+        deadline = time.monotonic() + self.timeout_s
+        while not self.store.check(keys):
+            if members_alive is not None:
+                members_alive()
+            if time.monotonic() > deadline:
+                joined = sum(self.store.check([key]) for key in keys)
+                raise self._error(
+                    "forming its group", TimeoutError(f"{joined} of {len(keys)} members joined")
+                )
+            time.sleep(0.05)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         opts = dist.BroadcastOptions()

@@ -264,9 +264,13 @@ class RolloutWorkers:
         self.busy_s = 0.0
         try:
             try:
-                self.group = SyncGroup("127.0.0.1", port, 0, world, timeout_s, self.transport.backend)
+                self.group = SyncGroup(
+                    "127.0.0.1", port, 0, world, timeout_s, self.transport.backend, self._check_alive
+                )
             except WeightSyncError as e:
                 raise self._named_failure("forming the weight-sync group", e) from e
+            except RolloutWorkerError as dead:  # one died before it joined: no need to wait out the timeout
+                raise RolloutWorkerError(f"{dead} during forming the weight-sync group") from None
             self._expect("ready", self.ranks)
         except BaseException:  # no worker outlives a start that failed
             self.close()
