@@ -316,23 +316,30 @@ class AsyncRollout(RolloutSource):
         if self.workers is not None:
             self.workers.close()
 
-    def _submit(self, step: int) -> None:
+    def _request(self, step: int) -> tuple | None:
+        """Batch `step`'s prompts as the workers take them (None past the last step)."""
         if step >= self.cfg.max_steps:
-            return
+            return None
         rows, prompt_ids, sampling = self.prompts(step)
-        self.inflight = (rows, prompt_ids)
-        self.workers.submit(step, prompt_ids, self.cfg.num_generations, sampling)
+        return step, rows, prompt_ids, sampling
 
-    def _sync_and_submit(self, next_step: int) -> dict:
-        """Send the current weights (unless the workers hold them already), then request `next_step`; the
-        sync's metrics."""
+    def _sync_and_submit(self, next_step: int, request: tuple | None = None) -> dict:
+        """Send the current weights (unless the workers hold them already) and request `next_step` (its
+        `request` made already, or made now) behind them; the sync's metrics."""
         metrics = {"timing/weight_sync_s": 0.0, "weight_sync/bytes": 0}
         model, version = self.policy()
+        request = request or self._request(next_step)
+        then = None
+        if request is not None:
+            step, rows, prompt_ids, sampling = request
+            self.inflight = (rows, prompt_ids)
+            then = (step, prompt_ids, self.cfg.num_generations, sampling)
         if version != self.synced_version:
-            sync = self.workers.sync_weights(model, version)
+            sync = self.workers.sync_weights(model, version, then)
             metrics = {"timing/weight_sync_s": sync.seconds, "weight_sync/bytes": sync.bytes}
             self.synced_version = version
-        self._submit(next_step)
+        elif then is not None:
+            self.workers.submit(*then)
         return metrics
 
     def _follow(self) -> None:
@@ -349,6 +356,9 @@ class AsyncRollout(RolloutSource):
     def _collect(self, step: int) -> tuple[RolloutBatch, dict]:
         """Batch `step`, scored, with timing metrics; starts the next batch when overlapping."""
         rows, prompt_ids = self.inflight
+        # the next batch's prompts while this one is still generating: the workers wait on nothing but the
+        # weights once it is back (the curriculum has seen batch step - 1 either way)
+        request = self._request(step + 1) if self.overlap else None
         t0, busy_before = time.perf_counter(), self.workers.busy_s
         groups = self.workers.collect(step)
         # workers generate their shards in parallel: the batch kept each of them busy this long on average
@@ -360,7 +370,7 @@ class AsyncRollout(RolloutSource):
             "weight_sync/bytes": 0,
         }
         if self.overlap:
-            metrics.update(self._sync_and_submit(step + 1))
+            metrics.update(self._sync_and_submit(step + 1, request))
         return self.score(rows, prompt_ids, groups, metrics)
 
 

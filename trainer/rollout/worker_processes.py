@@ -357,12 +357,19 @@ class RolloutWorkers:
         sampled with `shard_seed(sampling.seed, k)` (one seed for all would give two copies of one prompt in
         two shards the same completions)."""
         self._check_alive()
-        for k, (q, (lo, hi)) in enumerate(
-            zip(self.commands, contiguous_shares(len(prompts), len(self.procs)), strict=True)
-        ):
-            q.put(
-                ("generate", (step, prompts[lo:hi], n, replace(sampling, seed=shard_seed(sampling.seed, k))))
-            )
+        commands = self._generate_commands(step, prompts, n, sampling)
+        for q, command in zip(self.commands, commands, strict=True):
+            q.put(command)
+
+    def _generate_commands(
+        self, step: int, prompts: list[list[int]], n: int, sampling: SamplingParams
+    ) -> list[tuple]:
+        """Each worker's "generate" command for its shard of batch `step`."""
+        shares = contiguous_shares(len(prompts), len(self.procs))
+        return [
+            ("generate", (step, prompts[lo:hi], n, replace(sampling, seed=shard_seed(sampling.seed, k))))
+            for k, (lo, hi) in enumerate(shares)
+        ]
 
     def collect(self, step: int) -> list:
         """The groups of batch `step`, in prompt order (blocks until every shard is back)."""
@@ -377,15 +384,22 @@ class RolloutWorkers:
         parts = self._pending.pop(step)
         return [g for rank in sorted(parts) for g in parts[rank]]
 
-    def sync_weights(self, model, version: int) -> WeightSync:
-        """Broadcast the trainer's weights to every worker; they apply them between two generations."""
+    def sync_weights(self, model, version: int, then: tuple | None = None) -> WeightSync:
+        """Broadcast the trainer's weights to every worker; they apply them between two generations.
+
+        `then`: a batch (step, prompts, n, sampling, as `submit` takes them) to generate with these weights,
+        queued behind the sync: each worker starts it as soon as the weights are in, not a round trip to the
+        trainer later."""
         from trainer.rollout.weight_sync import broadcast_weights, sync_layout, sync_tensors
 
         self._check_alive()
         started = time.perf_counter()
         layout = sync_layout(model)  # for workers without a module of their own to receive into
-        for q in self.commands:
+        following = self._generate_commands(*then) if then is not None else [None] * len(self.commands)
+        for q, command in zip(self.commands, following, strict=True):
             q.put(("sync", (version, layout)))
+            if command is not None:
+                q.put(command)
         device = self.transport.devices[0]
         named = ((name, t.detach().to(device)) for name, t in sync_tensors(model))  # gloo: host memory
         try:
