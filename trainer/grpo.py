@@ -453,7 +453,10 @@ class GRPOTrainer:
                 )
             )
         self._stop_unless_finite(
-            updated_policy_extremes(self.model, micro_batches[0] if micro_batches else None),
+            # one process: its bound on the forward may leave the probe out (ranks of ZeRO-3 hold shards)
+            updated_policy_extremes(
+                self.model, micro_batches[0] if micro_batches else None, use_bound=self.world == 1
+            ),
             "after its optimizer update",
         )
         keys = sorted(sums)  # the ranks' shares of the batch metrics add up
