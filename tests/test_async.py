@@ -35,7 +35,11 @@ def small(tmp_path: Path, tiny_base: dict, data: Path, *overrides: str) -> list[
     ]
 
 
-def test_weight_sync_delivers_bit_identical_weights(tiny_base):
+@pytest.mark.parametrize("carrier", ["shared memory", "gloo"])
+def test_weight_sync_delivers_bit_identical_weights(tiny_base, carrier):
+    """Workers on this CPU read the weights out of shared memory; gloo's broadcast is what they take where
+    /dev/shm has no room (and what workers on other devices take). Either way, twice: the second sync
+    reuses the shared block the first one brought."""
     from transformers import AutoModelForCausalLM
 
     from trainer.rollout.weight_sync import sync_order
@@ -43,18 +47,22 @@ def test_weight_sync_delivers_bit_identical_weights(tiny_base):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_base["path"])
     workers = RolloutWorkers(tiny_base["path"], timeout_s=120)
+    workers._share_memory = carrier == "shared memory"  # as when /dev/shm is too small
     try:
-        with torch.no_grad():
-            for _, p in model.named_parameters():
-                p.add_(torch.randn_like(p) * 0.01)  # the trainer's weights move away from the worker's
-        before = workers.worker_weights(1)
-        ours = dict(sync_order(model))
-        assert not all(torch.equal(before[n], ours[n]) for n in ours)
-        sync = workers.sync_weights(model, version=7)
-        after = workers.worker_weights(1)
-        assert after.keys() == ours.keys() and sync.seconds > 0
-        for name, tensor in ours.items():
-            assert torch.equal(after[name], tensor), name
+        for version in (7, 8):
+            with torch.no_grad():
+                for _, p in model.named_parameters():
+                    p.add_(torch.randn_like(p) * 0.01)  # the trainer's weights move away from the worker's
+            before = workers.worker_weights(1)
+            ours = dict(sync_order(model))
+            assert not all(torch.equal(before[n], ours[n]) for n in ours)
+            sync = workers.sync_weights(model, version=version)
+            after = workers.worker_weights(1)
+            assert after.keys() == ours.keys() and sync.seconds > 0
+            assert sync.bytes == sum(t.numel() * t.element_size() for t in ours.values())
+            for name, tensor in ours.items():
+                assert torch.equal(after[name], tensor), name
+        assert (workers._shared is not None) == (carrier == "shared memory")
     finally:
         workers.close()
 

@@ -1383,3 +1383,26 @@ def test_ranks_start_in_a_shared_run_directory_and_are_refused_at_start_in_one_t
     assert blind.startswith("rank 1 (") and f": {host1})" in blind and "rank 0" not in blind
     assert not host1.exists()  # rank 1 made nothing on its own disk
     assert not [p.name for p in host0.iterdir() if p.name.startswith(".shared")]  # the marker is removed
+
+
+def test_shared_weights_carry_tensors_of_several_dtypes_bit_for_bit_and_refuse_another_layout():
+    from trainer.rollout.weight_sync import SharedWeights
+
+    torch.manual_seed(0)
+    sent = [
+        ("a", torch.randn(3, 5)),
+        ("b", torch.randn(7).to(torch.bfloat16)),  # 14 bytes: the next view starts at the next 16
+        ("c", torch.randn(2, 2).to(torch.float16)),
+    ]
+    layout = [((name,), t.dtype, tuple(t.shape)) for name, t in sent]
+    shared = SharedWeights(layout)
+    assert [offset for offset, _, _ in shared.slices] == [0, 64, 80] and shared.nbytes == 88
+    assert shared.write(sent) == 60 + 14 + 8
+    received = [(name, torch.zeros_like(t)) for name, t in sent]
+    assert shared.read_into(received) == 82
+    for (_, a), (_, b) in zip(sent, received, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    with pytest.raises(ValueError, match="tensor 1 \\(b\\) does not fit"):
+        shared.write([sent[0], ("b", torch.randn(8).to(torch.bfloat16))])
+    with pytest.raises(ValueError, match="2 tensors to receive, the shared block holds 3"):
+        shared.read_into(received[:2])

@@ -13,6 +13,7 @@ group of layers at a time; this module only sees (name, tensor) pairs in a fixed
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -206,6 +207,55 @@ def receive_stream(
             offset += t.numel()
             for name in names:  # a tied tensor once on the wire, under each of its names for the engine
                 yield name, view
+
+
+class SharedWeights:
+    """The policy's tensors in one block of shared memory, for rollout workers that are processes on the
+    trainer's own CPU: the trainer copies its tensors in (`write`), then each worker copies them out into its
+    module (`read_into`). The same bits as gloo's broadcast, which carries them through the loopback
+    network instead: for the tiny model's 3.6 MB, 0.34 ms to write and 0.30 ms to read, and a whole sync
+    as the trainer waits for it (the worker's "synced" included) 0.95-1.4 ms against 1.8-2.1 ms with gloo
+    (2026-12-07, AMD Zen 4, one thread a side, idle, 2 rounds alternated). Pickled onto a
+    torch.multiprocessing queue, the block is shared, not copied; the trainer writes only while no worker
+    reads (it waits for every worker's "synced" before the next sync)."""
+
+    def __init__(self, tensors: Layout):
+        self.slices: list[tuple[int, torch.dtype, int]] = []  # (byte offset, dtype, elements) per tensor
+        offset = 0
+        for _, dtype, shape in tensors:
+            size = dtype.itemsize
+            offset = -(-offset // 16) * 16  # every view aligned for its dtype
+            numel = math.prod(shape)
+            self.slices.append((offset, dtype, numel))
+            offset += numel * size
+        self.nbytes = offset
+        self.block = torch.empty(offset, dtype=torch.uint8).share_memory_()
+
+    def _views(self) -> list[torch.Tensor]:
+        return [self.block[o : o + n * d.itemsize].view(d) for o, d, n in self.slices]
+
+    @torch.no_grad()
+    def write(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy the sender's tensors (`sync_tensors` order) in; the bytes written."""
+        views, written = self._views(), 0
+        for k, (name, t) in enumerate(named):
+            if k >= len(views) or t.numel() != views[k].numel() or t.dtype != views[k].dtype:
+                raise ValueError(f"tensor {k} ({name}) does not fit the shared block's layout")
+            views[k].copy_(t.detach().reshape(-1))
+            written += t.numel() * t.element_size()
+        return written
+
+    @torch.no_grad()
+    def read_into(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy the block out into a receiver's tensors (`sync_order` order); the bytes read."""
+        views, read = self._views(), 0
+        named = list(named)
+        if len(named) != len(views):
+            raise ValueError(f"{len(named)} tensors to receive, the shared block holds {len(views)}")
+        for (_, t), view in zip(named, views, strict=True):
+            t.copy_(view.view_as(t))
+            read += t.numel() * t.element_size()
+        return read
 
 
 def _named_parameters(model, remove_duplicate: bool = True) -> Iterator[tuple[str, torch.nn.Parameter]]:

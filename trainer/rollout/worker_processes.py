@@ -22,8 +22,11 @@ free memory when it starts, before any of them.
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 import os
 import queue
+import shutil
 import threading
 import time
 import traceback
@@ -36,6 +39,8 @@ import torch.multiprocessing as mp
 from trainer.launch import free_port
 from trainer.recipe import ModelConfig, RolloutConfig
 from trainer.rollout.base import SamplingParams, contiguous_shares
+
+log = logging.getLogger(__name__)
 
 
 class RolloutWorkerError(RuntimeError):
@@ -147,6 +152,7 @@ def _worker_main(spec: WorkerSpec, commands, results) -> None:
             max_model_len=spec.max_model_len,
         )
         engine.version = spec.version
+        shared = None  # the shared-memory block of the weight syncs, once the first sync brings it
         results.put(("ready", spec.rank, None))
         parent = os.getppid()
         while True:
@@ -159,9 +165,13 @@ def _worker_main(spec: WorkerSpec, commands, results) -> None:
             if kind == "stop":
                 break
             if kind == "sync":
-                version, layout = payload
+                version, layout, via = payload
                 started = time.perf_counter()
-                if model is not None:
+                if via is not None:  # the trainer wrote the weights into shared memory before telling us
+                    shared = shared if via == "shared" else via
+                    shared.read_into(sync_order(model))
+                    load_policy(engine, model, version)
+                elif model is not None:
                     receive_weights(sync_order(model), group, device=spec.sync_device)
                     load_policy(engine, model, version)
                 else:
@@ -261,6 +271,13 @@ class RolloutWorkers:
             self.commands.append(q)
             self.procs.append(p)
         self._pending: dict[int, dict] = {}
+        # workers on this CPU that hold a module of their own read the weights out of shared memory (made at
+        # the first sync, when the policy's layout is known); the others take gloo's broadcast
+        engine = (rollout or RolloutConfig()).engine
+        self._share_memory = (
+            self.transport.backend == "gloo" and engine == "transformers" and all(d == "cpu" for d in devices)
+        )
+        self._shared, self._shared_sent = None, False
         self.busy_s = 0.0
         try:
             try:
@@ -395,19 +412,43 @@ class RolloutWorkers:
         self._check_alive()
         started = time.perf_counter()
         layout = sync_layout(model)  # for workers without a module of their own to receive into
+        shared = self._shared_block(layout)
+        via = None
+        if shared is not None:  # written before any worker is told to read
+            sent = shared.write(sync_tensors(model))
+            via = "shared" if self._shared_sent else shared  # the block itself travels once
+            self._shared_sent = True
         following = self._generate_commands(*then) if then is not None else [None] * len(self.commands)
         for q, command in zip(self.commands, following, strict=True):
-            q.put(("sync", (version, layout)))
+            q.put(("sync", (version, layout, via)))
             if command is not None:
                 q.put(command)
-        device = self.transport.devices[0]
-        named = ((name, t.detach().to(device)) for name, t in sync_tensors(model))  # gloo: host memory
-        try:
-            sent = broadcast_weights(named, self.group)
-        except RuntimeError as e:
-            raise self._named_failure(f"the weight sync to version {version}", e) from e
-        self._expect("synced", self.ranks)
+        if shared is None:
+            device = self.transport.devices[0]
+            named = ((name, t.detach().to(device)) for name, t in sync_tensors(model))  # gloo: host memory
+            try:
+                sent = broadcast_weights(named, self.group)
+            except RuntimeError as e:
+                raise self._named_failure(f"the weight sync to version {version}", e) from e
+        self._expect("synced", self.ranks)  # and so no worker reads the block when it is next written
         return WeightSync(time.perf_counter() - started, sent)
+
+    def _shared_block(self, layout):
+        """The shared-memory block the weights travel in, made at the first sync; None where the workers
+        take gloo's broadcast (another device or engine, or no room in /dev/shm, which is then logged)."""
+        from trainer.rollout.weight_sync import SharedWeights
+
+        if self._shared is None and self._share_memory:
+            need = sum(dtype.itemsize * math.prod(shape) for _, dtype, shape in layout)
+            try:
+                free = shutil.disk_usage("/dev/shm").free
+                if free < 2 * need:
+                    raise OSError(f"/dev/shm has {free} bytes free, the weights take {need}")
+                self._shared = SharedWeights(layout)
+            except (OSError, RuntimeError) as e:
+                log.warning("weight sync through shared memory unavailable (%s): gloo's broadcast instead", e)
+                self._share_memory = False
+        return self._shared
 
     def worker_weights(self, rank: int = 1) -> dict[str, torch.Tensor]:
         self.commands[rank - 1].put(("weights", None))
