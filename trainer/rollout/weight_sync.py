@@ -2,8 +2,10 @@
 
 Parameters travel in flat buckets (one broadcast per bucket, not per tensor). `choose_transport` decides how:
 GPU to GPU over NCCL when every member holds its tensors on a CUDA device (the way vLLM's NCCL weight-transfer
-engine and TRL's vLLM client send them), else gloo through host memory. A receiver with a module of its own
-(the transformers engine) copies each bucket back into its parameters in the same order; one without (vLLM,
+engine and TRL's vLLM client send them), else gloo through host memory; rollout workers on the trainer's own
+CPU with a module of their own skip the network: `SharedWeights` is one block of shared memory both sides
+copy through. A receiver with a module of its own (the transformers engine) copies each bucket back into its
+parameters in the same order; one without (vLLM,
 LMDeploy: the engine holds its own copy) gets the tensors' `sync_layout` with the sync and hands the received
 buckets to its engine as they arrive (`receive_stream`), so no second copy of the model is held anywhere.
 Every collective runs under the group's timeout (NCCL's as well as gloo's), so a dead or stuck peer fails
