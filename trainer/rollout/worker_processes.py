@@ -4,10 +4,10 @@ The trainer (rank 0) and each rollout worker (ranks 1..N) share a dedicated proc
 sync: NCCL, GPU to GPU, when the trainer and every worker compute on GPUs, else gloo through host memory
 (`weight_sync.choose_transport`); workers on the trainer's CPU that hold a module of their own (the
 transformers engine) read the weights out of a shared-memory block instead (`weight_sync.SharedWeights`), the
-group then serving only to start them. Requests and results travel over multiprocessing queues. A worker handles
-one command at a time, so a weight sync always lands between two generations: a generation never sees weights
-change in its middle. Every wait is bounded by `sync_timeout_s`, and a worker that dies makes the trainer fail
-with a message naming it instead of hanging.
+group then serving only to start them. Requests and results travel over multiprocessing queues. A worker
+handles one command at a time, so a weight sync always lands between two generations: a generation never sees
+weights change in its middle. Every wait is bounded by `sync_timeout_s`, and a worker that dies makes the
+trainer fail with a message naming it instead of hanging.
 
 Prompts of one batch are sharded across the workers (data-parallel engines) and the results are put
 back in prompt order.
