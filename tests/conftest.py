@@ -190,6 +190,31 @@ def store(tmp_path, monkeypatch):
     return client, experiment, tmp_path / "artifacts"
 
 
+def random_causal_lm(architecture: str, **config):
+    """A small randomly initialised `Qwen2ForCausalLM` or `LlamaForCausalLM` (architecture "qwen2" / "llama"),
+    seeded, in eval mode: vocabulary 64, hidden 32, MLP 48, 2 layers of 4 heads unless `config` says
+    otherwise."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_class, model_class = {
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "llama": (LlamaConfig, LlamaForCausalLM),
+    }[architecture]
+    torch.manual_seed(0)
+    defaults = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    return model_class(config_class(**{**defaults, **config})).eval()
+
+
 def registrable_copy(model: str | Path, base: str | Path, dst: Path) -> Path:
     """A copy of `model` with the manifest registration reads (the base model's, with `model`'s files): the
     memorising model as a version to register."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import random_causal_lm
 from trainer.rollout import decode_step
 from trainer.rollout.base import SamplingParams
 from trainer.rollout.hf_engine import HFEngine
@@ -14,25 +15,7 @@ VOCAB = 64
 
 
 def _model(architecture: str, **extra):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    config_class, model_class = {
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-        "llama": (LlamaConfig, LlamaForCausalLM),
-    }[architecture]
-    torch.manual_seed(0)
-    config = config_class(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=128,
-        eos_token_id=2,
-        pad_token_id=0,
-        **extra,
-    )
-    model = model_class(config).eval()
+    model = random_causal_lm(architecture, vocab_size=VOCAB, **extra)
     with torch.no_grad():  # weights large enough that the logits spread (random init is near uniform)
         for p in model.parameters():
             p.mul_(4.0) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)

@@ -9,29 +9,19 @@ import types
 import pytest
 import torch
 
+from conftest import random_causal_lm
 from trainer.divergence import forward_bound, updated_policy_extremes
 
 
 def _model(architecture: str, hidden=32, heads=4, intermediate=48, layers=2, **extra):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    config_class, model_class = {
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-        "llama": (LlamaConfig, LlamaForCausalLM),
-    }[architecture]
-    torch.manual_seed(0)
-    config = config_class(
-        vocab_size=64,
+    return random_causal_lm(
+        architecture,
         hidden_size=hidden,
+        num_attention_heads=heads,
         intermediate_size=intermediate,
         num_hidden_layers=layers,
-        num_attention_heads=heads,
-        max_position_embeddings=128,
-        eos_token_id=2,
-        pad_token_id=0,
         **extra,
     )
-    return model_class(config).eval()
 
 
 def test_the_bound_of_a_one_layer_qwen2_by_hand():

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, random_causal_lm
 from trainer.extras import MissingExtraError
 from trainer.recipe import ModelConfig, RolloutConfig
 from trainer.rollout.base import SamplingParams
@@ -25,27 +25,22 @@ from trainer.rollout.hf_engine import HFEngine, sample_next
 
 @pytest.fixture(scope="module")
 def tiny_lm():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     from trainer.bootstrap import build_tokenizer
 
     tokenizer = build_tokenizer(
         [f"{a} + {b} = {a + b}" for a in range(30) for b in range(30)], vocab_size=300
     )
-    torch.manual_seed(0)
-    config = Qwen2Config(
+    model = random_causal_lm(
+        "qwen2",
         vocab_size=len(tokenizer),
-        hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=1,
-        max_position_embeddings=128,
         tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    model = Qwen2ForCausalLM(config).eval()
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model, tokenizer
 
