@@ -36,18 +36,23 @@ def small(tmp_path: Path, tiny_base: dict, data: Path, *overrides: str) -> list[
 
 
 @pytest.mark.parametrize("carrier", ["shared memory", "gloo"])
-def test_weight_sync_delivers_bit_identical_weights(tiny_base, carrier):
+def test_weight_sync_delivers_bit_identical_weights(tiny_base, carrier, monkeypatch, caplog):
     """Workers on this CPU read the weights out of shared memory; gloo's broadcast is what they take where
     /dev/shm has no room (and what workers on other devices take). Either way, twice: the second sync
     reuses the shared block the first one brought."""
+    import shutil
+    import types
+
     from transformers import AutoModelForCausalLM
 
     from trainer.rollout.weight_sync import sync_order
     from trainer.rollout.worker_processes import RolloutWorkers
 
+    if carrier == "gloo":  # a /dev/shm with no room to spare (a container's default 64 MB is one)
+        full = types.SimpleNamespace(total=64 << 20, used=64 << 20, free=0)
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: full)
     model = AutoModelForCausalLM.from_pretrained(tiny_base["path"])
     workers = RolloutWorkers(tiny_base["path"], timeout_s=120)
-    workers._share_memory = carrier == "shared memory"  # as when /dev/shm is too small
     try:
         for version in (7, 8):
             with torch.no_grad():
@@ -63,6 +68,8 @@ def test_weight_sync_delivers_bit_identical_weights(tiny_base, carrier):
             for name, tensor in ours.items():
                 assert torch.equal(after[name], tensor), name
         assert (workers._shared is not None) == (carrier == "shared memory")
+        fell_back = [r.getMessage() for r in caplog.records if "gloo's broadcast instead" in r.getMessage()]
+        assert len(fell_back) == (carrier == "gloo"), fell_back  # said once, at the first sync
     finally:
         workers.close()
 
