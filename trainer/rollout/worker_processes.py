@@ -169,16 +169,16 @@ def _worker_main(spec: WorkerSpec, commands, results) -> None:
             if kind == "sync":
                 version, layout, via = payload
                 started = time.perf_counter()
-                if via is not None:  # the trainer wrote the weights into shared memory before telling us
-                    shared = shared if via == "shared" else via
-                    shared.read_into(sync_order(model))
-                    load_policy(engine, model, version)
-                elif model is not None:
-                    receive_weights(sync_order(model), group, device=spec.sync_device)
-                    load_policy(engine, model, version)
-                else:
+                if model is None:  # the engine holds its own copy: the buckets go to it as they arrive
                     stream = receive_stream(layout, group, spec.sync_device)
                     _stream_to_engine(engine, stream, spec.device, version)
+                else:
+                    if via is not None:  # the trainer wrote the weights into shared memory before telling us
+                        shared = shared if via == "shared" else via
+                        shared.read_into(sync_order(model))
+                    else:
+                        receive_weights(sync_order(model), group, device=spec.sync_device)
+                    load_policy(engine, model, version)
                 results.put(("synced", spec.rank, time.perf_counter() - started))
             elif kind == "generate":
                 step, prompts, n, sampling = payload
