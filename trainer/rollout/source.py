@@ -7,6 +7,10 @@ rollout workers generated while the previous step trained.
 Asynchronous order per step t (max_staleness >= 1): take batch t (generated while batch t-1 trained), send
 the current weights, request batch t+1, then train on batch t. Batch t was therefore produced by the policy
 one version behind the one that trains on it, and the loss corrects for that with importance weights.
+Where the workers take the weights out of shared memory (one trainer rank, workers on its CPU), the same
+versions go earlier: right after the update of step t, the weights and the request of batch t+2 are queued
+behind the batch t+1 the workers are generating, so they go on to it without waiting for the trainer to
+collect batch t+1 (and the trainer waits for no acknowledgement in its step).
 With max_staleness 0 the next batch is requested only after the update (no overlap, no staleness).
 Only rank 0 talks to the workers; under DDP it hands each batch to the other trainer ranks. The same holds
 for a rollout server (`rollout.server_url`): rank 0 alone sends it the weights and asks it for the batch.
@@ -16,6 +20,7 @@ weights is collective (`_follow`, `LocalEngine.follow`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import time
 from collections.abc import Callable
@@ -249,16 +254,28 @@ class AsyncRollout(RolloutSource):
     ):
         self.prompts, self.score, self.policy, self.cfg = prompts, score, policy, cfg
         self.order = order
-        self.overlap, self.world, self.workers, self.inflight = rollout.max_staleness >= 1, world, None, None
+        self.overlap, self.world, self.workers, self._ready = rollout.max_staleness >= 1, world, None, None
+        self.inflight: dict[int, tuple] = {}  # step -> (rows, prompt ids) of each batch asked for, not yet in
+        self.asked = -1  # the last step whose batch was asked for (or, past the last step, passed over)
         # the policy version the workers hold (that of `model_path`), on every rank: the others follow rank
         # 0's syncs (ZeRO-3 gathers)
         self.synced_version = model_version
-        if rank != 0:
-            return
+        if rank == 0:
+            self._start_workers(rollout, model_path, model)
+        # on a CPU the cores are split between the trainer and the workers while they run; the trainer has
+        # them all again after `close` (its held-out evaluation after training)
+        self.trainer_threads = None
+        if not torch.cuda.is_available():
+            self.trainer_threads = torch.get_num_threads()
+            torch.set_num_threads(cpu_threads_per_side(rollout.num_engines))
+
+    def _start_workers(self, rollout: RolloutConfig, model_path: str, model: ModelConfig) -> None:
+        """Start the workers; they come up (interpreter, torch, model) while the trainer goes on (its held-out
+        evaluation), and `start` waits for them."""
         from trainer.placement import this_trainer
 
         placed = this_trainer(rollout)[0].workers  # each on its engine's GPUs, or the CPU
-        trainer_device = next(policy()[0].parameters()).device  # where the weights are sent from
+        trainer_device = next(self.policy()[0].parameters()).device  # where the weights are sent from
         self.workers = RolloutWorkers(
             model_path,
             model_cfg=model,
@@ -268,16 +285,21 @@ class AsyncRollout(RolloutSource):
             threads_per_worker=cpu_threads_per_side(len(placed)),
             version=self.synced_version,
             rollout=rollout,
-            max_model_len=cfg.max_prompt_length + cfg.max_completion_length,
-            seed=cfg.seed,
+            max_model_len=self.cfg.max_prompt_length + self.cfg.max_completion_length,
+            seed=self.cfg.seed,
             cuda_visible_devices=[w.cuda_visible_devices for w in placed],
             trainer_device=str(trainer_device),
+            wait=False,
         )
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-workers-start")
+        self._ready = pool.submit(self.workers.wait_ready)
+        pool.shutdown(wait=False)
 
     def start(self, step: int) -> None:
         """Start batch `step`, from the current policy: workers started from another version (a LoRA run's
         from its base model) are synced first."""
         if self.workers is not None:
+            self._ready.result()
             self._sync_and_submit(step)
         else:
             self._follow()
@@ -297,8 +319,15 @@ class AsyncRollout(RolloutSource):
         return scored
 
     def after_update(self, step: int, metrics: dict) -> None:
-        """Without overlap, the next batch starts only now, from the updated weights."""
+        """Without overlap, the next batch starts only now, from the updated weights. With overlap, where the
+        workers can take the weights while they generate (`syncs_while_generating`: one trainer rank), the
+        updated weights and the request of batch step + 2 go now: each worker starts it as soon as it ends
+        batch step + 1, instead of after the trainer has collected that batch."""
         if self.overlap:
+            if self._syncs_early():
+                self.asked = step + 2
+                if step + 2 < self.cfg.max_steps:  # the last two updates feed no batch
+                    metrics.update(self._sync_and_submit(step + 2))
             return
         if self.workers is not None:
             metrics.update(self._sync_and_submit(step + 1))
@@ -314,7 +343,14 @@ class AsyncRollout(RolloutSource):
 
     def close(self) -> None:
         if self.workers is not None:
+            with contextlib.suppress(BaseException):  # a start that failed stopped its workers itself
+                self._ready.result()
             self.workers.close()
+        if self.trainer_threads is not None:
+            torch.set_num_threads(self.trainer_threads)
+
+    def _syncs_early(self) -> bool:
+        return self.workers is not None and self.world == 1 and self.workers.syncs_while_generating
 
     def _request(self, step: int) -> tuple | None:
         """Batch `step`'s prompts as the workers take them (None past the last step)."""
@@ -328,11 +364,12 @@ class AsyncRollout(RolloutSource):
         `request` made already, or made now) behind them; the sync's metrics."""
         metrics = {"timing/weight_sync_s": 0.0, "weight_sync/bytes": 0}
         model, version = self.policy()
+        self.asked = max(self.asked, next_step)
         request = request or self._request(next_step)
         then = None
         if request is not None:
             step, rows, prompt_ids, sampling = request
-            self.inflight = (rows, prompt_ids)
+            self.inflight[step] = (rows, prompt_ids)
             then = (step, prompt_ids, self.cfg.num_generations, sampling)
         if version != self.synced_version:
             sync = self.workers.sync_weights(model, version, then)
@@ -355,10 +392,11 @@ class AsyncRollout(RolloutSource):
 
     def _collect(self, step: int) -> tuple[RolloutBatch, dict]:
         """Batch `step`, scored, with timing metrics; starts the next batch when overlapping."""
-        rows, prompt_ids = self.inflight
-        # the next batch's prompts while this one is still generating: the workers wait on nothing but the
-        # weights once it is back (the curriculum has seen batch step - 1 either way)
-        request = self._request(step + 1) if self.overlap else None
+        rows, prompt_ids = self.inflight.pop(step)
+        # the next batch's prompts while this one is still generating (unless asked for already): the
+        # workers wait on nothing but the weights once it is back (the curriculum has seen batch step - 1)
+        ask_next = self.overlap and step + 1 > self.asked
+        request = self._request(step + 1) if ask_next else None
         t0, busy_before = time.perf_counter(), self.workers.busy_s
         groups = self.workers.collect(step)
         # workers generate their shards in parallel: the batch kept each of them busy this long on average
@@ -369,7 +407,7 @@ class AsyncRollout(RolloutSource):
             "timing/weight_sync_s": 0.0,
             "weight_sync/bytes": 0,
         }
-        if self.overlap:
+        if ask_next:
             metrics.update(self._sync_and_submit(step + 1, request))
         return self.score(rows, prompt_ids, groups, metrics)
 

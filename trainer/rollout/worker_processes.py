@@ -29,6 +29,7 @@ import math
 import os
 import queue
 import shutil
+import sys
 import threading
 import time
 import traceback
@@ -191,8 +192,20 @@ def _worker_main(spec: WorkerSpec, commands, results) -> None:
                 results.put(
                     ("weights", spec.rank, {n: t.detach().cpu().clone() for n, t in sync_order(model)})
                 )
+        if model is not None:  # the transformers engine: nothing outside this process to shut down
+            _exit_now(results)
     except Exception:  # noqa: BLE001 - reported to the trainer, which fails with it
         results.put(("error", spec.rank, traceback.format_exc()))
+
+
+def _exit_now(results) -> None:
+    """End this worker once what it sent is through, without the interpreter's teardown of torch and
+    transformers (~0.9 s of one core, measured on the tiny model's worker: the trainer waits for it)."""
+    results.close()
+    results.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _stream_to_engine(engine, stream: Iterator[tuple[str, torch.Tensor]], device: str, version: int) -> None:
@@ -229,11 +242,13 @@ class RolloutWorkers:
         seed: int = 0,
         cuda_visible_devices: list[str | None] | None = None,
         trainer_device: str = "cpu",
+        wait: bool = True,
     ):
         """`model_cfg`: the recipe's model settings (`ModelConfig()`'s defaults when None). `devices[k]` is
         worker k+1's device as it sees it, started with `cuda_visible_devices[k]` (None: the trainer's own;
-        see `trainer.placement`). `trainer_device`: where the weights `sync_weights` sends are."""
-        from trainer.rollout.weight_sync import SyncGroup, WeightSyncError, choose_transport
+        see `trainer.placement`). `trainer_device`: where the weights `sync_weights` sends are. `wait`: return
+        once every worker is ready; False: once they are started, `wait_ready` to follow."""
+        from trainer.rollout.weight_sync import choose_transport
 
         self.timeout_s = timeout_s
         devices = devices or ["cpu"] * num_engines
@@ -280,11 +295,29 @@ class RolloutWorkers:
             self.transport.backend == "gloo" and engine == "transformers" and all(d == "cpu" for d in devices)
         )
         self._shared, self._shared_sent = None, False
+        # workers still to apply a shared-memory sync (their "synced" not yet in): the block is written again
+        # only once they have read it
+        self._applying: set[int] = set()
         self.busy_s = 0.0
+        self._port, self._world, self.group = port, world, None
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Form the weight-sync group with the workers and wait until each has its engine up (the workers
+        start meanwhile: `wait=False` lets the caller do other work first). On failure no worker is left."""
+        from trainer.rollout.weight_sync import SyncGroup, WeightSyncError
+
         try:
             try:
                 self.group = SyncGroup(
-                    "127.0.0.1", port, 0, world, timeout_s, self.transport.backend, self._check_alive
+                    "127.0.0.1",
+                    self._port,
+                    0,
+                    self._world,
+                    self.timeout_s,
+                    self.transport.backend,
+                    self._check_alive,
                 )
             except WeightSyncError as e:
                 raise self._named_failure("forming the weight-sync group", e) from e
@@ -348,22 +381,42 @@ class RolloutWorkers:
                 raise RolloutWorkerError(f"{self._name(rank)} failed:\n{payload}")
             return kind, rank, payload
 
+    def _next(self, what: str, waiting: list[int]) -> tuple | None:
+        """The next answer, unless it is one kept here: a generated batch (for `collect`) or the "synced" of
+        a shared-memory sync (`_applying`); then None."""
+        kind, rank, payload = self._get(what, waiting)
+        if kind == "generated":
+            self._stash(rank, payload)
+            return None
+        if kind == "synced" and rank in self._applying:
+            self._applying.discard(rank)
+            return None
+        return kind, rank, payload
+
     def _expect(self, kind_wanted: str, ranks: list[int]) -> dict[int, object]:
-        """The `kind_wanted` answer of each of `ranks`, by rank; generated batches that arrive meanwhile are
-        kept for `collect`."""
+        """The `kind_wanted` answer of each of `ranks`, by rank; generated batches and shared-memory syncs'
+        answers that arrive meanwhile are kept."""
         answers = {}
         while len(answers) < len(ranks):
             waiting = [rank for rank in ranks if rank not in answers]
-            kind, rank, payload = self._get(_AWAITED[kind_wanted], waiting)
-            if kind == "generated":  # a result that arrives while we wait for something else
-                self._stash(rank, payload)
+            answer = self._next(_AWAITED[kind_wanted], waiting)
+            if answer is None:
                 continue
+            kind, rank, payload = answer
             if kind != kind_wanted or rank not in waiting:
                 raise RolloutWorkerError(
                     f"{self._name(rank)} answered {kind!r} while {kind_wanted!r} was expected"
                 )
             answers[rank] = payload
         return answers
+
+    def _await_applied(self) -> None:
+        """Until every worker has read the shared block's last contents."""
+        while self._applying:
+            answer = self._next(_AWAITED["synced"], sorted(self._applying))
+            if answer is not None:
+                kind, rank, _ = answer
+                raise RolloutWorkerError(f"{self._name(rank)} answered {kind!r} while 'synced' was expected")
 
     def _stash(self, rank: int, payload) -> None:
         step, out, seconds = payload
@@ -394,21 +447,24 @@ class RolloutWorkers:
         """The groups of batch `step`, in prompt order (blocks until every shard is back)."""
         while len(self._pending.get(step, {})) < len(self.procs):
             waiting = [rank for rank in self.ranks if rank not in self._pending.get(step, {})]
-            kind, rank, payload = self._get(f"batch {step}", waiting)
-            if kind != "generated":
+            answer = self._next(f"batch {step}", waiting)
+            if answer is not None:
+                kind, rank, _ = answer
                 raise RolloutWorkerError(
                     f"{self._name(rank)} answered {kind!r} while generating batch {step}"
                 )
-            self._stash(rank, payload)
         parts = self._pending.pop(step)
         return [g for rank in sorted(parts) for g in parts[rank]]
 
     def sync_weights(self, model, version: int, then: tuple | None = None) -> WeightSync:
-        """Broadcast the trainer's weights to every worker; they apply them between two generations.
+        """Send the trainer's weights to every worker; each applies them between two generations.
 
         `then`: a batch (step, prompts, n, sampling, as `submit` takes them) to generate with these weights,
         queued behind the sync: each worker starts it as soon as the weights are in, not a round trip to the
-        trainer later."""
+        trainer later. Through shared memory this returns once the weights are written and the commands
+        queued, so a worker may still be generating (`syncs_while_generating`): it reads them when that
+        generation ends, and the next sync waits for that before it writes again. Gloo's or NCCL's broadcast
+        returns once every worker has applied them."""
         from trainer.rollout.weight_sync import broadcast_weights, sync_layout, sync_tensors
 
         self._check_alive()
@@ -417,6 +473,7 @@ class RolloutWorkers:
         shared = self._shared_block(layout)
         via = None
         if shared is not None:  # written before any worker is told to read
+            self._await_applied()
             sent = shared.write(sync_tensors(model))
             via = "shared" if self._shared_sent else shared  # the block itself travels once
             self._shared_sent = True
@@ -432,8 +489,17 @@ class RolloutWorkers:
                 sent = broadcast_weights(named, self.group)
             except RuntimeError as e:
                 raise self._named_failure(f"the weight sync to version {version}", e) from e
-        self._expect("synced", self.ranks)  # and so no worker reads the block when it is next written
+            self._expect("synced", self.ranks)
+        else:
+            self._applying = set(self.ranks)
         return WeightSync(time.perf_counter() - started, sent)
+
+    @property
+    def syncs_while_generating(self) -> bool:
+        """Whether a sync can be sent while the workers generate, without waiting for them: through shared
+        memory the trainer writes and each worker reads when it is free; a broadcast is a collective that
+        every worker must join."""
+        return self._share_memory
 
     def _shared_block(self, layout):
         """The shared-memory block the weights travel in, made at the first sync; None where the workers
