@@ -270,13 +270,14 @@ def test_async_run_logs_the_bytes_of_each_weight_sync_beside_its_time(tmp_path, 
     float32_bytes = 4 * (embeddings + layers * per_layer + h)  # the tiny model: 893,568 x 4 = 3,574,272
 
     recipe = load_recipe(
-        _SYNC_TINY, _sync_overrides(tmp_path, tiny_base, tiny_data, "rollout.async=true", "train.max_steps=2")
+        _SYNC_TINY, _sync_overrides(tmp_path, tiny_base, tiny_data, "rollout.async=true", "train.max_steps=3")
     )
     result = GRPOTrainer(recipe, tiny_base["path"], tiny_data, progress=False).train()
     rows = [json.loads(line) for line in Path(result.metrics_path).read_text().splitlines()]
-    # step 1's next batch is asked for from the version the workers start with (no sync); step 2's after one
-    assert [r["weight_sync/bytes"] for r in rows] == [0, float32_bytes]
-    assert rows[1]["timing/weight_sync_s"] > 0
+    # batch 2 is asked for from the version the workers start with (no sync); through shared memory the first
+    # update goes out at the end of its step, with the request of batch 3; the last two updates feed no batch
+    assert [r["weight_sync/bytes"] for r in rows] == [float32_bytes, 0, 0]
+    assert rows[0]["timing/weight_sync_s"] > 0
 
 
 # ---- the vLLM path: level-2 sleep, ZeRO-3 streaming, the API range, install hints, attention ---------------
