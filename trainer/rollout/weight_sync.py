@@ -219,19 +219,23 @@ class SharedWeights:
     as the trainer waits for it (the worker's "synced" included) 0.95-1.4 ms against 1.8-2.1 ms with gloo
     (2026-12-07, AMD Zen 4, one thread a side, idle, 2 rounds alternated). Pickled onto a
     torch.multiprocessing queue, the block is shared, not copied; the trainer writes only while no worker
-    reads (it waits for every worker's "synced" before the next sync)."""
+    reads (it waits for every worker's "synced" before it writes again)."""
 
     def __init__(self, tensors: Layout):
-        self.slices: list[tuple[int, torch.dtype, int]] = []  # (byte offset, dtype, elements) per tensor
-        offset = 0
+        self.slices, self.nbytes = self.placement(tensors)
+        self.block = torch.empty(self.nbytes, dtype=torch.uint8).share_memory_()
+
+    @staticmethod
+    def placement(tensors: Layout) -> tuple[list[tuple[int, torch.dtype, int]], int]:
+        """Where each tensor of `tensors` lies in the block, (byte offset, dtype, elements), and the block's
+        size in bytes: every view aligned to 16 bytes, for its dtype."""
+        slices, offset = [], 0
         for _, dtype, shape in tensors:
-            size = dtype.itemsize
-            offset = -(-offset // 16) * 16  # every view aligned for its dtype
+            offset = -(-offset // 16) * 16
             numel = math.prod(shape)
-            self.slices.append((offset, dtype, numel))
-            offset += numel * size
-        self.nbytes = offset
-        self.block = torch.empty(offset, dtype=torch.uint8).share_memory_()
+            slices.append((offset, dtype, numel))
+            offset += numel * dtype.itemsize
+        return slices, offset
 
     def _views(self) -> list[torch.Tensor]:
         return [self.block[o : o + n * d.itemsize].view(d) for o, d, n in self.slices]

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import queue
 import shutil
@@ -294,7 +293,7 @@ class RolloutWorkers:
         self._share_memory = (
             self.transport.backend == "gloo" and engine == "transformers" and all(d == "cpu" for d in devices)
         )
-        self._shared, self._shared_sent = None, False
+        self._shared = None
         # workers still to apply a shared-memory sync (their "synced" not yet in): the block is written again
         # only once they have read it
         self._applying: set[int] = set()
@@ -470,13 +469,13 @@ class RolloutWorkers:
         self._check_alive()
         started = time.perf_counter()
         layout = sync_layout(model)  # for workers without a module of their own to receive into
+        first = self._shared is None  # the block itself travels with the first sync, its name after
         shared = self._shared_block(layout)
         via = None
         if shared is not None:  # written before any worker is told to read
             self._await_applied()
             sent = shared.write(sync_tensors(model))
-            via = "shared" if self._shared_sent else shared  # the block itself travels once
-            self._shared_sent = True
+            via = shared if first else "shared"
         following = self._generate_commands(*then) if then is not None else [None] * len(self.commands)
         for q, command in zip(self.commands, following, strict=True):
             q.put(("sync", (version, layout, via)))
@@ -507,7 +506,7 @@ class RolloutWorkers:
         from trainer.rollout.weight_sync import SharedWeights
 
         if self._shared is None and self._share_memory:
-            need = sum(dtype.itemsize * math.prod(shape) for _, dtype, shape in layout)
+            need = SharedWeights.placement(layout)[1]
             try:
                 free = shutil.disk_usage("/dev/shm").free
                 if free < 2 * need:
