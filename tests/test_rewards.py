@@ -31,6 +31,7 @@ from trainer.rewards import (
     soft_overlong,
 )
 from trainer.rewards.countdown import CountdownRejected
+from trainer.rewards.runner import bounds_own_work
 
 
 def chat(text: str) -> list[dict]:
@@ -499,12 +500,38 @@ def test_runner_passes_each_sample_its_own_columns():
 
 
 def test_runner_scores_math_in_worker_threads():
-    # The runner calls rewards in worker threads; the math rewards must work there (they grade in a
-    # subprocess).
-    runner = RewardRunner([("accuracy", resolve_reward("accuracy"), 1.0)], timeout_s=30)
+    # The runner calls a plug-in in a worker thread; the math rewards must work there when a plug-in calls
+    # them (they grade in a subprocess).
+    def plug_in(prompts, completions, **columns):
+        return resolve_reward("accuracy")(prompts, completions, **columns)
+
+    runner = RewardRunner([("accuracy", plug_in, 1.0)], timeout_s=30)
     result = runner(["p"] * 2, ["<answer>\\frac{1}{2}</answer>", "<answer>3</answer>"], answer=["0.5", "2"])
     assert result.per_function["accuracy"] == [1.0, 0.0]
     assert result.errors == {"accuracy": 0}
+
+
+def test_rewards_that_bound_their_own_work_run_in_the_callers_thread():
+    # Every built-in is marked: the timeout's thread could not stop them, and costs the step its handoff.
+    threads = {}
+
+    def recording(name):
+        def reward(prompts, completions, **columns):
+            threads[name] = threading.current_thread()
+            return [1.0] * len(completions)
+
+        return reward
+
+    runner = RewardRunner(
+        [("marked", bounds_own_work(recording("marked")), 1.0), ("plug_in", recording("plug_in"), 1.0)],
+        timeout_s=5,
+    )
+    assert runner(["p"], ["x"]).total == [2.0]
+    assert threads["marked"] is threading.current_thread()
+    assert threads["plug_in"] is not threading.current_thread() and threads["plug_in"].name == "reward-reward"
+    args = {"soft_overlong": {"max_len": 24, "cache_len": 4}}
+    for name in REWARD_NAMES:
+        assert getattr(resolve_reward(name, args.get(name)), "bounds_own_work", False), name
 
 
 def test_runner_rejects_bad_specs():

@@ -27,6 +27,7 @@ from fractions import Fraction
 
 from data.answers import extract_answer
 from trainer.rewards.parsing import completion_texts
+from trainer.rewards.runner import bounds_own_work
 
 MAX_EXPRESSION_CHARS = 256
 MAX_ABS = 10**12
@@ -41,6 +42,7 @@ class CountdownRejected(ValueError):
     """The answer is not an acceptable countdown expression; the message says why."""
 
 
+@bounds_own_work
 def countdown_reward(
     prompts: Sequence, completions: Sequence, nums: Sequence, target: Sequence, **_columns
 ) -> list[float | None]:

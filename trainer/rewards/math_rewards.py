@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from data.answers import extract_answer
 from trainer.rewards.math_grader import grade_answer
 from trainer.rewards.parsing import completion_texts, with_column
+from trainer.rewards.runner import bounds_own_work
 
 # Longer "answers" are not graded (0.0): no gold answer is this long, and each costs a trip to the worker.
 MAX_ANSWER_CHARS = 1000
@@ -26,6 +27,7 @@ _TAG_FREE = r"(?:(?!</?think>|</?answer>).)*"
 _FORMAT = re.compile(rf"\s*<think>({_TAG_FREE})</think>\s*<answer>({_TAG_FREE})</answer>\s*", re.DOTALL)
 
 
+@bounds_own_work
 def format_reward(prompts: Sequence, completions: Sequence, **_columns) -> list[float]:
     """1.0 iff the completion is exactly `<think>…</think><answer>…</answer>`, whitespace aside; else 0.0.
 
@@ -40,6 +42,7 @@ def format_reward(prompts: Sequence, completions: Sequence, **_columns) -> list[
     return rewards
 
 
+@bounds_own_work
 def accuracy_reward(
     prompts: Sequence, completions: Sequence, answer: Sequence, **_columns
 ) -> list[float | None]:
@@ -50,6 +53,7 @@ def accuracy_reward(
     ]
 
 
+@bounds_own_work
 def counting_reward(
     prompts: Sequence, completions: Sequence, answer: Sequence, **_columns
 ) -> list[float | None]:

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from trainer.rewards.math_rewards import grade_math_answer
 from trainer.rewards.parsing import completion_texts
-from trainer.rewards.runner import RewardFn
+from trainer.rewards.runner import RewardFn, bounds_own_work
 
 
 def completion_lengths(completions: Sequence, completion_ids: Sequence | None = None) -> list[int]:
@@ -115,4 +115,4 @@ def _require(ok: bool, reward: str, message: str) -> None:
 def _named(fn: RewardFn, name: str) -> RewardFn:
     # TRL labels reward metrics by `__name__` (rewards/<name>/mean): use the registry name, not the closure's.
     fn.__name__ = fn.__qualname__ = name
-    return fn
+    return bounds_own_work(fn)
