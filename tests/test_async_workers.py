@@ -5,6 +5,7 @@ torchrun ranks, all on CPU processes with the real tiny model.
   comes back to that prompt, in the order of `prompt_indices`, batch after batch;
 - max_staleness 0 with two workers: every batch is sampled by the very weights that train on it (both workers
   receive each sync), no importance correction is applied, and the run keeps its two worker processes;
+- an interrupt while `close` waits for the workers' start stops them and is raised, not swallowed;
 - `grpoflow train` with rollout.train_devices [0, 1] re-runs itself under torchrun as two DDP ranks, which
   leave their process group before exiting, and rank 0 alone logs, saves and prints the summary.
 """
@@ -20,6 +21,7 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 import torch
 
 from conftest import REPO_ROOT
@@ -126,6 +128,46 @@ def test_two_workers_shard_the_prompts_and_return_each_group_to_its_prompt(tmp_p
         assert [r["id"] for r in seen[0][0]] != [r["id"] for r in seen[1][0]]
     finally:
         torch.set_num_threads(threads)
+
+
+def test_an_interrupt_while_close_waits_for_the_workers_start_stops_them_and_goes_on_up(
+    tmp_path, tiny_base, tiny_data
+):
+    """A Ctrl-C while `close` waits for the workers' start still under way (the trainer interrupted during
+    the base model's held-out evaluation) stops the workers, gives the trainer its threads back, and is
+    raised, not swallowed. The interrupt is the start's future answering KeyboardInterrupt, as a signal
+    arriving during that wait would: a real signal could land outside the wait on a fast machine."""
+    import concurrent.futures
+
+    from data.prepare import load_prepared
+    from trainer.model_loading import load_model
+    from trainer.rollout.source import AsyncRollout, step_prompts
+
+    recipe = load_recipe(TINY, small(tmp_path, tiny_base, tiny_data, "rollout.async=true"))
+    cfg, rows = recipe.train, load_prepared(tiny_data, "train")
+    model, tokenizer = load_model(tiny_base["path"], recipe.model, "cpu")
+    threads = torch.get_num_threads()
+    source = AsyncRollout(
+        recipe.rollout,
+        cfg,
+        tiny_base["path"],
+        0,
+        recipe.model,
+        rank=0,
+        world=1,
+        prompts=functools.partial(step_prompts, rows=rows, tokenizer=tokenizer, cfg=cfg),
+        score=lambda rows, prompt_ids, groups, metrics: (None, metrics),
+        policy=lambda: (model, 0),
+    )
+    pids = {p.pid for p in source.workers.procs}
+    assert pids and pids <= worker_pids()
+    interrupted = concurrent.futures.Future()
+    interrupted.set_exception(KeyboardInterrupt())
+    source._ready = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        source.close()
+    assert not worker_pids() & pids
+    assert torch.get_num_threads() == threads
 
 
 class WorkerWatch:

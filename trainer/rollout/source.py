@@ -342,12 +342,18 @@ class AsyncRollout(RolloutSource):
         }
 
     def close(self) -> None:
-        if self.workers is not None:
-            with contextlib.suppress(BaseException):  # a start that failed stopped its workers itself
-                self._ready.result()
-            self.workers.close()
-        if self.trainer_threads is not None:
-            torch.set_num_threads(self.trainer_threads)
+        try:
+            if self.workers is not None:
+                try:
+                    # a start that failed stopped its workers itself (and was raised at `start`); a Ctrl-C
+                    # while waiting for one under way still stops the workers, then goes on up
+                    with contextlib.suppress(Exception):
+                        self._ready.result()
+                finally:
+                    self.workers.close()
+        finally:
+            if self.trainer_threads is not None:
+                torch.set_num_threads(self.trainer_threads)
 
     def _syncs_early(self) -> bool:
         return self.workers is not None and self.world == 1 and self.workers.syncs_while_generating
