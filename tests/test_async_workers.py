@@ -196,8 +196,11 @@ def test_on_policy_async_with_two_workers_samples_every_batch_with_the_weights_t
             "rollout.max_staleness=0",
             "train.max_steps=3",
             "train.learning_rate=1e-3",
-            # constant: a step whose groups all tie (no signal) is not the one with the full rate
+            # constant: a step whose groups all tie (no signal) is not the one with the full rate; 8
+            # prompts, so that the first step has groups that do not tie on every CPU's base (2 prompts
+            # tied on the Intel Xeon's, and an lr-1e-3 update leaves that base answering nothing right)
             "train.lr_scheduler_type=constant",
+            "train.prompts_per_step=8",
         ),
     )
     watch = WorkerWatch()

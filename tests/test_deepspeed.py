@@ -310,6 +310,10 @@ def test_grpoflow_train_under_zero3_samples_every_step_from_the_weights_just_tra
         "train.max_steps=3",
         "train.save_steps=3",
         "train.learning_rate=1e-3",
+        # the first step at the full rate, with groups that do not tie on every CPU's base (2 prompts tied
+        # on the Intel Xeon's, and an lr-1e-3 update leaves that base answering nothing right after)
+        "train.lr_scheduler_type=constant",
+        "train.prompts_per_step=8",
         *(("rollout.async=true", "rollout.max_staleness=0") if rollout == "async" else ()),
     )
     proc = subprocess.run(
@@ -334,7 +338,9 @@ def test_grpoflow_train_under_zero3_samples_every_step_from_the_weights_just_tra
     base = load_file(Path(tiny_base["path"]) / "model.safetensors")
     trained = load_file(run / "checkpoint-3" / "model.safetensors")
     moved = max((trained[n] - base[n]).abs().max().item() for n in base)
-    assert moved > 1e-3  # two synced updates (steps 2 and 3 sampled after them) really moved the weights
+    # the updates (steps 2 and 3 sampled after them) really moved the weights: Adam's first step with a
+    # signal moves a weight by about the learning rate
+    assert moved > 5e-4
 
 
 # ---- the config, without starting DeepSpeed ----------------------------------------------------------------
