@@ -45,6 +45,25 @@ def small(tmp_path: Path, tiny_base: dict, data: Path, *overrides: str) -> list[
     ]
 
 
+def async_source(recipe, model_path: str, rows: list[dict], model, tokenizer, score):
+    """The recipe's asynchronous rollout source on one trainer rank, its workers starting from
+    `model_path` (policy version 0), `score` standing in for the trainer's scoring."""
+    from trainer.rollout.source import AsyncRollout, step_prompts
+
+    return AsyncRollout(
+        recipe.rollout,
+        recipe.train,
+        model_path,
+        0,
+        recipe.model,
+        rank=0,
+        world=1,
+        prompts=functools.partial(step_prompts, rows=rows, tokenizer=tokenizer, cfg=recipe.train),
+        score=score,
+        policy=lambda: (model, 0),
+    )
+
+
 def worker_pids() -> set[int]:
     """This process's rollout workers (multiprocessing's spawned children)."""
     return {c.pid for c in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(c.cmdline())}
@@ -56,7 +75,7 @@ def test_two_workers_shard_the_prompts_and_return_each_group_to_its_prompt(tmp_p
     from trainer.model_loading import load_model
     from trainer.prompts import encode_prompts
     from trainer.rollout.hf_engine import HFEngine
-    from trainer.rollout.source import AsyncRollout, step_prompts
+    from trainer.rollout.source import step_prompts
     from trainer.rollout.worker_processes import cpu_threads_per_side
 
     recipe = load_recipe(
@@ -80,22 +99,11 @@ def test_two_workers_shard_the_prompts_and_return_each_group_to_its_prompt(tmp_p
         seen.append((rows, prompt_ids, groups))
         return None, metrics
 
-    source = AsyncRollout(
-        recipe.rollout,
-        cfg,
-        tiny_base["path"],
-        0,
-        recipe.model,
-        rank=0,
-        world=1,
-        prompts=functools.partial(step_prompts, rows=rows, tokenizer=tokenizer, cfg=cfg),
-        score=keep,
-        policy=lambda: (model, 0),
-    )
+    source = async_source(recipe, tiny_base["path"], rows, model, tokenizer, score=keep)
     with source:
+        source.start(0)  # after the workers are up: a child just forked still shows its parent's command line
         pids = {p.pid for p in source.workers.procs}
         assert len(pids) == 2 and pids == worker_pids()  # two engines, each a process of its own
-        source.start(0)
         source.next(0)
         source.next(1)  # requested while batch 0 was collected: results are kept apart by step
     assert not worker_pids() & pids  # closed with the source
@@ -141,32 +149,22 @@ def test_an_interrupt_while_close_waits_for_the_workers_start_stops_them_and_goe
 
     from data.prepare import load_prepared
     from trainer.model_loading import load_model
-    from trainer.rollout.source import AsyncRollout, step_prompts
 
     recipe = load_recipe(TINY, small(tmp_path, tiny_base, tiny_data, "rollout.async=true"))
-    cfg, rows = recipe.train, load_prepared(tiny_data, "train")
+    rows = load_prepared(tiny_data, "train")
     model, tokenizer = load_model(tiny_base["path"], recipe.model, "cpu")
     threads = torch.get_num_threads()
-    source = AsyncRollout(
-        recipe.rollout,
-        cfg,
-        tiny_base["path"],
-        0,
-        recipe.model,
-        rank=0,
-        world=1,
-        prompts=functools.partial(step_prompts, rows=rows, tokenizer=tokenizer, cfg=cfg),
-        score=lambda rows, prompt_ids, groups, metrics: (None, metrics),
-        policy=lambda: (model, 0),
+    source = async_source(
+        recipe, tiny_base["path"], rows, model, tokenizer, score=lambda rows, ids, groups, m: (None, m)
     )
-    pids = {p.pid for p in source.workers.procs}
-    assert pids and pids <= worker_pids()
+    procs = source.workers.procs
+    assert procs and all(p.is_alive() for p in procs)  # started, not yet up
     interrupted = concurrent.futures.Future()
     interrupted.set_exception(KeyboardInterrupt())
     source._ready = interrupted
     with pytest.raises(KeyboardInterrupt):
         source.close()
-    assert not worker_pids() & pids
+    assert not any(p.is_alive() for p in procs)
     assert torch.get_num_threads() == threads
 
 
