@@ -1,6 +1,6 @@
 """Trainer options beyond configs/tiny-cpu.yaml, on the real tiny model: the KL term (beta > 0), the four loss
 normalisations, the three reward scalings, dynamic sampling, truncated-completion masking, learning-rate
-schedules with warm-up, weight decay, gradient clipping and checkpoint pruning.
+schedules with warm-up, weight decay, AdamW's betas, gradient clipping and checkpoint pruning.
 
 Each test drives the real GRPOTrainer (setup, a rollout batch, `optimize`; `train` for pruning) and checks
 what the option does against a second computation made here: the loss written out on the same completions and
@@ -389,6 +389,39 @@ def test_weight_decay_shrinks_weights_that_get_no_gradient_by_lr_times_decay(tmp
     assert trainer.optimize(batch)["grad_norm"] == 0.0
     for old, new in zip(before, trainer.model.parameters(), strict=True):  # AdamW: w <- w - lr * decay * w
         torch.testing.assert_close(new.detach(), old * (1 - lr * decay), rtol=1e-6, atol=0)
+
+
+def test_adam_betas_set_how_the_second_update_weighs_the_first_gradient(tmp_path, tiny_base, tiny_data):
+    beta1, beta2, eps = 0.5, 0.9, 1e-8
+    trainer = ready_trainer(
+        tmp_path,
+        tiny_base,
+        tiny_data,
+        "train.learning_rate=1e-3",
+        f"train.adam_beta1={beta1}",
+        f"train.adam_beta2={beta2}",
+        "train.max_grad_norm=0",
+        "train.max_completion_length=8",
+    )
+    batch, _ = trainer.rollout_source().next(0)
+    batch.advantages = torch.linspace(-1, 1, len(batch))
+    applied = record_updates(trainer)
+    params = list(trainer.model.parameters())
+    trainer.optimize(batch)
+    before = flat(params, params)
+    trainer.optimize(batch)
+    (g1, _), (g2, lr) = applied
+
+    def second_step(b1: float, b2: float) -> torch.Tensor:
+        # AdamW, no weight decay, after two gradients: bias-corrected moments of g1 then g2
+        m = (b1 * (1 - b1) * g1 + (1 - b1) * g2) / (1 - b1**2)
+        v = (b2 * (1 - b2) * g1**2 + (1 - b2) * g2**2) / (1 - b2**2)
+        return -lr * m / (v.sqrt() + eps)
+
+    expected = second_step(beta1, beta2)
+    assert_same_direction_and_size(flat(params, params) - before, expected)
+    # torch's defaults (0.9, 0.999) would have moved the weights otherwise: the betas reached AdamW
+    assert (second_step(0.9, 0.999) - expected).norm() > 0.05 * expected.norm()
 
 
 def test_gradient_is_clipped_to_max_grad_norm_and_its_norm_before_clipping_logged(

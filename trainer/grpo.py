@@ -185,7 +185,11 @@ class GRPOTrainer:
         self.strategy.wrap(
             self.model,
             functools.partial(
-                torch.optim.AdamW, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, foreach=True
+                torch.optim.AdamW,
+                lr=cfg.learning_rate,
+                betas=(cfg.adam_beta1, cfg.adam_beta2),
+                weight_decay=cfg.weight_decay,
+                foreach=True,
             ),
             self._lr_factor,
         )

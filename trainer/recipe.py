@@ -319,6 +319,14 @@ class TrainConfig:
         ge=0,
     )
     weight_decay: float = _f(0.0, "AdamW weight decay", ge=0)
+    adam_beta1: float = _f(0.9, "AdamW's decay of its first moment (the gradient's running mean)", ge=0, lt=1)
+    adam_beta2: float = _f(
+        0.999,
+        "AdamW's decay of its second moment (the running mean of squared gradients): its memory is about "
+        "1 / (1 - beta2) updates, over which the step's scale follows the gradient's",
+        ge=0,
+        lt=1,
+    )
     max_grad_norm: float = _f(1.0, "gradient clipping (0 disables)", ge=0)
     save_steps: int = _f(50, "checkpoint every this many steps (and at the end)", ge=1)
     save_total_limit: int = _f(2, "checkpoints kept on disk (0 keeps all)", ge=0)
