@@ -93,6 +93,7 @@ def _train_cmd(tiny_base: dict, data: Path, run: Path, *overrides: str) -> list[
         "train.micro_batch_size=8",
         "train.max_completion_length=16",
         "train.lr_scheduler_type=constant",
+        "rollout.async=false",  # sampled between updates (the shipped recipe: meanwhile)
         *overrides,
     ]
 
@@ -257,6 +258,7 @@ def _train_args(tiny_base: dict, *overrides: str) -> list[str]:
         # constant, whatever the recipe says: the resume rules below differ for a schedule tied to
         # max_steps
         "train.lr_scheduler_type=constant",
+        "rollout.async=false",  # sampled between updates (the shipped recipe: meanwhile)
         *overrides,
     ]
 

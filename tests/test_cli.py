@@ -191,6 +191,7 @@ def test_ctrl_c_in_train_exits_130_with_json_and_the_rerun_resumes_from_the_last
         "train.eval_heldout=4",
         "train.micro_batch_size=8",
         "train.max_completion_length=16",
+        "rollout.async=false",  # sampled between updates (the shipped recipe: meanwhile)
         f"train.callbacks=['{hold_once_at(2, tmp_path / 'hold')}']",  # Ctrl-C after step 2's metrics row
     ]
     proc = ctrl_c_when(tmp_path / "hold" / "held", *args, logs=tmp_path / "interrupted")

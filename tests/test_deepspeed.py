@@ -35,8 +35,9 @@ def small(tmp_path: Path, tiny_base: dict, data: Path, *overrides: str) -> list[
         "train.eval_heldout=8",
         "train.micro_batch_size=2",
         # stepped from the first update at the given rate (Adam's first step moves a weight ~lr): the
-        # recipe's warm-up (100 of its 1,400 steps) would start these at 1% of it
+        # recipe's warm-up (200 of its 2,800 steps) would start these at 0.5% of it
         "train.warmup_steps=0",
+        "rollout.async=false",  # sampled between updates (the shipped recipe: meanwhile)
         *overrides,
     ]
 

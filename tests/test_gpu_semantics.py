@@ -68,6 +68,7 @@ def _sync_overrides(tmp_path: Path, tiny_base: dict, data: Path, *more: str) -> 
         "train.eval_heldout=0",
         f"train.learning_rate={_SYNC_LR}",
         "train.max_steps=1",
+        "rollout.async=false",  # sampled between updates (the shipped recipe: meanwhile)
         *more,
     ]
 
@@ -299,6 +300,7 @@ def _vllm_recipe(tmp_path: Path, tiny_base: dict, data: Path, *overrides: str):
             "train.micro_batch_size=8",
             "train.max_completion_length=8",
             "train.learning_rate=1e-3",
+            "rollout.async=false",
             *overrides,
         ],
     )
@@ -1016,6 +1018,7 @@ def _ranks_run(tmp_path: Path, tiny_base: dict, tiny_data: Path, ranks: int) -> 
         "train.skip_zero_advantages=false",
         "train.learning_rate=1e-3",
         "rollout.sync_timeout_s=60",  # a rank left waiting on a collective fails in a minute, not ten
+        "rollout.async=false",
         f"rewards=[{{name: '{plugin}:uneven'}}]",
     ]
     try:
@@ -1237,6 +1240,7 @@ def test_deepspeed_and_the_reference_use_the_lone_trainers_gpu_not_local_rank_0_
         "rollout.engine=vllm",
         "rollout.train_devices=[0]",
         "rollout.rollout_devices=[1]",
+        "rollout.async=false",
     ]
     (tmp_path / "lone.py").write_text(_placement_LONE_TRAINER)
     env = {k: v for k, v in os.environ.items() if k not in _placement_LAUNCHER_VARS}
@@ -1358,6 +1362,7 @@ def test_ranks_start_in_a_shared_run_directory_and_are_refused_at_start_in_one_t
         f"bootstrap.out={tiny_base['path']}",
         f"data.out={tiny_data}",
         "rollout.train_devices=[0, 1]",
+        "rollout.async=false",
     ]
     proc = torchrun(
         tmp_path / "setup.py",

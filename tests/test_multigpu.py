@@ -597,6 +597,7 @@ def test_in_server_mode_only_rank_zero_syncs_and_generates_and_both_ranks_train_
             f"train.output_dir={tmp_path / 'run'}",
             "train.prompts_per_step=2",
             "train.num_generations=4",
+            "rollout.async=false",  # sampled between updates (the shipped recipe: meanwhile)
             "rollout.engine=vllm",
             f"rollout.server_url={url}",
             "rollout.weight_sync=reload",

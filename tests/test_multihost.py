@@ -66,6 +66,7 @@ def train_args(run: Path, tiny_base: dict, data: Path, *overrides: str) -> list[
         "train.num_generations=4",
         "train.eval_heldout=0",
         "train.micro_batch_size=8",
+        "rollout.async=false",  # sampled between updates (the shipped recipe: meanwhile)
         *overrides,
         "--json",
     ]

@@ -322,6 +322,7 @@ def vision_recipe(tmp_path: Path, model: Path, data: Path, *overrides: str):
             "train.max_completion_length=12",
             "train.eval_heldout=4",
             "train.save_steps=2",
+            "rollout.async=false",  # sampled between updates (the shipped recipe: meanwhile)
             "rewards=[{name: counting}, {name: format, weight: 0.2}]",
             *overrides,
         ],
@@ -592,6 +593,7 @@ def test_two_gloo_ranks_update_a_vision_model_as_one_rank_does(tiny_vl, counting
             "train.max_completion_length=12",
             "train.eval_heldout=0",
             "train.learning_rate=1e-3",
+            "rollout.async=false",  # sampled between updates (the shipped recipe: meanwhile)
             "rewards=[{name: counting}]",
         ]
         env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}

@@ -224,6 +224,7 @@ def overrides(tiny_base: dict, eval_out: Path | None = None) -> list[str]:
         "train.max_steps=4",
         "train.save_steps=2",
         "train.eval_heldout=16",
+        "rollout.async=false",  # sampled between updates (the shipped recipe: meanwhile)
         f"eval.benchmarks=[{BENCH}]",
         "eval.limit=2",
         "eval.max_tokens=16",

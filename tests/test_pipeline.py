@@ -43,6 +43,7 @@ def pipeline_args(tmp: Path, tiny_base: dict, *overrides: str) -> list[str]:
         "train.max_steps=4",
         "train.save_steps=2",
         "train.eval_heldout=32",
+        "rollout.async=false",  # sampled between updates (the shipped recipe: meanwhile)
         f"eval.out={tmp / 'eval'}",
         "eval.limit=2",
         "eval.max_tokens=24",

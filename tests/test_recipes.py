@@ -281,11 +281,11 @@ _TAGGED = "<think>work</think><answer>{}</answer>"
 BUILDS = {
     # name: (gpus, mode, trainer CUDA_VISIBLE_DEVICES, rollout workers' masks, executor, rewards,
     #        task columns, (right answer, wrong answer), (reward of right, of wrong, of untagged wrong))
-    "tiny-cpu": (
+    "tiny-cpu": (  # its next batch sampled by one rollout worker process while the trainer steps
         0,
-        "in-process",
+        "workers",
         [None],
-        [],
+        [None],
         None,
         {"format": 0.2, "accuracy": 1.0},
         {"answer": ["7"]},
@@ -337,9 +337,15 @@ BUILDS = {
         (1.1, 0.1, 0.0),
     ),
 }
-BUILDS["tiny-cpu-lora"] = BUILDS["tiny-cpu"]  # LoRA changes what trains, not where or what it earns
+# LoRA changes what trains, not what it earns; its rollouts run between updates, in the trainer's process
+BUILDS["tiny-cpu-lora"] = (*BUILDS["tiny-vl-counting-cpu"][:5], *BUILDS["tiny-cpu"][5:])
 # multi-turn recipes: their rewards read the final turn, as a single-turn one's do
-BUILDS["tiny-tools-cpu"] = (*BUILDS["tiny-cpu"][:6], {"answer": ["1776"]}, ("1776", "1777"), (1.2, 0.2, 0.0))
+BUILDS["tiny-tools-cpu"] = (
+    *BUILDS["tiny-cpu-lora"][:6],
+    {"answer": ["1776"]},
+    ("1776", "1777"),
+    (1.2, 0.2, 0.0),
+)
 BUILDS["qwen2.5-7b-tools-8gpu"] = (
     *BUILDS["qwen2.5-7b-numina-8gpu"][:5],
     {"accuracy": 1.0, "format": 0.5},
@@ -377,7 +383,7 @@ def test_what_each_recipe_builds(name):
         ["cpu"] if not gpus else [f"cuda:{r}" for r in range(len(trainer_masks))]
     )
     assert [p.cuda_visible_devices for p in placement.workers] == worker_masks
-    assert all(p.device == "cuda:0" for p in placement.workers)
+    assert all(p.device == ("cuda:0" if gpus else "cpu") for p in placement.workers)
 
     # the rewards, resolved and weighted as the trainer does (trainer/grpo.py), on a right, a wrong and an
     # untagged wrong completion

@@ -294,6 +294,7 @@ def test_no_secret_in_any_output_log_artifact_param_or_tag_of_a_run_and_an_endpo
         "train.max_steps=2",
         "train.save_steps=2",
         "train.eval_heldout=16",
+        "rollout.async=false",  # sampled between updates (the shipped recipe: meanwhile)
         *evals,
         cwd=cwd,
         env=env,

@@ -390,6 +390,7 @@ def test_two_pipelines_started_at_once_on_an_empty_state_dir_one_is_refused_nami
         f"train.output_dir={tmp_path / 'runs'}",
         "train.max_steps=2",
         "train.eval_heldout=4",
+        "rollout.async=false",  # sampled between updates (the shipped recipe: meanwhile)
         f"eval.out={tmp_path / 'eval'}",
         "eval.limit=1",
         "eval.max_tokens=8",
