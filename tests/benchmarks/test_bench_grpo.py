@@ -44,8 +44,8 @@ and `other%`, the CPU other processes took meanwhile, are kept).
    BENCH_E2E=0 skips it.
 
 Time on this 2-core machine, idle (estimated from short runs): the step bench about 45 s a round, 2.5 min at
-the defaults; the tiny recipe about 22 min at its 1,400 steps (grpoflow sync 6, TRL 12, async 4; measured
-2026-12-05 on an AVX-512 machine).
+the defaults; the tiny recipe about 22 min at its 1,400 steps of then (grpoflow sync 6, TRL 12, async 4;
+measured 2026-12-05 on an AVX-512 machine), about twice that at the 2,800 it ships since 2026-12-07.
 BENCH_E2E=0 leaves the tiny recipe out.
 
 Nothing here asserts a time: the tests check that every side ran the work asked and produced numbers, and
