@@ -287,7 +287,14 @@ from trainer.launch import end_rank; end_rank()  # leaves the group, ends withou
 def test_two_rank_gloo_ddp_update_equals_one_rank(tmp_path, tiny_base, tiny_data, lora):
     script = tmp_path / "one_update.py"
     script.write_text(DDP_SCRIPT)
-    args = small(tmp_path, tiny_base, tiny_data, "train.learning_rate=1e-3", "train.micro_batch_size=2")
+    args = small(
+        tmp_path,
+        tiny_base,
+        tiny_data,
+        "train.learning_rate=1e-3",
+        "train.micro_batch_size=2",
+        "rollout.async=false",  # sampled between updates (the shipped recipe: meanwhile)
+    )
     if lora:  # DDP over a PEFT model: the adapters' gradients are all-reduced, the frozen base has none
         args = [*args, "model.lora={r: 4, alpha: 8}"]
     results = {}

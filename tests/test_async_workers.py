@@ -262,6 +262,7 @@ def test_grpoflow_train_relaunches_itself_as_two_ddp_ranks_that_end_cleanly(tmp_
             tiny_base,
             tiny_data,
             "rollout.train_devices=[0, 1]",
+            "rollout.async=false",  # sampled between updates (the shipped recipe: meanwhile)
             "train.max_steps=2",
             "train.micro_batch_size=2",
             f"train.callbacks=['{plugin}:make']",

@@ -352,8 +352,13 @@ def test_gpu_smoke_script_passes_on_cpu(tmp_path):
     assert "deepspeed: --skip, skipped" in proc.stdout
 
 
-def test_train_with_a_missing_gpu_engine_exits_2_naming_the_install(tmp_path, tiny_base, tiny_data):
-    """Real behaviour on a machine without vLLM: a clear error before any training, not a traceback."""
+@pytest.mark.parametrize("rollout_async", ["true", "false"], ids=["async-workers", "in-process"])
+def test_train_with_a_missing_gpu_engine_exits_2_naming_the_install(
+    tmp_path, tiny_base, tiny_data, rollout_async
+):
+    """Real behaviour on a machine without vLLM: a clear error before any training, not a traceback, whether
+    the engine would be built in a rollout worker process (the shipped recipe, asynchronous) or in the
+    trainer's."""
     import subprocess
     import sys
 
@@ -366,6 +371,7 @@ def test_train_with_a_missing_gpu_engine_exits_2_naming_the_install(tmp_path, ti
             "flows.cli",
             "train",
             "rollout.engine=vllm",
+            f"rollout.async={rollout_async}",
             f"bootstrap.out={tiny_base['path']}",
             f"data.out={tiny_data}",
             f"train.output_dir={tmp_path / 'run'}",

@@ -10,6 +10,7 @@ environments. There is no all-in-one `gpu` extra (pyproject.toml says why).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from types import ModuleType
 
 from data.errors import GrpoflowUserError
@@ -34,8 +35,19 @@ def import_extra(module: str, what: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        hint = INSTALL_HINTS.get(module, f"pip install {module}")
-        raise MissingExtraError(
-            f"{what} needs the {module!r} package, which is not installed here ({e}). "
-            f"Install its extra: {hint}.{CPU_NOTES.get(module, '')}"
-        ) from e
+        raise missing_extra(module, what, str(e)) from e
+
+
+def require_extra(module: str, what: str) -> None:
+    """`import_extra`'s error, without importing `module`: for a process that starts others which import it
+    (the trainer, before its rollout workers), so that a missing install stops the run before they start."""
+    if importlib.util.find_spec(module) is None:
+        raise missing_extra(module, what, f"No module named {module!r}")
+
+
+def missing_extra(module: str, what: str, reason: str) -> MissingExtraError:
+    hint = INSTALL_HINTS.get(module, f"pip install {module}")
+    return MissingExtraError(
+        f"{what} needs the {module!r} package, which is not installed here ({reason}). "
+        f"Install its extra: {hint}.{CPU_NOTES.get(module, '')}"
+    )

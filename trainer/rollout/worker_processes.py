@@ -247,8 +247,12 @@ class RolloutWorkers:
         worker k+1's device as it sees it, started with `cuda_visible_devices[k]` (None: the trainer's own;
         see `trainer.placement`). `trainer_device`: where the weights `sync_weights` sends are. `wait`: return
         once every worker is ready; False: once they are started, `wait_ready` to follow."""
+        from trainer.extras import require_extra
         from trainer.rollout.weight_sync import choose_transport
 
+        engine = (rollout or RolloutConfig()).engine
+        if engine != "transformers":  # a missing install is the user's to fix: said before any worker starts
+            require_extra(engine, f"the {engine!r} rollout engine")
         self.timeout_s = timeout_s
         devices = devices or ["cpu"] * num_engines
         masks = cuda_visible_devices or [None] * len(devices)
@@ -289,7 +293,6 @@ class RolloutWorkers:
         self._pending: dict[int, dict] = {}
         # workers on this CPU that hold a module of their own read the weights out of shared memory (made at
         # the first sync, when the policy's layout is known); the others take gloo's broadcast
-        engine = (rollout or RolloutConfig()).engine
         self._share_memory = (
             self.transport.backend == "gloo" and engine == "transformers" and all(d == "cpu" for d in devices)
         )
