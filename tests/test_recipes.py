@@ -508,6 +508,8 @@ def test_meaningful_edge_values_and_explicitly_non_finite_fields_are_accepted():
         ("eval.limit=0", "eval.limit: must be >= 1, got 0"),
         ("train.learning_rate=-1", "train.learning_rate: must be > 0, got -1.0"),
         ("train.temperature=.nan", "train.temperature: must be a finite number, got nan"),
+        # the default recipe samples asynchronously: colocating asks for the other mode, and says so
+        ("rollout.colocate=true", "nothing to overlap; set rollout.async=false to colocate"),
     ],
 )
 def test_recipe_input_errors_are_exit_2_naming_file_and_field(override, message, tmp_path):

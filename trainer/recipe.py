@@ -575,7 +575,7 @@ class Recipe:
         if self.rollout.colocate and self.rollout.async_:
             raise ValueError(
                 "rollout.async with rollout.colocate is not supported: colocated engines sleep "
-                "while training, so there is nothing to overlap"
+                "while training, so there is nothing to overlap; set rollout.async=false to colocate"
             )
         if self.rollout.env is not None and self.model.modality == "vision":
             raise ValueError(
