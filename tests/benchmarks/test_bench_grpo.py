@@ -115,6 +115,9 @@ def pinned_recipe(work: Path, steps: int, extra: list[str] = ()):
             f"train.max_completion_length={MAX_COMPLETION_LENGTH}",
             # one forward/backward per update, as TRL's per_device_train_batch_size
             f"train.micro_batch_size={PROMPTS_PER_STEP * NUM_GENERATIONS}",
+            # each batch sampled between two updates, unless a side says otherwise (the async one); the
+            # shipped recipe samples asynchronously
+            "rollout.async=false",
             *_local(work),
             *extra,
         ],
