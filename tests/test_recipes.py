@@ -278,6 +278,8 @@ def test_a_vision_recipe_loads_but_training_it_stops_at_start(tmp_path, command)
 # What each shipped recipe builds: where its processes go on its node, and what its rewards pay. Written from
 # the YAML by hand, so a recipe edit or a change in how placement/rewards read it shows up here.
 _TAGGED = "<think>work</think><answer>{}</answer>"
+# no GPU, rollouts between updates in the trainer's own process (the first five fields of a build, below)
+_CPU_IN_PROCESS = (0, "in-process", [None], [], None)
 BUILDS = {
     # name: (gpus, mode, trainer CUDA_VISIBLE_DEVICES, rollout workers' masks, executor, rewards,
     #        task columns, (right answer, wrong answer), (reward of right, of wrong, of untagged wrong))
@@ -293,11 +295,7 @@ BUILDS = {
         (1.2, 0.2, 0.0),
     ),
     "tiny-vl-counting-cpu": (
-        0,
-        "in-process",
-        [None],
-        [],
-        None,
+        *_CPU_IN_PROCESS,
         {"format": 0.2, "counting": 1.0},
         {"answer": ["3"]},
         ("3", "4"),
@@ -337,11 +335,12 @@ BUILDS = {
         (1.1, 0.1, 0.0),
     ),
 }
-# LoRA changes what trains, not what it earns; its rollouts run between updates, in the trainer's process
-BUILDS["tiny-cpu-lora"] = (*BUILDS["tiny-vl-counting-cpu"][:5], *BUILDS["tiny-cpu"][5:])
+# LoRA changes what trains, not what it earns; its recipe samples between updates (async: false)
+BUILDS["tiny-cpu-lora"] = (*_CPU_IN_PROCESS, *BUILDS["tiny-cpu"][5:])
 # multi-turn recipes: their rewards read the final turn, as a single-turn one's do
 BUILDS["tiny-tools-cpu"] = (
-    *BUILDS["tiny-cpu-lora"][:6],
+    *_CPU_IN_PROCESS,
+    BUILDS["tiny-cpu"][5],
     {"answer": ["1776"]},
     ("1776", "1777"),
     (1.2, 0.2, 0.0),
